@@ -1,0 +1,30 @@
+"""GPipe pipeline parallelism: Lingvo's import path for the pipeline.
+
+The implementation lives in `lingvo_gpipe.pipeline`; this module re-exports
+its public surface under the name Lingvo users know
+(`from lingvo.core import gpipe` -> `from lingvo_gpipe.core import gpipe`).
+"""
+
+from lingvo_gpipe.pipeline.balance import BalancedSplits
+from lingvo_gpipe.pipeline.balance import MakeReport
+from lingvo_gpipe.pipeline.balance import PartitionReport
+from lingvo_gpipe.pipeline.balance import UniformSplits
+from lingvo_gpipe.pipeline.partition import ComputeSplits
+from lingvo_gpipe.pipeline.partition import LayerCosts
+from lingvo_gpipe.pipeline.partition import PartitionSequentialLayers
+from lingvo_gpipe.pipeline.partition import Report
+from lingvo_gpipe.pipeline.pipelining_layer import FeatureExtractionLayer
+from lingvo_gpipe.pipeline.pipelining_layer import PipeliningLayer
+from lingvo_gpipe.pipeline.pipelining_layer import RECOMPUTE_POLICIES
+from lingvo_gpipe.pipeline.schedule import BubbleFraction
+from lingvo_gpipe.pipeline.schedule import IdealSpeedup
+from lingvo_gpipe.pipeline.schedule import ScheduleText
+from lingvo_gpipe.pipeline.schedule import ScheduleTracer
+
+__all__ = [
+    'BalancedSplits', 'BubbleFraction', 'ComputeSplits',
+    'FeatureExtractionLayer', 'IdealSpeedup', 'LayerCosts', 'MakeReport',
+    'PartitionReport', 'PartitionSequentialLayers', 'PipeliningLayer',
+    'RECOMPUTE_POLICIES', 'Report', 'ScheduleText', 'ScheduleTracer',
+    'UniformSplits',
+]

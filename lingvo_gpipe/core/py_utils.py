@@ -1,0 +1,387 @@
+"""Common utilities, as in Lingvo's `py_utils`.
+
+Holds `NestedMap`, weight parameters and initializers (`WeightParams`,
+`WeightInit`), the seed helpers that make randomness addressable (so a
+re-materialized forward pass draws exactly the values the first one drew), the
+evaluation-mode context and the collector of deferred variable updates (batch
+norm moving averages) that lets a pipeline compute statistics per micro-batch
+and apply them once per mini-batch.
+"""
+
+import contextlib
+import hashlib
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core.nested_map import NestedMap
+
+__all__ = [
+    'NestedMap', 'WeightInit', 'WeightParams', 'StableHash', 'EvalMode',
+    'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
+    'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
+    'GetShape', 'ReduceSum', 'CheckNumerics',
+]
+
+Flatten = tf.nest.flatten
+Pack = tf.nest.pack_sequence_as
+
+
+def Transform(fn, *structures):
+  """`tf.nest.map_structure` under Lingvo's name."""
+  return tf.nest.map_structure(fn, *structures)
+
+
+def StableHash(*parts):
+  """A 31-bit hash of `parts` that is the same in every process and run."""
+  text = '\x00'.join(str(p) for p in parts).encode('utf-8')
+  return int.from_bytes(hashlib.sha256(text).digest()[:4], 'little') & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------
+# Weight initialization.
+# ---------------------------------------------------------------------------
+
+
+class WeightInit:
+  """Static constructors of weight-initializer Params, as in Lingvo.
+
+  Each returns a Params with `method`, `scale` and `seed`. The draw is a
+  stateless function of (seed, variable name), so a variable gets the same
+  initial value whatever device it lives on and however a model is split.
+  """
+
+  @staticmethod
+  def _Params(method, scale, seed):
+    p = hyperparams.Params()
+    p.Define('method', method, 'Initialization method.')
+    p.Define('scale', scale, 'Initialization scale.')
+    p.Define('seed', seed, 'Random seed; None: derived from the name.')
+    p.Freeze()
+    return p
+
+  @staticmethod
+  def Gaussian(scale=1.0, seed=None):
+    """N(0, scale^2)."""
+    return WeightInit._Params('gaussian', scale, seed)
+
+  @staticmethod
+  def Uniform(scale=1.0, seed=None):
+    """U(-scale, scale)."""
+    return WeightInit._Params('uniform', scale, seed)
+
+  @staticmethod
+  def TruncatedGaussian(scale=1.0, seed=None):
+    """N(0, scale^2) truncated at two standard deviations."""
+    return WeightInit._Params('truncated_gaussian', scale, seed)
+
+  @staticmethod
+  def Xavier(scale=1.0, seed=None):
+    """Glorot uniform: U(-a, a), a = scale * sqrt(6 / (fan_in + fan_out))."""
+    return WeightInit._Params('xavier', scale, seed)
+
+  Glorot = Xavier
+
+  @staticmethod
+  def GaussianSqrtDim(scale=1.0, seed=None):
+    """N(0, (scale / sqrt(shape[0]))^2)."""
+    return WeightInit._Params('gaussian_sqrt_dim', scale, seed)
+
+  @staticmethod
+  def GaussianSqrtFanIn(scale=1.0, seed=None):
+    """N(0, (scale / sqrt(fan_in))^2)."""
+    return WeightInit._Params('gaussian_sqrt_fanin', scale, seed)
+
+  @staticmethod
+  def UniformSqrtDim(scale=1.0, seed=None):
+    """U(-a, a), a = scale / sqrt(shape[-1])."""
+    return WeightInit._Params('uniform_sqrt_dim', scale, seed)
+
+  @staticmethod
+  def UniformUnitScaling(scale=1.0, seed=None):
+    """U(-a, a), a = scale * sqrt(3 / fan_in)."""
+    return WeightInit._Params('uniform_unit_scaling', scale, seed)
+
+  @staticmethod
+  def Constant(scale=0.0):
+    """Every element equals `scale`."""
+    return WeightInit._Params('constant', scale, 0)
+
+
+_INIT_METHODS = ('gaussian', 'uniform', 'truncated_gaussian', 'xavier',
+                 'gaussian_sqrt_dim', 'gaussian_sqrt_fanin', 'uniform_sqrt_dim',
+                 'uniform_unit_scaling', 'constant')
+
+
+def DefaultParamInit():
+  """The default `params_init` of a layer: Xavier with scale 1.000001.
+
+  The odd scale marks "not set by the user", so a child layer inherits its
+  parent's initializer unless it was given one (Lingvo's convention).
+  """
+  return WeightInit.Xavier(1.000001)
+
+
+def IsDefaultParamInit(p):
+  return p.method == 'xavier' and abs(p.scale - 1.000001) < 1e-9 and p.seed is None
+
+
+def WeightParams(shape, init=None, dtype=None, collections=None,
+                 shared_name=None):
+  """Describes a variable to `BaseLayer.CreateVariable`.
+
+  Args:
+    shape: list of ints.
+    init: a `WeightInit` Params; None uses the layer's `params_init`.
+    dtype: variable dtype; None uses the layer's `dtype`.
+    collections: names of collections the variable belongs to (e.g.
+      'skip_weight_decay'); kept for Lingvo compatibility and for
+      regularizers to filter on.
+    shared_name: when set, every layer that creates a variable with the same
+      `shared_name` under one root layer gets the same variable (e.g. an
+      embedding tied with a softmax in another pipeline cell). Shapes and
+      dtypes must agree.
+
+  Returns:
+    A Params.
+  """
+  p = hyperparams.Params()
+  p.Define('shape', list(shape), 'Shape of the variable.')
+  p.Define('init', init, 'Initializer Params (WeightInit.*).')
+  p.Define('dtype', dtype, 'Variable dtype.')
+  p.Define('collections', list(collections or []), 'Collections.')
+  p.Define('shared_name', shared_name, 'Name under which to share it.')
+  return p
+
+
+def _Fans(shape):
+  if not shape:
+    return 1, 1
+  if len(shape) == 1:
+    return shape[0], shape[0]
+  receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+  return shape[-2] * receptive, shape[-1] * receptive
+
+
+def InitialValue(init, shape, dtype, seed):
+  """Computes an initial value tensor. `seed` is a Python int."""
+  if init.method not in _INIT_METHODS:
+    raise ValueError(f'Unknown weight init method {init.method!r}; '
+                     f'use one of {_INIT_METHODS}.')
+  shape = [int(s) for s in shape]
+  scale = float(init.scale)
+  seed_pair = tf.constant([seed, StableHash('init', seed)], tf.int64)
+  fan_in, fan_out = _Fans(shape)
+  m = init.method
+  if m == 'constant':
+    value = tf.fill(shape, tf.constant(scale, tf.float32))
+  elif m in ('gaussian', 'gaussian_sqrt_dim', 'gaussian_sqrt_fanin'):
+    std = scale
+    if m == 'gaussian_sqrt_dim':
+      std = scale / np.sqrt(shape[0] if shape else 1)
+    elif m == 'gaussian_sqrt_fanin':
+      std = scale / np.sqrt(fan_in)
+    value = std * tf.random.stateless_normal(shape, seed_pair)
+  elif m == 'truncated_gaussian':
+    value = scale * tf.random.stateless_truncated_normal(shape, seed_pair)
+  else:
+    if m == 'uniform':
+      limit = scale
+    elif m == 'xavier':
+      limit = scale * np.sqrt(6.0 / (fan_in + fan_out))
+    elif m == 'uniform_sqrt_dim':
+      limit = scale / np.sqrt(shape[-1] if shape else 1)
+    else:  # uniform_unit_scaling
+      limit = scale * np.sqrt(3.0 / fan_in)
+    value = tf.random.stateless_uniform(shape, seed_pair, -limit, limit)
+  return tf.cast(value, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Thread-local contexts: eval mode, step seeds, deferred updates.
+# ---------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _Stack(name):
+  if not hasattr(_local, name):
+    setattr(_local, name, [])
+  return getattr(_local, name)
+
+
+@contextlib.contextmanager
+def EvalMode(is_eval=True):
+  """Layers built or run inside see `IsEval() == is_eval`.
+
+  Dropout is off and batch norm uses its moving averages in eval mode. The
+  mode is read when a `tf.function` traces, so trace train and eval steps as
+  separate functions.
+  """
+  stack = _Stack('eval')
+  stack.append(bool(is_eval))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def IsEval():
+  stack = _Stack('eval')
+  return stack[-1] if stack else False
+
+
+@contextlib.contextmanager
+def StepSeed(seed):
+  """Sets the dynamic part of every random op's seed inside the context.
+
+  Args:
+    seed: an int64 scalar tensor (or int), e.g. the global step; the pipeline
+      sets one per micro-batch, derived from the step and the micro-batch
+      index, and sets the same one again when it recomputes the forward pass.
+  """
+  stack = _Stack('step_seed')
+  stack.append(tf.cast(seed, tf.int64))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def CurrentStepSeed():
+  stack = _Stack('step_seed')
+  return stack[-1] if stack else tf.constant(0, tf.int64)
+
+
+def GenerateStepSeedPair(layer_seed):
+  """A stateless seed pair for a random op.
+
+  Args:
+    layer_seed: Python int identifying the op (from the layer's name and its
+      `random_seed` param).
+
+  Returns:
+    An int64 [2] tensor: (layer_seed, current step seed). The same layer and
+    step seed always give the same random values.
+  """
+  return tf.stack([tf.constant(layer_seed, tf.int64), CurrentStepSeed()])
+
+
+def MixSeed(seed, index):
+  """Derives a new int64 step seed from `seed` and a Python int `index`."""
+  return tf.bitwise.bitwise_xor(
+      tf.cast(seed, tf.int64) * 1000003, tf.constant(StableHash('mix', index),
+                                                     tf.int64))
+
+
+class UpdateCollector:
+  """Collects deferred variable updates (e.g. batch-norm statistics).
+
+  Layers call `AddDeferredUpdate(layer, stats)` during FProp instead of
+  assigning variables. Whoever runs the model decides when to apply them:
+
+    with py_utils.UpdateCollector() as updates:
+      loss = model.FProp(theta, batch)
+    updates.Apply()   # each layer merges its stats and assigns once
+
+  A pipeline opens one collector per micro-batch and cell, then forwards all
+  the statistics to the enclosing collector, so the moving averages are
+  updated once per mini-batch from the statistics of all micro-batches.
+  Outside any collector, updates are applied at once.
+  """
+
+  def __init__(self):
+    self.updates = []  # list of (layer, NestedMap of tensors)
+
+  def __enter__(self):
+    _Stack('updates').append(self)
+    return self
+
+  def __exit__(self, *unused):
+    _Stack('updates').pop()
+
+  def Add(self, layer, stats):
+    self.updates.append((layer, stats))
+
+  def Grouped(self):
+    """Returns [(layer, [stats, ...])] in first-seen order."""
+    order, groups = [], {}
+    for layer, stats in self.updates:
+      if id(layer) not in groups:
+        order.append(layer)
+        groups[id(layer)] = []
+      groups[id(layer)].append(stats)
+    return [(layer, groups[id(layer)]) for layer in order]
+
+  def Apply(self):
+    """Applies every layer's updates; returns the list of assign ops."""
+    ops = []
+    for layer, stats_list in self.Grouped():
+      op = layer.ApplyDeferredUpdates(stats_list)
+      if op is not None:
+        ops.append(op)
+    return ops
+
+
+def AddDeferredUpdate(layer, stats):
+  """Hands `stats` to the innermost collector, or applies them at once."""
+  stack = _Stack('updates')
+  if stack:
+    stack[-1].Add(layer, stats)
+  else:
+    layer.ApplyDeferredUpdates([stats])
+
+
+@contextlib.contextmanager
+def NoUpdateCollection():
+  """Drops deferred updates inside (used by the recompute pass)."""
+  sink = UpdateCollector()
+  with sink:
+    yield
+
+
+# ---------------------------------------------------------------------------
+# Shapes and small tensor helpers.
+# ---------------------------------------------------------------------------
+
+
+def GetShape(tensor, ndims=None):
+  """Static dims where known, dynamic scalars elsewhere (Lingvo's GetShape)."""
+  tensor = tf.convert_to_tensor(tensor)
+  static = tensor.shape.as_list() if tensor.shape.rank is not None else None
+  if static is None:
+    return tf.shape(tensor)
+  dynamic = tf.shape(tensor)
+  out = [static[i] if static[i] is not None else dynamic[i]
+         for i in range(len(static))]
+  return out[:ndims] if ndims is not None else out
+
+
+def HasShape(tensor, expected, layer_name='', what='input'):
+  """Raises ValueError naming the layer and both shapes when they differ.
+
+  `expected` may contain -1 or None for "any". Checks static shapes only.
+  """
+  actual = tf.TensorShape(tensor.shape)
+  if actual.rank is None:
+    return tensor
+  exp = [None if (d is None or d == -1) else int(d) for d in expected]
+  ok = actual.rank == len(exp) and all(
+      e is None or a is None or a == e for a, e in zip(actual.as_list(), exp))
+  if not ok:
+    shown = ['?' if e is None else e for e in exp]
+    raise ValueError(
+        f'Layer {layer_name!r}: {what} has shape {actual.as_list()} but '
+        f'{shown} is expected (? = any). Check the layer\'s Params '
+        f'(e.g. input_dim) against the tensor you pass.')
+  return tensor
+
+
+def ReduceSum(x, axis=None):
+  return tf.reduce_sum(x, axis=axis)
+
+
+def CheckNumerics(x, message='NaN or Inf found'):
+  return tf.debugging.check_numerics(x, message)

@@ -1,0 +1,1 @@
+"""GPipe pipeline parallelism; public names are re-exported by core.gpipe."""

@@ -1,0 +1,191 @@
+"""Per-layer costs and the split of a layer sequence into pipeline cells.
+
+Costs come from one of:
+  'flops'   `FPropMeta` flops of each layer on the given input shapes (the way
+            Lingvo's `PartitionSequentialLayers` balances); no weights built;
+  'params'  the number of weights of each layer (DeepSpeed's 'parameters');
+  'time'    the median measured forward+backward time of each layer on a
+            device (torchgpipe's `balance_by_time`); layers are built one at a
+            time on that device, timed and freed;
+  'uniform' every layer costs 1.
+`balance.BalancedSplits` then minimizes the variance of the cell costs.
+"""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import meta
+from lingvo_gpipe.pipeline import balance
+
+__all__ = ['LayerMetas', 'LayerCosts', 'ComputeSplits',
+           'PartitionSequentialLayers', 'MeasureLayerTimes', 'Report']
+
+BALANCE_BY = ('flops', 'params', 'time', 'uniform')
+
+
+def _AsTuple(x):
+  if isinstance(x, tuple) and not hasattr(x, '_fields'):
+    return x
+  return (x,)
+
+
+def _Named(p, i):
+  p = p.Copy()
+  if not p.name:
+    p.name = f'layer_{i}'
+  return p
+
+
+def LayerMetas(layer_params, *input_shapes):
+  """FPropMeta of each layer in sequence, feeding shapes forward.
+
+  Returns:
+    A list of (flops, in_shapes, out_shapes) per layer.
+
+  Raises:
+    ValueError: naming the first layer that cannot take its input.
+  """
+  shapes = tuple(input_shapes)
+  out = []
+  for i, p in enumerate(layer_params):
+    p = _Named(p, i)
+    try:
+      m = p.cls.FPropMeta(p, *shapes)
+    except (ValueError, TypeError) as e:
+      prev = (f'the output of layer {i - 1} ({layer_params[i - 1].name or "?"})'
+              if i else 'the pipeline input')
+      raise ValueError(
+          f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
+          f'shapes {_Fmt(shapes)}: {e}') from e
+    out.append((m.flops, shapes, m.out_shapes))
+    shapes = _AsTuple(m.out_shapes) if not isinstance(
+        m.out_shapes, tuple) else m.out_shapes
+  return out
+
+
+def _Fmt(shapes):
+  return tf.nest.map_structure(
+      lambda s: tf.TensorShape(s).as_list() if s is not None else None,
+      shapes)
+
+
+def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
+                      dtype=tf.float32):
+  """Median forward+backward seconds of each layer on `device`.
+
+  Each layer is built, run `repeats` times on random inputs under a
+  `tf.function` and freed before the next one is built, so only one layer's
+  weights exist at a time.
+  """
+  specs = tuple(meta.ToSpec(s, dtype) for s in input_shapes)
+  times = []
+  for i, p in enumerate(layer_params):
+    p = _Named(p, i)
+    with tf.device(device):
+      layer = p.Instantiate()
+      inputs = tf.nest.map_structure(
+          lambda s: tf.random.normal(s.shape, dtype=s.dtype)
+          if s.dtype.is_floating else tf.zeros(s.shape, s.dtype), specs)
+
+      @tf.function
+      def Step(xs, layer=layer):
+        with tf.GradientTape() as tape:
+          tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
+          ys = _AsTuple(layer.FProp(layer.theta, *xs))
+          total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
+                            for y in tf.nest.flatten(ys)
+                            if y.dtype.is_floating] or [tf.constant(0.)])
+        grads = tape.gradient(total, layer.trainable_variables)
+        return ys, [g for g in grads if g is not None]
+
+      ys, _ = Step(inputs)  # trace and warm up
+      samples = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        out = Step(inputs)
+        tf.nest.map_structure(lambda t: t.numpy(), out)
+        samples.append(time.perf_counter() - start)
+    times.append(samples)
+    specs = tuple(tf.nest.map_structure(
+        lambda y: tf.TensorSpec(y.shape, y.dtype), ys))
+    del layer, Step
+  return balance.CostsFromMeasurements(times)
+
+
+def LayerCosts(layer_params, balance_by, input_shapes=None, device=None):
+  """Cost of each layer for `balance_by` in BALANCE_BY."""
+  if balance_by not in BALANCE_BY:
+    raise ValueError(f'balance_by={balance_by!r}; use one of {BALANCE_BY}.')
+  if balance_by == 'uniform':
+    return [1.0] * len(layer_params)
+  if balance_by == 'params':
+    return [float(base_layer.CountParams(_Named(p, i)))
+            for i, p in enumerate(layer_params)]
+  if input_shapes is None:
+    raise ValueError(
+        f'balance_by={balance_by!r} needs the input shapes: set '
+        'PipeliningLayer.Params().input_shapes (e.g. [[batch, dim]]), or '
+        'balance by "params" or "uniform".')
+  if balance_by == 'flops':
+    return [float(m[0]) for m in LayerMetas(layer_params, *input_shapes)]
+  return MeasureLayerTimes(layer_params, input_shapes, device)
+
+
+def ComputeSplits(layer_params, num_stages=None, splits=None,
+                  balance_by='flops', input_shapes=None, device=None):
+  """End indices of the cells (Lingvo's convention: last == num layers)."""
+  n = len(layer_params)
+  if not n:
+    raise ValueError('The pipeline has no layers; give at least one layer.')
+  if isinstance(splits, int) and not isinstance(splits, bool):
+    num_stages, splits = splits, None
+  if splits:
+    splits = balance.ValidateSplits(list(splits), n)
+    if num_stages and num_stages != len(splits):
+      raise ValueError(f'num_stages={num_stages} but splits={splits} makes '
+                       f'{len(splits)} cells; give one of the two.')
+    return splits
+  num_stages = num_stages or 1
+  if num_stages > n:
+    raise ValueError(
+        f'num_stages={num_stages} is more than the {n} layers; use at most '
+        f'{n} stages or split the model into more layers.')
+  costs = LayerCosts(layer_params, balance_by, input_shapes, device)
+  return balance.BalancedSplits(costs, num_stages)
+
+
+def PartitionSequentialLayers(params, num_partitions, *shapes):
+  """Lingvo's helper: splits a sequence of layers into balanced cells.
+
+  Args:
+    params: a `SequentialLayer` Params (its `sub`) or a list of layer Params.
+    num_partitions: K.
+    *shapes: input shapes of the first layer.
+
+  Returns:
+    A list of K `FeatureExtractionLayer` Params, usable as
+    `PipeliningLayer.Params().cell_tpl`.
+  """
+  from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+  layers = list(params.sub) if hasattr(params, 'sub') else list(params)
+  splits = ComputeSplits(layers, num_partitions, None, 'flops', shapes)
+  cells = []
+  for k, (a, b) in enumerate(balance.SplitsToRanges(splits)):
+    cells.append(pipelining_layer.FeatureExtractionLayer.Params().Set(
+        name=f'cell_{k}', sub=[_Named(p, i) for i, p in
+                               enumerate(layers[a:b], a)]))
+  return cells
+
+
+def Report(layer_params, splits, balance_by='flops', input_shapes=None,
+           device=None):
+  """A `balance.PartitionReport` of a split: costs, params, imbalance."""
+  costs = LayerCosts(layer_params, balance_by, input_shapes, device)
+  params = [base_layer.CountParams(_Named(p, i))
+            for i, p in enumerate(layer_params)]
+  names = [_Named(p, i).name for i, p in enumerate(layer_params)]
+  return balance.MakeReport(np.asarray(costs, np.float64).tolist(), splits,
+                            params=params, names=names)

@@ -1,0 +1,539 @@
+"""PipeliningLayer: GPipe pipeline parallelism (Huang et al., 2019).
+
+A sequence of layers is split into K cells, cell k placed on device k. A
+mini-batch is split into M micro-batches that flow through the cells in the
+fill-drain schedule (see `schedule.py` for the clock-cycle table):
+
+  forward:  for clock c in 0 .. M+K-2: cell k runs micro-batch c - k
+  backward: the mirror image, starting from the last cell's last micro-batch
+  update:   gradients of all micro-batches are summed, then applied once
+
+The whole pipeline is one differentiable op (`tf.custom_gradient`) whose
+backward pass is built explicitly, cell by cell and micro-batch by
+micro-batch, on each cell's device:
+
+  def Forward(inputs, theta):                 # inside one tf.function
+    xs = split(inputs, M)                     # on device 0
+    for (c, k, m) in ForwardOrder(K, M):      # device k
+      with StepSeed(seed(step, m)):           # random ops are addressable
+        xs[m] = cell[k](theta[k], xs[m])      # keeps only xs[m] if recompute
+    return concat(xs)                         # on device K-1
+
+  def Backward(dys):
+    for (c, k, m) in BackwardOrder(K, M):     # device k
+      if recompute: redo cell[k](theta[k], x[k][m]) with the same seed
+      dx[m], dtheta_m = vjp(cell[k], dys[m])
+      dtheta[k] += dtheta_m                   # accumulated on device k
+      dys[m] = dx[m]
+    return concat(dys), dtheta
+
+TensorFlow runs each device's ops as soon as their inputs are ready, so cell
+k works on micro-batch m while cell k+1 works on m-1; with `strict_order`
+each device also runs its micro-batches in schedule order. The result is
+exactly the sequential model's: the same outputs and, up to float rounding of
+the sum over micro-batches, the same gradients for every K and M.
+
+Two ways to describe the cells:
+  * Lingvo's: `cell_tpl`, a list of K cell Params (e.g. FeatureExtractionLayer).
+  * A flat list of layer Params in `layers`, split by the library into
+    `num_stages` balanced cells (or at explicit `splits`). The layers are
+    children of the pipeline itself, so variable names do not depend on the
+    split: a checkpoint of K=8 restores into K=1.
+"""
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import placement
+from lingvo_gpipe.pipeline import schedule
+
+__all__ = ['FeatureExtractionLayer', 'PipeliningLayer', 'RECOMPUTE_POLICIES']
+
+RECOMPUTE_POLICIES = ('always', 'except_last_cell', 'except_last_micro_batch',
+                      'never')
+
+
+def _AsTuple(x):
+  if isinstance(x, tuple) and not hasattr(x, '_fields'):
+    return x
+  return (x,)
+
+
+def _Unwrap(xs):
+  return xs[0] if len(xs) == 1 else xs
+
+
+def _IsTensor(x):
+  return isinstance(x, (tf.Tensor, tf.Variable))
+
+
+def _IsFloat(x):
+  return _IsTensor(x) and x.dtype.is_floating
+
+
+class FeatureExtractionLayer(base_layer.BaseLayer):
+  """A pipeline cell: runs its `sub` layers in sequence (Lingvo's name).
+
+  Each sub layer's outputs (a tensor, a tuple, or a NestedMap) are the next
+  one's inputs.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('sub', [], 'List of layer Params run in sequence.')
+    p.Define('num_act_inputs', 0, 'Lingvo compatibility; unused.')
+    p.Define('num_act_outputs', 0, 'Lingvo compatibility; unused.')
+    p.Define('act_fetch_layers', [], 'Lingvo compatibility; unused.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    if not self.params.sub:
+      raise ValueError(f'FeatureExtractionLayer {self.path!r} has no sub '
+                       'layers; an empty cell does nothing: give it layers or '
+                       'remove it.')
+    self.CreateChildren('sub', list(self.params.sub))
+
+  def FProp(self, theta, *args):
+    for i, layer in enumerate(self.sub):
+      args = _AsTuple(layer.FProp(theta.sub[i], *args))
+    return _Unwrap(args)
+
+  @classmethod
+  def FPropMeta(cls, p, *args):
+    metas = partition.LayerMetas(list(p.sub), *args)
+    return NestedMap(flops=sum(m[0] for m in metas),
+                     out_shapes=tuple(metas[-1][2]) if metas else args)
+
+
+class PipeliningLayer(base_layer.BaseLayer):
+  """Pipelines cells over devices with micro-batches. See module docstring."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('cell_tpl', [], 'List of cell Params, one per stage (Lingvo).')
+    p.Define('layers', [],
+             'Flat list of layer Params, split into num_stages cells by the '
+             'library (alternative to cell_tpl).')
+    p.Define('num_stages', None,
+             'Number of cells K for `layers`; None: len(devices) or 1.')
+    p.Define('splits', None,
+             'Explicit cell end indices for `layers`, e.g. [3, 8] for layers '
+             '[0,3) and [3,8); an int means num_stages.')
+    p.Define('balance_by', 'auto',
+             'How `layers` are balanced: flops | params | time | uniform | '
+             'auto (flops if input_shapes is set, else params).')
+    p.Define('input_shapes', None,
+             'Shapes of the inputs (list, one per FProp argument; NestedMaps '
+             'allowed), e.g. [[batch, 1024]]. Enables build-time shape checks '
+             'and balancing by flops or time.')
+    p.Define('num_micro_batches', 1, 'Number of micro-batches M.')
+    p.Define('micro_batch_size', None,
+             'Examples per micro-batch; when set, M = batch / this.')
+    p.Define('batch_dim', 0, 'The batch axis of inputs and outputs.')
+    p.Define('devices', None,
+             'Device of each cell, e.g. ["/device:CPU:0", "/device:CPU:1"]; '
+             'None: the accelerators (or CPU devices) TensorFlow lists.')
+    p.Define('recompute', 'always',
+             'Re-materialization: always | except_last_cell | '
+             'except_last_micro_batch | never. Recomputed cells keep only '
+             'their input activations in the forward pass.')
+    p.Define('strict_order', True,
+             'Run each device\'s micro-batches in schedule order (control '
+             'dependencies), so an accelerator that runs one op at a time '
+             'feeds the next cell as early as possible.')
+    p.Define('state_dtype', None, 'Lingvo compatibility; unused.')
+    p.Define('nested_map_fprop', False, 'Lingvo compatibility; unused.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.recompute not in RECOMPUTE_POLICIES:
+      raise ValueError(f'recompute={p.recompute!r}; use one of '
+                       f'{RECOMPUTE_POLICIES}.')
+    if bool(p.cell_tpl) == bool(p.layers):
+      raise ValueError(
+          f'PipeliningLayer {p.name!r}: set exactly one of cell_tpl (a list of '
+          'cell Params) or layers (a flat list the library splits); got '
+          f'{len(p.cell_tpl or [])} cells and {len(p.layers or [])} layers.')
+    if p.cell_tpl:
+      cells = []
+      for k, cp in enumerate(p.cell_tpl):
+        cp = cp.Copy()
+        if not cp.name:
+          cp.name = f'cell_{k}'
+        cells.append(cp)
+      if p.num_stages and p.num_stages != len(cells):
+        raise ValueError(f'num_stages={p.num_stages} but cell_tpl has '
+                         f'{len(cells)} cells.')
+      self._ranges = None
+      num_stages = len(cells)
+      self._devices = self._Devices(num_stages)
+      self._CheckCellShapes([[c] for c in cells])
+      self.CreateChildren('cell', cells, devices=self._DeviceList())
+    else:
+      layers = [lp.Copy() for lp in p.layers]
+      for i, lp in enumerate(layers):
+        if not lp.name:
+          lp.name = f'layer_{i}'
+      self._splits = self._Splits(layers)
+      self._ranges = balance.SplitsToRanges(self._splits)
+      num_stages = len(self._splits)
+      self._devices = self._Devices(num_stages)
+      self._CheckCellShapes([layers[a:b] for a, b in self._ranges])
+      per_layer = None
+      if self._devices:
+        per_layer = [self._devices[k] for k, (a, b) in enumerate(self._ranges)
+                     for _ in range(a, b)]
+      self.CreateChildren('body', layers, devices=per_layer)
+    self._num_stages = num_stages
+
+  # -- Construction helpers --------------------------------------------------------
+
+  def _Splits(self, layers):
+    p = self.params
+    num_stages = p.num_stages or (len(p.devices) if p.devices else None)
+    by = p.balance_by
+    if by == 'auto':
+      by = 'flops' if p.input_shapes is not None else 'params'
+    shapes = p.input_shapes
+    return partition.ComputeSplits(
+        layers, num_stages, p.splits, by, shapes,
+        device=(p.devices or [None])[0])
+
+  def _Devices(self, num_stages):
+    if base_layer.IsAbstract():
+      return None  # Counting or tracing: nothing is placed.
+    return placement.ResolveDevices(self.params.devices, num_stages)
+
+  def _DeviceList(self):
+    return list(self._devices) if self._devices else None
+
+  def _CheckCellShapes(self, cells):
+    """Feeds `input_shapes` through the cells' FPropMeta, naming bad cells."""
+    shapes = self.params.input_shapes
+    if shapes is None:
+      return
+    shapes = tuple(shapes)
+    for k, cell in enumerate(cells):
+      names = ', '.join(c.name for c in cell)
+      try:
+        metas = partition.LayerMetas(cell, *shapes)
+      except ValueError as e:
+        if k == 0:
+          raise ValueError(f'Pipeline cell 0 ({names}) cannot take the '
+                           f'pipeline input: {e}') from e
+        prev = ', '.join(c.name for c in cells[k - 1])
+        raise ValueError(
+            f'Pipeline cell {k} ({names}) cannot take the output of cell '
+            f'{k - 1} ({prev}), of shapes {partition._Fmt(shapes)}: {e}. Make '
+            f'the first layer of cell {k} accept what the last layer of cell '
+            f'{k - 1} returns.') from e
+      shapes = tuple(metas[-1][2])
+
+  # -- Introspection -----------------------------------------------------------
+
+  @property
+  def num_stages(self):
+    return self._num_stages
+
+  @property
+  def devices(self):
+    """The device of each cell."""
+    return list(self._devices) if self._devices else [None] * self._num_stages
+
+  @property
+  def splits(self):
+    """Cell end indices into `layers` (None with cell_tpl)."""
+    return list(self._splits) if self._ranges is not None else None
+
+  def CellLayers(self, k):
+    """The layers of cell k."""
+    if self._ranges is None:
+      return [self.cell[k]]
+    a, b = self._ranges[k]
+    return self.body[a:b]
+
+  def Placement(self):
+    """[(cell, device, [layer paths])] — which layer runs where."""
+    return [(k, self.devices[k], [lyr.path for lyr in self.CellLayers(k)])
+            for k in range(self.num_stages)]
+
+  def PlacementText(self):
+    lines = [f'Pipeline {self.path!r}: {self.num_stages} cells, '
+             f'{self.params.num_micro_batches} micro-batches, recompute='
+             f'{self.params.recompute}']
+    for k, dev, paths in self.Placement():
+      lines.append(f'  cell {k} on {dev}: {", ".join(paths)}')
+    return '\n'.join(lines)
+
+  @classmethod
+  def FPropMeta(cls, p, *args):
+    layers = list(p.layers) if p.layers else list(p.cell_tpl)
+    metas = partition.LayerMetas(layers, *args)
+    return NestedMap(flops=sum(m[0] for m in metas),
+                     out_shapes=tuple(metas[-1][2]))
+
+  # -- Computation ---------------------------------------------------------------
+
+  def _CellTheta(self, theta, k):
+    if self._ranges is None:
+      return theta.cell[k]
+    a, b = self._ranges[k]
+    return theta.body[a:b]
+
+  def _CellFProp(self, k, theta_k, args):
+    if self._ranges is None:
+      return _AsTuple(self.cell[k].FProp(theta_k, *args))
+    a, _ = self._ranges[k]
+    for i, th in enumerate(theta_k):
+      args = _AsTuple(self.body[a + i].FProp(th, *args))
+    return args
+
+  def _RunCell(self, k, theta_k, args, seed, collect=True):
+    """Runs cell k; returns (outputs tuple, [(layer, stats)])."""
+    collector = py_utils.UpdateCollector()
+    with py_utils.StepSeed(seed), collector:
+      out = self._CellFProp(k, theta_k, args)
+    return out, (collector.updates if collect else [])
+
+  def _Recompute(self, k, m, num_micro_batches):
+    policy = self.params.recompute
+    if policy == 'always':
+      return True
+    if policy == 'except_last_cell':
+      return k != self.num_stages - 1
+    if policy == 'except_last_micro_batch':
+      return m != num_micro_batches - 1
+    return False
+
+  def _Device(self, k):
+    return tf.device(self._devices[k] if self._devices else None)
+
+  def FProp(self, theta, *args):
+    """Runs the pipeline.
+
+    Args:
+      theta: this layer's theta.
+      *args: inputs of the first cell (tensors or NestedMaps), each with the
+        batch along `batch_dim`.
+
+    Returns:
+      The last cell's outputs for the whole mini-batch.
+    """
+    p = self.params
+    num_mb = microbatch.NumMicroBatches(
+        microbatch.BatchSize(args, p.batch_dim), p.num_micro_batches,
+        p.micro_batch_size)
+    thetas = []
+    for k in range(self.num_stages):
+      with self._Device(k):
+        thetas.append(tf.nest.map_structure(
+            tf.identity, self._CellTheta(theta, k)))
+    seed = py_utils.CurrentStepSeed()
+    if self.do_eval:
+      outs, _, _ = self._Forward(thetas, args, num_mb, seed, train=False)
+      return outs
+    return self._PipelineWithGrad(thetas, args, num_mb, seed)
+
+  def _Forward(self, thetas, args, num_mb, seed, train):
+    """The forward schedule. Returns (outputs, updates, saved contexts)."""
+    p = self.params
+    num_cells = self.num_stages
+    with self._Device(0):
+      states = [tuple(mb) for mb in microbatch.Split(args, num_mb,
+                                                     p.batch_dim)]
+    tracer = schedule.ActiveTracer()
+    saved, updates = {}, []
+    last_on_device = [None] * num_cells
+    for _, k, m in schedule.ForwardOrder(num_cells, num_mb):
+      with self._Device(k):
+        x = states[m]
+        if p.strict_order and last_on_device[k] is not None:
+          x = _After(x, last_on_device[k])
+        start = None
+        if tracer is not None:
+          start, x = _Stamp(x)
+        seed_m = py_utils.MixSeed(seed, m)
+        tape = None
+        if train and not self._Recompute(k, m, num_mb):
+          tape = tf.GradientTape(watch_accessed_variables=False)
+          with tape:
+            tape.watch([t for t in tf.nest.flatten((thetas[k], x))
+                        if _IsFloat(t)])
+            y, upd = self._RunCell(k, thetas[k], x, seed_m)
+        else:
+          y, upd = self._RunCell(k, thetas[k], x, seed_m)
+        if tracer is not None:
+          end, y = _Stamp(y)
+          tracer.Record(('forward', k, m), start, end)
+        saved[(k, m)] = (x, tape, y, seed_m)
+        updates.extend(upd)
+        states[m] = y
+        last_on_device[k] = y
+    with self._Device(num_cells - 1):
+      outs = microbatch.Concat([_Unwrap(s) for s in states], p.batch_dim)
+    return outs, updates, saved
+
+  def _PipelineWithGrad(self, thetas, args, num_mb, seed):
+    """Wraps forward and explicit backward into one custom-gradient op."""
+    flat_args = tf.nest.flatten(args)
+    arg_tensors = [i for i, x in enumerate(flat_args) if _IsTensor(x)]
+    flat_thetas = [tf.nest.flatten(th) for th in thetas]
+    num_args = len(arg_tensors)
+    record = {}
+
+    @tf.custom_gradient
+    def Pipeline(*flat):
+      leaves = list(flat_args)
+      for j, i in enumerate(arg_tensors):
+        leaves[i] = flat[j]
+      inputs = tf.nest.pack_sequence_as(args, leaves)
+      offset, ths = num_args, []
+      for k, th in enumerate(thetas):
+        n = len(flat_thetas[k])
+        ths.append(tf.nest.pack_sequence_as(th, list(flat[offset:offset + n])))
+        offset += n
+      outs, updates, saved = self._Forward(ths, inputs, num_mb, seed,
+                                           train=True)
+      flat_out = tf.nest.flatten(outs)
+      for x in flat_out:
+        if not _IsTensor(x):
+          raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
+      record['outs'] = outs
+      record['updates'] = [(layer, stats) for layer, stats in updates]
+      flat_upd = tf.nest.flatten([stats for _, stats in updates])
+
+      def Grad(*dys, variables=None):
+        if variables:
+          raise ValueError(
+              'A layer inside the pipeline read variables directly '
+              f'({[v.name for v in variables]}); layers must compute with '
+              'the `theta` passed to FProp.')
+        grads = self._Backward(ths, inputs, outs, saved, dys[:len(flat_out)],
+                               num_mb)
+        return grads
+
+      return flat_out + flat_upd, Grad
+
+    results = Pipeline(*([flat_args[i] for i in arg_tensors] +
+                         [t for th in flat_thetas for t in th]))
+    num_out = len(tf.nest.flatten(record['outs']))
+    outs = tf.nest.pack_sequence_as(record['outs'], results[:num_out])
+    stats_struct = [stats for _, stats in record['updates']]
+    stats = tf.nest.pack_sequence_as(
+        stats_struct, [tf.stop_gradient(t) for t in results[num_out:]])
+    for (layer, _), s in zip(record['updates'], stats):
+      py_utils.AddDeferredUpdate(layer, s)
+    return outs
+
+  def _Backward(self, thetas, inputs, outs, saved, dys, num_mb):
+    """The backward schedule; returns grads of (input tensors, thetas)."""
+    p = self.params
+    num_cells = self.num_stages
+    tracer = schedule.ActiveTracer()
+    flat_outs = tf.nest.flatten(outs)
+    dys = [tf.zeros_like(y) if dy is None else dy
+           for y, dy in zip(flat_outs, dys)]
+    with self._Device(num_cells - 1):
+      dy_mbs = [_AsTuple(d) for d in microbatch.Split(
+          tf.nest.pack_sequence_as(outs, dys), num_mb, p.batch_dim)]
+    grads_state = {m: dy_mbs[m] for m in range(num_mb)}
+    theta_acc = [[None] * len(tf.nest.flatten(th)) for th in thetas]
+    last_on_device = [None] * num_cells
+    for _, k, m in schedule.BackwardOrder(num_cells, num_mb):
+      with self._Device(k):
+        x, tape, y, seed_m = saved[(k, m)]
+        dy = grads_state[m]
+        if p.strict_order and last_on_device[k] is not None:
+          dy = _After(dy, last_on_device[k])
+        start = None
+        if tracer is not None:
+          start, (dy, x_after) = _Stamp((dy, x))
+          if tape is None:
+            x = x_after
+        if tape is None:  # Re-materialize: same inputs, same seed.
+          tape = tf.GradientTape(watch_accessed_variables=False)
+          with tape:
+            tape.watch([t for t in tf.nest.flatten((thetas[k], x))
+                        if _IsFloat(t)])
+            y, _ = self._RunCell(k, thetas[k], x, seed_m, collect=False)
+        flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
+        pairs = [(a, b) for a, b in zip(flat_y, flat_dy)
+                 if _IsFloat(a) and b is not None]
+        flat_th = tf.nest.flatten(thetas[k])
+        flat_x = tf.nest.flatten(x)
+        sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
+        sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
+        sources = [flat_th[i] if w == 't' else flat_x[i]
+                   for w, i in sources_idx]
+        if pairs and sources:
+          g = tape.gradient([a for a, _ in pairs], sources,
+                            output_gradients=[b for _, b in pairs])
+        else:
+          g = [None] * len(sources)
+        dx = [None] * len(flat_x)
+        for (w, i), gi in zip(sources_idx, g):
+          if w == 't':
+            if gi is not None:
+              acc = theta_acc[k][i]
+              theta_acc[k][i] = gi if acc is None else acc + gi
+          else:
+            dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
+        new_dy = tf.nest.pack_sequence_as(x, dx)
+        if tracer is not None:
+          end, new_dy = _Stamp(new_dy)
+          tracer.Record(('backward', k, m), start, end)
+        grads_state[m] = new_dy
+        last_on_device[k] = new_dy
+    # Gradients of the pipeline's inputs, joined on device 0.
+    with self._Device(0):
+      per_mb = [tf.nest.flatten(grads_state[m]) for m in range(num_mb)]
+      flat_in = tf.nest.flatten(inputs)
+      in_grads = []
+      for i, x in enumerate(flat_in):
+        if not _IsTensor(x):
+          continue
+        parts = [mb[i] for mb in per_mb]
+        if not x.dtype.is_floating or any(t is None for t in parts):
+          in_grads.append(None)
+        elif num_mb == 1:
+          in_grads.append(parts[0])
+        elif x.shape.rank == 0:
+          in_grads.append(tf.add_n(parts))
+        else:
+          in_grads.append(tf.concat(parts, axis=p.batch_dim))
+    theta_grads = [g for acc in theta_acc for g in acc]
+    return in_grads + theta_grads
+
+
+def _After(x, deps):
+  """`x` (a structure) with control dependencies on the tensors of `deps`."""
+  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
+  if not dep_tensors or tf.executing_eagerly():
+    return x
+  with tf.control_dependencies(dep_tensors):
+    return tf.nest.map_structure(
+        lambda t: tf.identity(t) if _IsTensor(t) else t, x)
+
+
+def _Stamp(x):
+  """Returns (timestamp taken when `x` is ready, `x` ordered after it)."""
+  tensors = [t for t in tf.nest.flatten(x) if _IsTensor(t)]
+  with tf.control_dependencies(tensors):
+    stamp = tf.timestamp()
+  # tf.function orders stateful ops (like Timestamp) in program order, which
+  # would serialize the cells; a timestamp has no side effect to order.
+  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
+                None)
+  if acd is not None and not tf.executing_eagerly():
+    acd.run_independently(stamp.op)
+  return stamp, _After(x, [stamp])

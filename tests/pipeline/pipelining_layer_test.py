@@ -1,0 +1,312 @@
+"""Transparency of the pipeline: pipelined == sequential, for every K and M.
+
+The heart of the project's tests. A PipeliningLayer and a plain sequential
+stack built from the same layer Params get the same variable names, hence the
+same initial weights; their outputs and gradients must agree to float32
+rounding for every number of cells K and micro-batches M.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import schedule
+
+DEVICES = [f'/device:CPU:{i}' for i in range(4)]
+
+
+class Dense(base_layer.BaseLayer):
+  """tanh(x w + b): a small test layer with a FPropMeta."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 4, 'Input width.')
+    p.Define('output_dim', 4, 'Output width.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
+    self.CreateVariable(
+        'b', py_utils.WeightParams([p.output_dim],
+                                   py_utils.WeightInit.Gaussian(0.1)))
+
+  def FProp(self, theta, x):
+    py_utils.HasShape(x, [-1, self.params.input_dim], self.path)
+    return tf.tanh(tf.matmul(x, theta.w) + theta.b)
+
+  @classmethod
+  def FPropMeta(cls, p, x):
+    x = tf.TensorShape(x)
+    if x[-1] != p.input_dim:
+      raise ValueError(f'{p.name}: input dim {x[-1]} != input_dim '
+                       f'{p.input_dim}')
+    return NestedMap(flops=2 * x[0] * p.input_dim * p.output_dim,
+                     out_shapes=(tf.TensorShape([x[0], p.output_dim]),))
+
+
+class TwoState(base_layer.BaseLayer):
+  """AmoebaNet-like cell: takes (prev, cur), returns (cur, new)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 4, 'Width.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    d = self.params.dim
+    self.CreateVariable('w', py_utils.WeightParams([2 * d, d]))
+
+  def FProp(self, theta, state):
+    both = tf.concat([state.prev, state.cur], axis=-1)
+    new = tf.tanh(tf.matmul(both, theta.w)) + 0.5 * state.prev
+    return NestedMap(prev=state.cur, cur=new)
+
+
+class Stack(base_layer.BaseLayer):
+  """The sequential reference: the same layers as children, no pipeline."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('layers', [], 'Layer params.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChildren('body', list(self.params.layers))
+
+  def FProp(self, theta, *args):
+    for layer, th in zip(self.body, theta.body):
+      out = layer.FProp(th, *args)
+      args = out if isinstance(out, tuple) else (out,)
+    return args[0] if len(args) == 1 else args
+
+
+def DenseLayers(n=8, dim=6):
+  return [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
+          for i in range(n)]
+
+
+def LossAndGrads(layer, inputs, weights):
+  """tf.function: loss = sum(out * weights); returns (out, loss, grads)."""
+  variables = layer.trainable_variables
+
+  @tf.function
+  def Step(inputs):
+    with tf.GradientTape() as tape:
+      tape.watch(tf.nest.flatten(inputs))
+      out = layer(*inputs)
+      loss = tf.add_n([tf.reduce_sum(o * w) for o, w in
+                       zip(tf.nest.flatten(out), tf.nest.flatten(weights))])
+    grads = tape.gradient(loss, (variables, inputs))
+    return out, loss, grads
+
+  out, loss, (var_grads, in_grads) = Step(inputs)
+  named = {v.name: g for v, g in zip(variables, var_grads)}
+  return out, loss, named, in_grads
+
+
+def MaxRelDiff(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def AssertClose(actual, expected, tol=1e-5):
+  for a, e in zip(tf.nest.flatten(actual), tf.nest.flatten(expected)):
+    assert MaxRelDiff(a, e) <= tol, (MaxRelDiff(a, e), a, e)
+
+
+def _Inputs(batch=8, dim=6, seed=0):
+  rng = np.random.RandomState(seed)
+  x = tf.constant(rng.randn(batch, dim).astype(np.float32))
+  w = tf.constant(rng.randn(batch, dim).astype(np.float32))
+  return x, w
+
+
+@pytest.fixture(scope='module')
+def reference():
+  x, w = _Inputs()
+  ref = Stack.Params().Set(name='pipe', layers=DenseLayers()).Instantiate()
+  return ref, x, w, LossAndGrads(ref, (x,), w)
+
+
+@pytest.mark.parametrize('num_stages', [1, 2, 4])
+@pytest.mark.parametrize('num_micro_batches', [1, 2, 4, 8])
+def testTransparency(reference, num_stages, num_micro_batches):
+  ref, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = reference
+  p = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(), num_stages=num_stages,
+      num_micro_batches=num_micro_batches, devices=DEVICES[:num_stages],
+      input_shapes=[[8, 6]])
+  pipe = p.Instantiate()
+  assert pipe.num_stages == num_stages
+  # Split-independent names and initial values.
+  assert sorted(pipe.VariablesByName()) == sorted(ref.VariablesByName())
+  for name, v in pipe.VariablesByName().items():
+    np.testing.assert_array_equal(v.numpy(), ref.VariablesByName()[name])
+  out, loss, grads, in_grads = LossAndGrads(pipe, (x,), w)
+  AssertClose(out, ref_out)
+  AssertClose(loss, ref_loss)
+  assert sorted(grads) == sorted(ref_grads)
+  for name in grads:
+    assert MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
+  AssertClose(in_grads, ref_in_grads)
+
+
+@pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
+def testRecomputePoliciesGiveSameGradients(reference, policy):
+  _, x, w, (ref_out, _, ref_grads, _) = reference
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=4,
+      devices=DEVICES[:2], recompute=policy).Instantiate()
+  out, _, grads, _ = LossAndGrads(pipe, (x,), w)
+  AssertClose(out, ref_out)
+  for name in grads:
+    assert MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
+
+
+def testCellTplFormAndNestedState():
+  """Lingvo's cell_tpl form with a two-tensor NestedMap state."""
+  cells = [
+      pipelining_layer.FeatureExtractionLayer.Params().Set(
+          name=f'cell_{k}', sub=[TwoState.Params().Set(name=f'l{k}_{j}')
+                                 for j in range(2)]) for k in range(3)
+  ]
+  flat = [TwoState.Params().Set(name=f'l{k}_{j}') for k in range(3)
+          for j in range(2)]
+  rng = np.random.RandomState(1)
+  state = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
+                    cur=tf.constant(rng.randn(8, 4), tf.float32))
+  w = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
+                cur=tf.constant(rng.randn(8, 4), tf.float32))
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4,
+      devices=DEVICES[:3]).Instantiate()
+  flat_pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=flat, num_stages=1, devices=DEVICES[:1],
+      num_micro_batches=1).Instantiate()
+  # Copy weights across naming schemes: pipe/cell_k/l{k}_{j} -> pipe/l{k}_{j}.
+  for name, v in pipe.VariablesByName().items():
+    short = 'pipe/' + name.split('/', 2)[2]
+    v.assign(flat_pipe.VariablesByName()[short])
+  out, _, grads, in_grads = LossAndGrads(pipe, (state,), w)
+  ref_out, _, ref_grads, ref_in = LossAndGrads(flat_pipe, (state,), w)
+  AssertClose(out, ref_out)
+  AssertClose(in_grads, ref_in)
+  for name, g in grads.items():
+    short = 'pipe/' + name.split('/', 2)[2].split(':')[0] + ':0'
+    assert MaxRelDiff(g, ref_grads[short]) <= 1e-5
+
+
+def testEvalModeForwardOnly(reference):
+  ref, x, _, (ref_out, _, _, _) = reference
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=1,
+      devices=DEVICES[:2]).Instantiate()
+  with py_utils.EvalMode():
+    out = tf.function(lambda x: pipe(x))(x)
+  AssertClose(out, ref_out)
+
+
+def testEagerExecution(reference):
+  _, x, w, (ref_out, _, ref_grads, _) = reference
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=2,
+      devices=DEVICES[:2]).Instantiate()
+  with tf.GradientTape() as tape:
+    out = pipe(x)
+    loss = tf.reduce_sum(out * w)
+  grads = tape.gradient(loss, pipe.trainable_variables)
+  AssertClose(out, ref_out)
+  for v, g in zip(pipe.trainable_variables, grads):
+    assert MaxRelDiff(g, ref_grads[v.name]) <= 1e-5
+
+
+def testVariablesLiveOnTheirCellsDevice():
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(4), num_stages=2,
+      devices=DEVICES[:2], splits=[1, 4]).Instantiate()
+  assert pipe.splits == [1, 4]
+  assert pipe.body[0].vars.w.device.endswith('CPU:0')
+  for i in range(1, 4):
+    assert pipe.body[i].vars.w.device.endswith('CPU:1')
+  assert 'cell 1 on' in pipe.PlacementText()
+
+
+def testCellsOverlapInTrace():
+  """Cell 0 runs micro-batch m+1 while cell 1 runs m: seen in a trace."""
+  dim = 256
+  layers = [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
+            for i in range(4)]
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=layers, num_stages=2, num_micro_batches=8,
+      devices=DEVICES[:2]).Instantiate()
+  x = tf.random.normal([512, dim])
+  tracer = schedule.ScheduleTracer()
+
+  @tf.function
+  def Step(x):
+    with tracer:
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(pipe(x))
+      grads = tape.gradient(loss, pipe.trainable_variables)
+    return loss, grads, tracer.Tensors()
+
+  Step(x)
+  overlaps = []
+  for _ in range(3):
+    _, _, stamps = Step(x)
+    events = tracer.Events(stamps)
+    assert len(events) == 2 * 2 * 8
+    fwd = {(k, m): (s, e) for (ps, k, m, s, e) in events if ps == 'forward'}
+    # Cell 1 works on micro-batch m only after cell 0 finished it.
+    for m in range(8):
+      assert fwd[(1, m)][0] >= fwd[(0, m)][1] - 1e-4
+    # Total time during which both cells were busy in the forward pass.
+    busy0 = [fwd[(0, m)] for m in range(8)]
+    busy1 = [fwd[(1, m)] for m in range(8)]
+    overlaps.append(sum(max(0.0, min(e0, e1) - max(s0, s1))
+                        for s0, e0 in busy0 for s1, e1 in busy1))
+  assert max(overlaps) > 0.0
+
+
+def testBadInputErrors():
+  P = pipelining_layer.PipeliningLayer.Params
+  with pytest.raises(ValueError, match='does not divide the batch size 8'):
+    pipe = P().Set(name='p', layers=DenseLayers(2), num_stages=2,
+                   num_micro_batches=3, devices=DEVICES[:2]).Instantiate()
+    pipe(tf.zeros([8, 6]))
+  with pytest.raises(ValueError, match='micro_batch_size=3'):
+    pipe = P().Set(name='p', layers=DenseLayers(2), num_stages=1,
+                   micro_batch_size=3, devices=DEVICES[:1]).Instantiate()
+    pipe(tf.zeros([8, 6]))
+  with pytest.raises(ValueError, match='more than the 2 layers'):
+    P().Set(name='p', layers=DenseLayers(2), num_stages=3).Instantiate()
+  with pytest.raises(ValueError, match=r'4 stages but only 2 devices'):
+    P().Set(name='p', layers=DenseLayers(4), num_stages=4,
+            devices=DEVICES[:2]).Instantiate()
+  with pytest.raises(ValueError, match='does not exist. Available devices'):
+    P().Set(name='p', layers=DenseLayers(2), num_stages=2,
+            devices=['/device:CPU:0', '/device:CPU:9']).Instantiate()
+  with pytest.raises(ValueError, match='cell 1 is empty'):
+    P().Set(name='p', layers=DenseLayers(3), splits=[2, 2, 3],
+            devices=DEVICES[:3]).Instantiate()
+  with pytest.raises(ValueError, match='no sub layers'):
+    P().Set(name='p', cell_tpl=[
+        pipelining_layer.FeatureExtractionLayer.Params()],
+            devices=DEVICES[:1]).Instantiate()
+  bad = DenseLayers(4)
+  bad[2] = Dense.Params().Set(name='fc_2', input_dim=5, output_dim=6)
+  with pytest.raises(ValueError, match=r'cell 1 \(fc_2, fc_3\) cannot take '
+                     r'the output of cell 0 \(fc_0, fc_1\)'):
+    P().Set(name='p', layers=bad, splits=[2, 4], devices=DEVICES[:2],
+            input_shapes=[[8, 6]]).Instantiate()
