@@ -46,7 +46,8 @@ from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseLayer', 'AbstractVariable', 'AbstractBuild', 'IsAbstract',
+__all__ = ['BaseLayer', 'AbstractVariable', 'AbstractBuild', 'DetachedBuild',
+           'IsAbstract',
            'CountParams', 'LayerParams']
 
 _local = threading.local()
@@ -71,6 +72,23 @@ def AbstractBuild():
     yield
   finally:
     _local.abstract = prev
+
+
+@contextlib.contextmanager
+def DetachedBuild():
+  """Layers built inside are roots, even while another layer is constructed.
+
+  For temporary layers (counting parameters, tracing FPropMeta, timing) built
+  during a parent's `__init__`: they must not become its children nor share
+  its variables.
+  """
+  stack = _ConstructionStack()
+  saved = list(stack)
+  del stack[:]
+  try:
+    yield
+  finally:
+    stack[:] = saved
 
 
 def IsAbstract():
@@ -407,7 +425,7 @@ def CountParams(p):
   p = p.Copy()
   if not p.name:
     p.name = 'count'
-  with AbstractBuild():
+  with AbstractBuild(), DetachedBuild():
     layer = p.Instantiate()
   total = 0
   for v in layer.VariablesByName().values():

@@ -85,7 +85,7 @@ def TraceFPropMeta(p, *args):
   p = p.Copy()
   if not p.name:
     p.name = 'meta'
-  with base_layer.AbstractBuild():
+  with base_layer.AbstractBuild(), base_layer.DetachedBuild():
     layer = p.Instantiate()
   theta_spec = layer.vars.Transform(lambda v: v.ToSpec())
   specs = [ToSpec(a) for a in args]

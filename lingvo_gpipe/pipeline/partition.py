@@ -84,7 +84,7 @@ def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
   times = []
   for i, p in enumerate(layer_params):
     p = _Named(p, i)
-    with tf.device(device):
+    with tf.device(device), base_layer.DetachedBuild():
       layer = p.Instantiate()
       inputs = tf.nest.map_structure(
           lambda s: tf.random.normal(s.shape, dtype=s.dtype)
