@@ -461,6 +461,13 @@ class PipeliningLayer(base_layer.BaseLayer):
           if tape is None:
             x = x_after
         if tape is None:  # Re-materialize: same inputs, same seed.
+          # Fresh copies of the inputs and the seed, made once the output
+          # gradient has arrived: otherwise the executor would recompute
+          # every micro-batch right after the forward pass, and TensorFlow's
+          # graph optimizer would merge the recomputation with the forward
+          # ops (common subexpression elimination), keeping every forward
+          # activation alive until the backward pass.
+          x, seed_m = _FreshCopies((x, seed_m), dy)
           tape = tf.GradientTape(watch_accessed_variables=False)
           with tape:
             tape.watch([t for t in tf.nest.flatten((thetas[k], x))
@@ -485,7 +492,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           if w == 't':
             if gi is not None:
               acc = theta_acc[k][i]
-              theta_acc[k][i] = gi if acc is None else acc + gi
+              theta_acc[k][i] = [gi] if acc is None else acc + [gi]
           else:
             dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
         new_dy = tf.nest.pack_sequence_as(x, dx)
@@ -511,7 +518,22 @@ class PipeliningLayer(base_layer.BaseLayer):
           in_grads.append(tf.add_n(parts))
         else:
           in_grads.append(tf.concat(parts, axis=p.batch_dim))
-    theta_grads = [g for acc in theta_acc for g in acc]
+    theta_grads = []
+    for k, accs in enumerate(theta_acc):
+      with self._Device(k):
+        for acc in accs:
+          if acc is None:
+            theta_grads.append(None)
+          elif len(acc) == 1:
+            theta_grads.append(acc[0])
+          elif tf.executing_eagerly():
+            theta_grads.append(tf.add_n(acc))
+          else:
+            # Not a chain of adds: TensorFlow's graph optimizer rewrites that
+            # into one AddN, which keeps the gradients of all micro-batches
+            # alive at once. AccumulateNV2 adds each as soon as it is ready.
+            theta_grads.append(tf.raw_ops.AccumulateNV2(
+                inputs=acc, shape=acc[0].shape))
     return in_grads + theta_grads
 
 
@@ -525,6 +547,32 @@ def _After(x, deps):
         lambda t: tf.identity(t) if _IsTensor(t) else t, x)
 
 
+def _RunIndependently(op):
+  """Exempts a stateful op from tf.function's program-order chaining."""
+  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
+                None)
+  if acd is not None and not tf.executing_eagerly():
+    acd.run_independently(op)
+
+
+def _FreshCopies(x, deps):
+  """Copies of the tensors of `x` that run after `deps` and that graph
+  optimizations cannot merge with other ops (DeepCopy is stateful)."""
+  if tf.executing_eagerly():
+    return x
+  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
+
+  def Copy(t):
+    if not _IsTensor(t):
+      return t
+    with tf.control_dependencies(dep_tensors):
+      c = tf.raw_ops.DeepCopy(x=t)
+    _RunIndependently(c.op)
+    return c
+
+  return tf.nest.map_structure(Copy, x)
+
+
 def _Stamp(x):
   """Returns (timestamp taken when `x` is ready, `x` ordered after it)."""
   tensors = [t for t in tf.nest.flatten(x) if _IsTensor(t)]
@@ -532,8 +580,5 @@ def _Stamp(x):
     stamp = tf.timestamp()
   # tf.function orders stateful ops (like Timestamp) in program order, which
   # would serialize the cells; a timestamp has no side effect to order.
-  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
-                None)
-  if acd is not None and not tf.executing_eagerly():
-    acd.run_independently(stamp.op)
+  _RunIndependently(stamp.op)
   return stamp, _After(x, [stamp])

@@ -1,0 +1,323 @@
+r"""Benchmarks the GPipe pipeline: step time, throughput, memory, schedule.
+
+  python tools/benchmark_pipeline.py --mode=multi_process --json=/tmp/b.json
+  python tools/benchmark_pipeline.py --mode=in_process --model=transformer
+  python tools/benchmark_pipeline.py --trace=/tmp/trace   # timeline PNG+JSON
+
+A device stands for an accelerator, which runs one op at a time. In one
+process, virtual CPU devices share one thread pool, so TensorFlow's inter-op
+parallelism, not the pipeline, could make K=2 look fast. Speed therefore comes
+from --mode=multi_process: every device is its own TensorFlow server process on
+127.0.0.1 with one intra- and one inter-op thread, driven through TensorFlow's
+distributed runtime; the plain baseline runs on one such process.
+--mode=in_process (virtual CPU devices, one thread each) reports overhead and
+memory (`tf.config.experimental.get_memory_info`).
+
+Configurations (per model): the plain model without the pipeline (stages 0),
+K=1 M=1, K=1 M=8 with recompute, K=2 with M in {1, 2, 4, 8, 16}. Beside each:
+the ideal speedup K*M/(M+K-1) and the throughput normalized to K=2, M=1 as in
+the paper's Table 2. Configurations are run interleaved, round by round, and
+the median step time over rounds is reported (the machine is noisy).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.layers import transformer  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.pipeline import schedule  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.pipeline import timeline  # pylint: disable=g-import-not-at-top
+
+DEFAULT_CONFIGS = [(0, 1, False), (1, 1, False), (1, 8, True), (2, 1, True),
+                   (2, 2, True), (2, 4, True), (2, 8, True), (2, 16, True)]
+
+
+# ----------------------------------------------------------------------------
+# Models: (layer params list, input shape).
+# ----------------------------------------------------------------------------
+
+
+def TransformerModel(args):
+  d = args.dim
+  blocks = [transformer.TransformerLayer.Params().Set(
+      name=f'block_{i}', source_dim=d, hidden_dim=4 * d,
+      num_attention_heads=max(1, d // 64)) for i in range(args.num_blocks)]
+  return blocks, [args.batch_size, args.seq_len, d]
+
+
+def MlpModel(args):
+  d = args.dim * 4
+  fcs = [layers.FCLayer.Params().Set(name=f'fc_{i}', input_dim=d, output_dim=d,
+                                     activation='RELU')
+         for i in range(args.num_blocks)]
+  return fcs, [args.batch_size * args.seq_len, d]
+
+
+def ConvModel(args):
+  c = max(16, args.dim // 4)
+  convs = [layers.Conv2DLayer.Params().Set(
+      name='conv_0', filter_shape=[3, 3, 3, c], filter_stride=[1, 1],
+      activation='RELU')]
+  convs += [layers.Conv2DLayer.Params().Set(
+      name=f'conv_{i}', filter_shape=[3, 3, c, c], filter_stride=[1, 1],
+      activation='RELU') for i in range(1, args.num_blocks)]
+  return convs, [args.batch_size, 32, 32, 3]
+
+
+def AmoebaNetModel(args):
+  from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+  return amoebanet.BenchmarkCells(args)
+
+
+MODELS = {'transformer': TransformerModel, 'mlp': MlpModel, 'conv': ConvModel,
+          'amoebanet': AmoebaNetModel}
+
+
+# ----------------------------------------------------------------------------
+# One configuration.
+# ----------------------------------------------------------------------------
+
+
+class Bench:
+  """A built model plus its compiled training step."""
+
+  def __init__(self, model_name, args, num_stages, num_mb, recompute, devices,
+               tracer=None):
+    self.key = (model_name, num_stages, num_mb, recompute)
+    layer_params, self.input_shape = MODELS[model_name](args)
+    self.devices = devices[:max(1, num_stages)]
+    if num_stages == 0:
+      with tf.device(devices[0]):
+        self.layer = layers.SequentialLayer.Params().Set(
+            name='model', sub=layer_params).Instantiate()
+    else:
+      self.layer = pipelining_layer.PipeliningLayer.Params().Set(
+          name='model', layers=layer_params, num_stages=num_stages,
+          num_micro_batches=num_mb, devices=self.devices,
+          balance_by='flops', input_shapes=[self.input_shape],
+          recompute='always' if recompute else 'never').Instantiate()
+    variables = self.layer.trainable_variables
+    self.weight_bytes = sum(v.shape.num_elements() * v.dtype.size
+                            for v in variables)
+    first, last = self.devices[0], self.devices[-1]
+    shape = self.input_shape
+    lr = 1e-4
+
+    def Step():
+      with tf.device(first):
+        x = tf.random.stateless_normal(shape, [1, 2])
+      with tf.GradientTape() as tape:
+        y = self.layer(x)
+        with tf.device(last):
+          loss = tf.reduce_mean(tf.square(y))
+      grads = tape.gradient(loss, variables)
+      for v, g in zip(variables, grads):
+        v.assign_sub(lr * g)
+      return loss
+
+    if tracer is not None:
+      def Traced():
+        with tracer:
+          loss = Step()
+        return loss, tracer.Tensors()
+      self.step = tf.function(Traced)
+    else:
+      self.step = tf.function(Step)
+
+  def Run(self):
+    start = time.perf_counter()
+    out = self.step()
+    tf.nest.map_structure(lambda t: t.numpy(), out)
+    return time.perf_counter() - start, out
+
+
+def _MemoryDevices(devices):
+  local = [d for d in devices if '/job:worker' not in d]
+  return local
+
+
+def MeasureMemory(bench):
+  """(peak bytes during one step, peak minus the bytes held before it).
+
+  The bytes held before the step are the weights, slots and every other
+  persistent tensor, so the difference is what the step itself allocates:
+  activations, gradients and temporaries. Virtual CPU devices share one
+  allocator, so the figures are host-wide.
+  """
+  devs = _MemoryDevices(bench.devices)
+  if not devs:
+    return None, None
+  try:
+    before = tf.config.experimental.get_memory_info(devs[0])['current']
+    tf.config.experimental.reset_memory_stats(devs[0])
+    bench.Run()
+    peak = tf.config.experimental.get_memory_info(devs[0])['peak']
+  except (ValueError, RuntimeError, tf.errors.OpError):
+    return None, None
+  return peak, peak - before
+
+
+def Table(records):
+  cols = ['model', 'mode', 'num_stages', 'num_micro_batches', 'recompute',
+          'batch_size', 'step_time_s', 'examples_per_s', 'ideal_speedup',
+          'speedup_vs_plain', 'normalized_to_k2m1', 'peak_bytes',
+          'activation_bytes']
+  rows = [[_Fmt(r.get(c)) for c in cols] for r in records]
+  widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in
+            enumerate(cols)]
+  head = '  '.join(c.rjust(w) for c, w in zip(cols, widths))
+  lines = [head, '-' * len(head)]
+  lines += ['  '.join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+  return '\n'.join(lines)
+
+
+def _Fmt(v):
+  if v is None:
+    return '-'
+  if isinstance(v, float):
+    return f'{v:.3f}' if v < 1e5 else f'{v:.3e}'
+  if isinstance(v, dict):
+    return '/'.join(f'{x / 2**20:.0f}M' for x in v.values())
+  return str(v)
+
+
+def RunBenchmark(args, devices):
+  records = []
+  for model_name in args.model.split(','):
+    configs = [c for c in DEFAULT_CONFIGS if c[0] <= len(devices)]
+    if args.configs:
+      configs = [tuple(int(x) for x in c.split('x')) for c in
+                 args.configs.split(',')]
+      configs = [(k, m, bool(r)) for k, m, r in configs]
+    benches = [Bench(model_name, args, k, m, r, devices) for k, m, r in
+               configs]
+    for b in benches:  # compile and warm up
+      for _ in range(args.warmup):
+        b.Run()
+    times = {b.key: [] for b in benches}
+    for _ in range(args.steps):  # interleaved rounds
+      for b in benches:
+        times[b.key].append(b.Run()[0])
+    batch = benches[0].input_shape[0]
+    plain = None
+    for b in benches:
+      k, m = b.key[1], b.key[2]
+      t = statistics.median(times[b.key])
+      rec = dict(model=model_name, mode=args.mode, num_stages=k,
+                 num_micro_batches=m, recompute=b.key[3], batch_size=batch,
+                 step_time_s=t, step_times_s=times[b.key],
+                 examples_per_s=batch / t,
+                 ideal_speedup=schedule.IdealSpeedup(max(k, 1), m),
+                 weight_bytes=b.weight_bytes, devices=b.devices)
+      if k == 0:
+        plain = rec
+      if args.mode == 'in_process':
+        rec['peak_bytes'], rec['activation_bytes'] = MeasureMemory(b)
+      records.append(rec)
+    k2m1 = [r for r in records if r['model'] == model_name and
+            r['num_stages'] == 2 and r['num_micro_batches'] == 1]
+    for r in records:
+      if r['model'] != model_name:
+        continue
+      if plain:
+        r['speedup_vs_plain'] = r['examples_per_s'] / plain['examples_per_s']
+      if k2m1:
+        r['normalized_to_k2m1'] = (r['examples_per_s'] /
+                                   k2m1[0]['examples_per_s'])
+    del benches
+  return records
+
+
+def RunTrace(args, devices):
+  """One traced K=2 (or --trace_stages) run: Chrome trace + PNG."""
+  os.makedirs(args.trace, exist_ok=True)
+  model_name = args.model.split(',')[0]
+  k = min(args.trace_stages, len(devices))
+  tracer = schedule.ScheduleTracer()
+  bench = Bench(model_name, args, k, args.trace_micro_batches, True, devices,
+                tracer=tracer)
+  for _ in range(args.warmup + 1):
+    _, (_, stamps) = bench.Run()
+  events = tracer.Events(stamps)
+  base = os.path.join(args.trace,
+                      f'{model_name}_k{k}_m{args.trace_micro_batches}')
+  timeline.WriteChromeTrace(events, base + '.trace.json', bench.devices)
+  timeline.PlotTimeline(
+      events, base + '.png', devices=bench.devices,
+      title=(f'{model_name}: K={k}, M={args.trace_micro_batches}, {args.mode}'
+             ' (blue forward, orange backward with recompute; gaps: bubble)'))
+  util = timeline.Utilization(events)
+  print(f'Timeline: {base}.png, {base}.trace.json; busy fraction per cell: '
+        + ', '.join(f'cell {c}: {u:.2f}' for c, u in util.items()))
+  return dict(png=base + '.png', trace=base + '.trace.json',
+              utilization=util, events=events)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--mode', default='multi_process',
+                      choices=['multi_process', 'in_process'])
+  parser.add_argument('--model', default='transformer',
+                      help='Comma list of: ' + ', '.join(MODELS))
+  parser.add_argument('--configs', default='',
+                      help='Comma list of KxMxR (R=1: recompute), e.g. '
+                      '0x1x0,2x8x1; default: the standard set.')
+  parser.add_argument('--num_devices', type=int, default=2)
+  parser.add_argument('--num_blocks', type=int, default=8)
+  parser.add_argument('--dim', type=int, default=256)
+  parser.add_argument('--seq_len', type=int, default=32)
+  parser.add_argument('--batch_size', type=int, default=32)
+  parser.add_argument('--steps', type=int, default=5,
+                      help='Timed rounds (each runs every configuration).')
+  parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument('--json', default='', help='Write records here.')
+  parser.add_argument('--trace', default='',
+                      help='Directory: write a timeline (PNG, Chrome trace).')
+  parser.add_argument('--trace_stages', type=int, default=2)
+  parser.add_argument('--trace_micro_batches', type=int, default=8)
+  parser.add_argument('--no_benchmark', action='store_true',
+                      help='Only write the trace.')
+  args = parser.parse_args(argv)
+
+  local = None
+  if args.mode == 'in_process':
+    cluster.SplitCpu(args.num_devices)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(args.num_devices)
+    devices = [f'/device:CPU:{i}' for i in range(args.num_devices)]
+  else:
+    local = cluster.LocalCluster(args.num_devices, intra_op_threads=1,
+                                 inter_op_threads=1).Start()
+    cluster.Connect(local.cluster_spec)
+    devices = local.devices
+  try:
+    result = {'records': [], 'trace': None}
+    if not args.no_benchmark:
+      result['records'] = RunBenchmark(args, devices)
+      print(Table(result['records']))
+    if args.trace:
+      trace = RunTrace(args, devices)
+      result['trace'] = {k: v for k, v in trace.items() if k != 'events'}
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(result, f, indent=1, default=str)
+      print(f'Wrote {args.json}')
+  finally:
+    if local is not None:
+      local.Stop()
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
