@@ -263,6 +263,12 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
 
   def _BuildChild(self, p):
     p = self.CopyBaseParams(self.params, p.Copy())
+    taken = self.__dict__.setdefault('_child_layer_names', set())
+    if p.name in taken:
+      raise ValueError(
+          f'Layer {self.path!r} already has a child layer named {p.name!r}: '
+          'its variables would collide. Give each child a distinct name.')
+    taken.add(p.name)
     return p.Instantiate()
 
   def CreateChild(self, name, params):
@@ -340,7 +346,9 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
       if seed is None:
         seed = py_utils.StableHash(p.random_seed or 0, full_name)
       value = py_utils.InitialValue(init, shape, dtype, seed)
-      var = tf.Variable(value, name=full_name, trainable=trainable)
+      # The trailing '/' makes the name absolute: an enclosing tf.name_scope
+      # must not change checkpoint names.
+      var = tf.Variable(value, name=full_name + '/', trainable=trainable)
     if shared and shared not in self._shared_store:
       self._shared_store[shared] = var
     self._private_vars[name] = var

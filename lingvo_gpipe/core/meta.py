@@ -6,6 +6,7 @@ layer gets it from `TraceFPropMeta`, which builds the layer abstractly and
 traces its `FProp` into a graph whose per-op flop statistics are summed.
 """
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops  # flop statistics
 
@@ -28,7 +29,8 @@ def ToSpec(x, dtype=tf.float32):
   if isinstance(x, dict):
     return NestedMap({k: ToSpec(v, dtype) for k, v in x.items()})
   if isinstance(x, (list, tuple)):
-    if all(isinstance(d, int) or d is None for d in x):
+    if all((isinstance(d, (int, np.integer)) and not isinstance(d, bool))
+           or d is None for d in x):
       return tf.TensorSpec(tf.TensorShape(list(x)), dtype)
     return type(x)(ToSpec(v, dtype) for v in x)
   if hasattr(x, 'shape') and hasattr(x, 'dtype'):
@@ -38,7 +40,7 @@ def ToSpec(x, dtype=tf.float32):
 
 def ToShape(x):
   """The TensorShape(s) of a spec-like structure."""
-  return tf.nest.map_structure(lambda s: tf.TensorShape(ToSpec(s).shape), x)
+  return tf.nest.map_structure(lambda s: tf.TensorShape(s.shape), ToSpec(x))
 
 
 def Meta(flops, *out_shapes):

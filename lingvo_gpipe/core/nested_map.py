@@ -61,6 +61,24 @@ class NestedMap(dict):
     NestedMap.CheckKey(key)
     super().__setitem__(key, value)
 
+  def update(self, *args, **kwargs):  # pylint: disable=invalid-name
+    for k, v in dict(*args, **kwargs).items():
+      self[k] = v
+
+  def setdefault(self, key, default=None):  # pylint: disable=invalid-name
+    if key not in self:
+      self[key] = default
+    return self[key]
+
+  def __or__(self, other):
+    out = NestedMap(self)
+    out.update(other)
+    return out
+
+  def __ior__(self, other):
+    self.update(other)
+    return self
+
   def __setattr__(self, name, value):
     self[name] = value
 

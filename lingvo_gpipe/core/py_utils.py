@@ -59,7 +59,6 @@ class WeightInit:
     p.Define('method', method, 'Initialization method.')
     p.Define('scale', scale, 'Initialization scale.')
     p.Define('seed', seed, 'Random seed; None: derived from the name.')
-    p.Freeze()
     return p
 
   @staticmethod
@@ -352,7 +351,8 @@ def GetShape(tensor, ndims=None):
   tensor = tf.convert_to_tensor(tensor)
   static = tensor.shape.as_list() if tensor.shape.rank is not None else None
   if static is None:
-    return tf.shape(tensor)
+    dynamic = tf.shape(tensor)
+    return dynamic if ndims is None else [dynamic[i] for i in range(ndims)]
   dynamic = tf.shape(tensor)
   out = [static[i] if static[i] is not None else dynamic[i]
          for i in range(len(static))]

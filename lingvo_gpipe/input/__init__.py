@@ -1,0 +1,1 @@
+"""Input generators of public data sets (see core/base_input_generator)."""

@@ -1,0 +1,1 @@
+"""Tasks built from lingvo_gpipe layers, e.g. classifier.ClassifierTask."""

@@ -1,0 +1,119 @@
+"""Tests for lingvo_gpipe.model_registry and base_model_params."""
+
+import textwrap
+import uuid
+
+import pytest
+
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import base_input_generator
+from lingvo_gpipe.core import base_model
+from lingvo_gpipe.core import base_model_params
+from lingvo_gpipe.input import digits
+
+
+def _MakeClass(name, module, base=base_model_params.SingleTaskModelParams,
+               **attrs):
+  return type(name, (base,), dict(attrs, __module__=module))
+
+
+def test_keys():
+  cls = _MakeClass('AmoebaNetD18x208', 'params.image.amoebanet')
+  assert model_registry.ModelKey(cls) == 'image.amoebanet.AmoebaNetD18x208'
+  cls = _MakeClass('Foo', 'tests.model_registry_test')
+  assert model_registry.ModelKey(cls) == 'tests.model_registry_test.Foo'
+  cls = _MakeClass('Bar', 'mypkg.params.lm')  # Only a leading 'params.'.
+  assert model_registry.ModelKey(cls) == 'mypkg.params.lm.Bar'
+
+
+def test_register_get_and_duplicates():
+  module = f'fake_{uuid.uuid4().hex}'
+  cls = _MakeClass('Exp', module, Train=lambda self: 'train-input')
+  assert model_registry.RegisterSingleTaskModel(cls) is cls
+  assert model_registry.RegisterSingleTaskModel(cls) is cls  # Same class: ok.
+  key = f'{module}.Exp'
+  assert model_registry.GetClass(key) is cls
+  assert model_registry.GetAllRegisteredClasses()[key] is cls
+  assert key in model_registry.GetRegisteredKeys()
+  with pytest.raises(ValueError, match='Duplicate model key'):
+    model_registry.RegisterSingleTaskModel(_MakeClass('Exp', module))
+  with pytest.raises(TypeError, match='SingleTaskModelParams'):
+    model_registry.RegisterSingleTaskModel(type('NotParams', (), {}))
+
+
+def test_lazy_import_of_params_module():
+  cls = model_registry.GetClass('image.digits.MlpDigitsTiny')
+  assert cls.__module__ == 'params.image.digits'
+  assert 'image.digits.MlpDigitsTinyBN' in model_registry.GetRegisteredKeys()
+
+
+def test_lazy_import_of_other_module(tmp_path, monkeypatch):
+  pkg = f'lazy_{uuid.uuid4().hex}'
+  (tmp_path / pkg).mkdir()
+  (tmp_path / pkg / '__init__.py').write_text('')
+  (tmp_path / pkg / 'exps.py').write_text(textwrap.dedent("""
+      from lingvo_gpipe import model_registry
+      from lingvo_gpipe.core import base_model_params
+
+      @model_registry.RegisterSingleTaskModel
+      class Small(base_model_params.SingleTaskModelParams):
+        pass
+      """))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  key = f'{pkg}.exps.Small'
+  assert key not in model_registry.GetRegisteredKeys()
+  assert model_registry.GetClass(key).__name__ == 'Small'
+
+
+def test_unknown_key_lists_close_matches():
+  with pytest.raises(KeyError) as e:
+    model_registry.GetClass('image.digits.MlpDigitTiny')
+  message = str(e.value)
+  assert 'image.digits.MlpDigitsTiny' in message
+  assert 'ImportAllParams' in message
+  with pytest.raises(KeyError, match='non-empty'):
+    model_registry.GetClass('')
+
+
+def test_import_all_params():
+  names = model_registry.ImportAllParams()
+  assert 'params.image.digits' in names
+  assert 'image.digits.MlpDigitsTiny' in model_registry.GetRegisteredKeys()
+
+
+def test_get_params_sets_the_dataset_input():
+  key = 'image.digits.MlpDigitsTiny'
+  p = model_registry.GetParams(key, 'Train')
+  assert p.cls is base_model.SingleTaskModel
+  assert p.input.cls is digits.DigitsInput and p.input.split == 'train'
+  assert p.task.input == p.input
+  assert p.task.train.max_steps == 300
+  dev = model_registry.GetParams(key, 'dev')  # Case-insensitive.
+  assert (dev.input.split, dev.input.num_epochs, dev.input.remainder) == (
+      'dev', 1, 'pad')
+  assert model_registry.GetParams(key, 'TEST').input.split == 'test'
+  with pytest.raises(KeyError, match='available'):
+    model_registry.GetParams(key, 'Validation')
+
+
+def test_dataset_methods_on_class_or_instance():
+  cls = model_registry.GetClass('image.digits.MlpDigitsTiny')
+  assert cls.Dev() == cls().Dev()
+  assert cls.Test().split == 'test'
+  assert cls.Datasets() == ['Dev', 'Test', 'Train']
+  assert cls.Model().task.name == 'digits'
+
+
+def test_default_dev_test_from_train():
+  exp = _MakeClass('Derived', 'tests.tmp', Train=lambda self: (
+      digits.DigitsInput.Params().Set(batch_size=32)))
+  dev = exp.Dev()
+  assert (dev.split, dev.batch_size, dev.shuffle) == ('dev', 32, False)
+  no_eval = _MakeClass('NoEval', 'tests.tmp', Train=lambda self: (
+      base_input_generator.BaseInputGenerator.Params()))
+  with pytest.raises(NotImplementedError, match='define Dev'):
+    no_eval().Dev()
+  with pytest.raises(NotImplementedError, match='Task'):
+    no_eval().Task()
+  with pytest.raises(NotImplementedError, match='Train'):
+    _MakeClass('Empty', 'tests.tmp').Train()
