@@ -123,7 +123,8 @@ class Bench:
           loss = tf.reduce_mean(tf.square(y))
       grads = tape.gradient(loss, variables)
       for v, g in zip(variables, grads):
-        v.assign_sub(lr * g)
+        with tf.device(v.device):  # update where the weight lives
+          v.assign_sub(lr * g)
       return loss
 
     if tracer is not None:

@@ -42,6 +42,8 @@ Two ways to describe the cells:
 """
 
 import tensorflow as tf
+# The tape API tf.custom_gradient is built on; see _PipelineWithGrad.
+from tensorflow.python.eager import record as tape_record
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
@@ -384,56 +386,47 @@ class PipeliningLayer(base_layer.BaseLayer):
     return outs, updates, saved
 
   def _PipelineWithGrad(self, thetas, args, num_mb, seed):
-    """Wraps forward and explicit backward into one custom-gradient op."""
+    """Runs the forward schedule and records it on the gradient tape as one
+    operation whose gradient is the explicit backward schedule.
+
+    `tf.custom_gradient` would pass every input, output and weight through
+    one IdentityN op: a barrier with no device of its own, which in a
+    multi-host pipeline drags all weights and activations through the host
+    that builds the graph. Recording the operation on the tape directly
+    (what tf.custom_gradient does inside) keeps every tensor on its cell's
+    device.
+    """
     flat_args = tf.nest.flatten(args)
-    arg_tensors = [i for i, x in enumerate(flat_args) if _IsTensor(x)]
-    flat_thetas = [tf.nest.flatten(th) for th in thetas]
-    num_args = len(arg_tensors)
-    record = {}
+    inputs = [x for x in flat_args if _IsTensor(x)]
+    flat_thetas = [t for th in thetas for t in tf.nest.flatten(th)]
+    keep_tapes = tape_record.could_possibly_record()
+    with tape_record.VariableWatcher() as watcher:
+      outs, updates, saved = self._Forward(thetas, args, num_mb, seed,
+                                           train=keep_tapes)
+    direct = [v.name for v in watcher.watched_variables() if v.trainable]
+    if direct:
+      raise ValueError(
+          f'A layer inside pipeline {self.path!r} read variables directly in '
+          f'FProp ({direct}); layers must compute with the `theta` passed to '
+          'FProp, or their gradients would be lost.')
+    flat_out = tf.nest.flatten(outs)
+    for x in flat_out:
+      if not _IsTensor(x):
+        raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
+    # New tensors whose producer on the tape is the pipeline operation.
+    with self._Device(self.num_stages - 1):
+      results = [tf.identity(t) for t in flat_out]
+    if keep_tapes:
 
-    @tf.custom_gradient
-    def Pipeline(*flat):
-      leaves = list(flat_args)
-      for j, i in enumerate(arg_tensors):
-        leaves[i] = flat[j]
-      inputs = tf.nest.pack_sequence_as(args, leaves)
-      offset, ths = num_args, []
-      for k, th in enumerate(thetas):
-        n = len(flat_thetas[k])
-        ths.append(tf.nest.pack_sequence_as(th, list(flat[offset:offset + n])))
-        offset += n
-      outs, updates, saved = self._Forward(ths, inputs, num_mb, seed,
-                                           train=True)
-      flat_out = tf.nest.flatten(outs)
-      for x in flat_out:
-        if not _IsTensor(x):
-          raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
-      record['outs'] = outs
-      record['updates'] = [(layer, stats) for layer, stats in updates]
-      flat_upd = tf.nest.flatten([stats for _, stats in updates])
+      def Backward(*dys):
+        return self._Backward(thetas, args, outs, saved, dys, num_mb)
 
-      def Grad(*dys, variables=None):
-        if variables:
-          raise ValueError(
-              'A layer inside the pipeline read variables directly '
-              f'({[v.name for v in variables]}); layers must compute with '
-              'the `theta` passed to FProp.')
-        grads = self._Backward(ths, inputs, outs, saved, dys[:len(flat_out)],
-                               num_mb)
-        return grads
-
-      return flat_out + flat_upd, Grad
-
-    results = Pipeline(*([flat_args[i] for i in arg_tensors] +
-                         [t for th in flat_thetas for t in th]))
-    num_out = len(tf.nest.flatten(record['outs']))
-    outs = tf.nest.pack_sequence_as(record['outs'], results[:num_out])
-    stats_struct = [stats for _, stats in record['updates']]
-    stats = tf.nest.pack_sequence_as(
-        stats_struct, [tf.stop_gradient(t) for t in results[num_out:]])
-    for (layer, _), s in zip(record['updates'], stats):
-      py_utils.AddDeferredUpdate(layer, s)
-    return outs
+      tape_record.record_operation('GPipe', results, inputs + flat_thetas,
+                                   Backward)
+    for layer, stats in updates:
+      py_utils.AddDeferredUpdate(
+          layer, tf.nest.map_structure(tf.stop_gradient, stats))
+    return tf.nest.pack_sequence_as(outs, results)
 
   def _Backward(self, thetas, inputs, outs, saved, dys, num_mb):
     """The backward schedule; returns grads of (input tensors, thetas)."""
