@@ -298,6 +298,11 @@ def main(argv=None):
     tf.config.threading.set_inter_op_parallelism_threads(args.num_devices)
     devices = [f'/device:CPU:{i}' for i in range(args.num_devices)]
   else:
+    # Remote workers execute this process's functions with the thread pools
+    # its config asks for (the config travels with the connection), so the
+    # one-op-at-a-time setting must be made here as well as in the servers.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     local = cluster.LocalCluster(args.num_devices, intra_op_threads=1,
                                  inter_op_threads=1).Start()
     cluster.Connect(local.cluster_spec)

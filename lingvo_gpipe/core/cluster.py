@@ -82,8 +82,19 @@ class LocalCluster:
   """
 
   def __init__(self, num_workers, intra_op_threads=1, inter_op_threads=1,
-               startup_timeout_s=120, job='worker'):
+               startup_timeout_s=120, job='worker', pin_cpus=False):
+    """Args:
+      num_workers: number of server processes.
+      intra_op_threads: threads one op may use in a worker.
+      inter_op_threads: ops a worker may run at once (also the threads that
+        finish transfers).
+      startup_timeout_s: bound on the start-up of each worker.
+      job: job name.
+      pin_cpus: pin worker i to CPU core i mod cores, so that a worker
+        computes on one core like one accelerator, whatever its threads.
+    """
     self.num_workers = num_workers
+    self._pin = pin_cpus
     self.job = job
     self._threads = (intra_op_threads, inter_op_threads)
     self._timeout = startup_timeout_s
@@ -104,6 +115,9 @@ class LocalCluster:
              f'--job_name={self.job}', f'--task_index={i}',
              f'--intra_op_threads={self._threads[0]}',
              f'--inter_op_threads={self._threads[1]}']
+      if self._pin:
+        cores = sorted(os.sched_getaffinity(0))
+        cmd.append(f'--cpus={cores[i % len(cores)]}')
       self._procs.append(subprocess.Popen(
           cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:

@@ -22,7 +22,12 @@ def main(argv=None):
   parser.add_argument('--task_index', type=int, required=True)
   parser.add_argument('--intra_op_threads', type=int, default=0)
   parser.add_argument('--inter_op_threads', type=int, default=0)
+  parser.add_argument('--cpus', default='',
+                      help='Comma list of CPU cores this process may use, '
+                      'e.g. "1": a worker that stands for one accelerator.')
   args = parser.parse_args(argv)
+  if args.cpus:
+    os.sched_setaffinity(0, {int(c) for c in args.cpus.split(',')})
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   spec = json.loads(args.cluster_spec)
