@@ -1,0 +1,285 @@
+"""The training loop: steps, progress lines, summaries, checkpoints, stops.
+
+  loop = TrainLoop(task, global_step, iterator, checkpointer, max_steps=1000,
+                   summary_dir=logdir + '/train')
+  result = loop.Run()   # -> TrainResult(step, reason)
+
+Each step runs `task.TrainStep(batch)` inside one `tf.function`. Every
+`log_interval_steps` a progress line is logged (step, loss, examples/s, step
+time, ETA); every `summary_interval_steps` the step's scalars (loss, metrics,
+learning_rate, grad_norm) and examples_per_sec and step_time go to
+TensorBoard. The loop stops at `max_steps`, when the input ends, or when a
+`StopRequest` is set (SIGINT/SIGTERM): it then saves a checkpoint and
+returns. A NaN or Inf loss (or weight) raises `NonFiniteError` naming the
+step, before anything is saved, so the last checkpoint stays the last good
+model.
+"""
+
+import math
+import signal
+import threading
+import time
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from tensorflow.core.framework import summary_pb2
+
+__all__ = ['StopRequest', 'NonFiniteError', 'TrainResult', 'TrainLoop',
+           'BatchSize', 'FormatDuration', 'WriteScalar']
+
+# What tf.summary.scalar writes, without needing the tensorboard package.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
+
+
+class NonFiniteError(RuntimeError):
+  """The loss or a weight became NaN or Inf."""
+
+
+class StopRequest:
+  """A flag that signal handlers set and the loop checks between steps."""
+
+  def __init__(self):
+    self._event = threading.Event()
+    self.signal_name = None
+
+  def Set(self, reason='requested'):
+    self.signal_name = self.signal_name or reason
+    self._event.set()
+
+  @property
+  def requested(self):
+    return self._event.is_set()
+
+  def Wait(self, timeout):
+    """Sleeps up to `timeout` seconds, less if the flag gets set."""
+    return self._event.wait(timeout)
+
+  def InstallSignalHandlers(self, signums=(signal.SIGINT, signal.SIGTERM)):
+    """SIGINT/SIGTERM set the flag; a second one kills the process at once.
+
+    Must be called from the main thread.
+    """
+
+    def Handler(signum, unused_frame):
+      name = signal.Signals(signum).name
+      if self.requested:
+        logging.warning('Second %s: exiting without saving.', name)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+        return
+      logging.info('%s received: saving a checkpoint after this step, then '
+                   'exiting.', name)
+      self.Set(name)
+
+    for signum in signums:
+      signal.signal(signum, Handler)
+
+
+class TrainResult:
+  """How training ended: the global step and why ('max_steps', ...)."""
+
+  def __init__(self, step, reason, checkpoint=None):
+    self.step = step
+    self.reason = reason
+    self.checkpoint = checkpoint
+
+  def __repr__(self):
+    return (f'TrainResult(step={self.step}, reason={self.reason!r}, '
+            f'checkpoint={self.checkpoint!r})')
+
+
+def BatchSize(batch):
+  """The leading dimension of the first tensor of `batch` (None if unknown)."""
+  for t in tf.nest.flatten(batch):
+    if hasattr(t, 'shape') and t.shape.rank:
+      dim = t.shape[0]
+      return int(dim) if dim is not None else int(tf.shape(t)[0])
+  return None
+
+
+def WriteScalar(name, value, step):
+  """A TensorBoard scalar summary into the default writer."""
+  tf.summary.write(name, tf.constant(float(value), tf.float32), step=step,
+                   metadata=_SCALAR_METADATA)
+
+
+def FormatDuration(seconds):
+  seconds = int(max(0, seconds))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def _Scalars(outputs):
+  """{name: python float} of the scalar entries of a step's outputs."""
+  out = {}
+  for name, value in outputs.items():
+    if isinstance(value, (tuple, list)) and len(value) == 2:  # (value, weight)
+      value = value[0]
+    value = np.asarray(value)
+    if value.ndim == 0 and (np.issubdtype(value.dtype, np.number) or
+                            value.dtype == np.bool_):
+      out[name] = float(value)
+  return out
+
+
+class TrainLoop:
+  """Runs training steps until max_steps, a stop request, or a NaN."""
+
+  def __init__(self, task, global_step, iterator, checkpointer, max_steps,
+               summary_dir=None, log_interval_steps=10,
+               summary_interval_steps=100, stop=None, batch_size=None,
+               train_step_fn=None):
+    """Constructor.
+
+    Args:
+      task: a BaseTask; `task.TrainStep(batch)` returns a NestedMap of
+        scalars including 'loss'.
+      global_step: the int64 step variable (TrainStep increments it; if it
+        does not, the loop does).
+      iterator: the input iterator (NestedMap batches).
+      checkpointer: a `checkpointer.Checkpointer`, or None (no saving).
+      max_steps: the global step at which training ends.
+      summary_dir: TensorBoard event directory, or None.
+      log_interval_steps: a progress line every this many steps.
+      summary_interval_steps: summaries every this many steps.
+      stop: a StopRequest; set it to stop after the current step.
+      batch_size: examples per step; None: read from each batch.
+      train_step_fn: replaces `task.TrainStep` (tests).
+    """
+    self._task = task
+    self._global_step = global_step
+    self._iterator = iterator
+    self._ckpt = checkpointer
+    self._max_steps = int(max_steps)
+    self._log_every = max(1, int(log_interval_steps or 1))
+    self._summary_every = max(1, int(summary_interval_steps or 1))
+    self._stop = stop or StopRequest()
+    self._batch_size = batch_size
+    self._writer = (tf.summary.create_file_writer(summary_dir)
+                    if summary_dir else None)
+    fn = train_step_fn or task.TrainStep
+    self._increments = None  # Whether TrainStep increments the step itself.
+    # No autograph: layers use Python control flow on static values only,
+    # and tracing then needs no source code (which may change on disk).
+    self._step_fn = tf.function(fn, autograph=False)
+    self._incr_fn = tf.function(lambda: self._global_step.assign_add(1),
+                                autograph=False)
+
+  @property
+  def stop(self):
+    return self._stop
+
+  def _CheckFinite(self, step, scalars):
+    loss = scalars.get('loss')
+    if loss is not None and not math.isfinite(loss):
+      raise NonFiniteError(
+          f'The loss is {loss} at step {step}. Training stopped without '
+          'saving, so the last checkpoint is the last good model. Lower the '
+          'learning rate (e.g. --model_params_override="task.train.'
+          'learning_rate : ...") or add gradient clipping, then restart.')
+
+  def _CheckWeightsFinite(self, step):
+    bad = [v.name for v in self._Variables()
+           if v.dtype.is_floating and not bool(
+               tf.reduce_all(tf.math.is_finite(v)))]
+    if bad:
+      raise NonFiniteError(
+          f'NaN or Inf in {len(bad)} variables at step {step} (e.g. '
+          f'{bad[:3]}); not saving them, the last checkpoint is the last '
+          'good model.')
+
+  def _Variables(self):
+    if self._ckpt is not None:
+      return list(self._ckpt.variables.values())
+    return []
+
+  def _Save(self, step, force):
+    if self._ckpt is None:
+      return None
+    if not force and not self._ckpt.ShouldSave(step):
+      return None
+    self._CheckWeightsFinite(step)
+    return self._ckpt.Save(step)
+
+  def _Summaries(self, step, scalars, examples_per_sec, step_time):
+    if self._writer is None:
+      return
+    with self._writer.as_default(step=step):
+      for name, value in scalars.items():
+        WriteScalar(name, value, step)
+      if examples_per_sec is not None:
+        WriteScalar('examples_per_sec', examples_per_sec, step)
+      WriteScalar('step_time', step_time, step)
+    self._writer.flush()
+
+  def _Log(self, step, scalars, examples_per_sec, step_time, first=False):
+    parts = [f'step {step:>7d}/{self._max_steps}']
+    parts.append(f'loss {scalars.get("loss", float("nan")):.6g}')
+    for key, label in (('learning_rate', 'lr'), ('grad_norm', 'grad_norm')):
+      if key in scalars:
+        parts.append(f'{label} {scalars[key]:.4g}')
+    if first:
+      parts.append(f'first step (with tracing) {step_time:.2f} s')
+    else:
+      if examples_per_sec is not None:
+        parts.append(f'{examples_per_sec:.1f} examples/s')
+      parts.append(f'{step_time * 1000:.1f} ms/step')
+      parts.append('ETA ' + FormatDuration(
+          (self._max_steps - step) * step_time))
+    logging.info('  '.join(parts))
+
+  def Run(self):
+    """Trains; returns a TrainResult. Raises NonFiniteError on NaN/Inf."""
+    step = int(self._global_step.numpy())
+    reason = 'max_steps'
+    window_start, window_steps, window_examples = None, 0, 0
+    checkpoint = None
+    if step >= self._max_steps:
+      logging.info('Global step %d >= max_steps %d: nothing to train.', step,
+                   self._max_steps)
+    while step < self._max_steps:
+      if self._stop.requested:
+        reason = self._stop.signal_name or 'stop requested'
+        break
+      try:
+        batch = next(self._iterator)
+      except StopIteration:
+        reason = 'input exhausted'
+        logging.warning('The training input ended at step %d, before '
+                        'max_steps=%d.', step, self._max_steps)
+        break
+      t0 = time.time()
+      outputs = self._step_fn(batch)
+      if self._increments is None:
+        self._increments = int(self._global_step.numpy()) != step
+      if not self._increments:
+        self._incr_fn()
+      scalars = _Scalars(outputs)
+      new_step = int(self._global_step.numpy())
+      self._CheckFinite(new_step, scalars)
+      now = time.time()
+      step_time = now - t0
+      batch_size = self._batch_size or BatchSize(batch)
+      if window_start is None:  # The first step traces: not timed.
+        window_start = now
+      else:
+        window_steps += new_step - step
+        window_examples += (new_step - step) * (batch_size or 0)
+      step = new_step
+      elapsed = now - window_start
+      avg_step = elapsed / window_steps if window_steps else step_time
+      eps = (window_examples / elapsed if elapsed > 0 and window_examples
+             else None)
+      if step % self._summary_every == 0 or step >= self._max_steps:
+        self._Summaries(step, scalars, eps, avg_step)
+      if step % self._log_every == 0 or step >= self._max_steps:
+        self._Log(step, scalars, eps, avg_step, first=not window_steps)
+        window_start, window_steps, window_examples = time.time(), 0, 0
+      checkpoint = self._Save(step, force=False) or checkpoint
+    checkpoint = self._Save(step, force=True) or checkpoint
+    if self._writer is not None:
+      self._writer.flush()
+    logging.info('Training stopped at step %d (%s).', step, reason)
+    return TrainResult(step, reason, checkpoint)

@@ -1,0 +1,450 @@
+r"""The trainer binary: `python -m lingvo_gpipe.trainer` / `gpipe_trainer`.
+
+Lingvo's flags, one process:
+
+  gpipe_trainer --model=image.digits.MlpDigitsTiny --logdir=/tmp/digits \
+      --run_locally=cpu --num_cpu_devices=2 --worker_split_size=2 \
+      --job=trainer,evaler_dev --max_steps=200
+
+Modes: `sync` (default; runs the --job list: trainer / trainer_client,
+evaler_<dataset>, decoder_<dataset>), `inspect_params` (prints the Params
+text), `inspect_model` (prints variables, parameter count and pipeline
+placement), `export` (writes a SavedModel of the latest checkpoint's
+predictions to --export_dir). Jobs given together run in one process: the
+trainer in the main thread, evalers in threads.
+
+Layout of --logdir:
+
+  params.txt                 the model Params (after every override)
+  train/                     checkpoints (ckpt-<step>.*, checkpoint) and
+                             training summaries
+  eval_dev/, eval_test/      evaler summaries and metrics.jsonl
+  decoder_dev/               decoder outputs (decoder_out_<step>.npz)
+
+Exit status: 0 after training (also after SIGINT/SIGTERM, which save a
+checkpoint first), 1 with a one-line reason on errors (unknown model, bad
+override, incompatible checkpoint, NaN loss, unwritable logdir).
+"""
+
+import os
+import sys
+import threading
+
+from absl import app
+from absl import flags
+from absl import logging
+import tensorflow as tf
+
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import cluster
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import placement
+from lingvo_gpipe.runners import checkpointer
+from lingvo_gpipe.runners import evaler
+from lingvo_gpipe.runners import exporter
+from lingvo_gpipe.runners import train_loop
+
+__all__ = ['main', 'BuildParams', 'ApplyWorkerSplit', 'ConfigureDevices',
+           'PipelineLayers', 'ParseJobs', 'PlacementText', 'InspectModel',
+           'UserError']
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string('model', None, 'Registered model key, e.g. '
+                    'image.digits.MlpDigitsTiny.')
+flags.DEFINE_string('logdir', None, 'Directory of params.txt, checkpoints, '
+                    'summaries and eval results.')
+flags.DEFINE_enum('mode', 'sync',
+                  ['sync', 'async', 'inspect_params', 'inspect_model',
+                   'export'],
+                  'sync/async: run the --job list (one process either way); '
+                  'inspect_params: print the Params; inspect_model: print '
+                  'variables, parameter count and pipeline placement; export: '
+                  'SavedModel of the latest checkpoint to --export_dir.')
+flags.DEFINE_enum('run_locally', None, ['cpu', 'gpu'],
+                  'cpu: hide GPUs; gpu: require one.')
+flags.DEFINE_string('job', 'trainer',
+                    'Comma list of trainer | trainer_client | '
+                    'evaler_<dataset> | decoder_<dataset>, e.g. '
+                    '"trainer,evaler_dev".')
+flags.DEFINE_multi_string('model_params_override', [],
+                          'Lingvo text-format lines "a.b.c : value" applied '
+                          'to the model Params (repeat the flag, or separate '
+                          'lines with newlines or ";").')
+flags.DEFINE_string('model_params_file_override', None,
+                    'A file of "a.b.c : value" lines applied to the model '
+                    'Params (before --model_params_override).')
+flags.DEFINE_integer('worker_split_size', None,
+                     'Devices per model split: sets num_stages (and the '
+                     'first N devices) of every PipeliningLayer.',
+                     lower_bound=1)
+flags.DEFINE_integer('num_cpu_devices', None,
+                     'Split the host CPU into N virtual devices (before any '
+                     'TensorFlow op).', lower_bound=1)
+flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
+                     lower_bound=0)
+flags.DEFINE_integer('seed', None, 'Model random_seed (overrides Params).')
+flags.DEFINE_float('eval_interval_seconds', 10.0,
+                   'Evaler: seconds between polls for a new checkpoint.')
+flags.DEFINE_float('eval_timeout', 0.0,
+                   'Evaler: exit after this many seconds without a new '
+                   'checkpoint; 0: wait for the final step.')
+flags.DEFINE_integer('eval_max_batches', None,
+                     'Evaler: at most this many batches per evaluation.')
+flags.DEFINE_string('restore_from', None,
+                    'Fine-tuning: on a fresh start (no checkpoint in the '
+                    'logdir), initialize from this checkpoint (prefix or '
+                    'directory).')
+flags.DEFINE_alias('checkpoint_to_restore', 'restore_from')
+flags.DEFINE_multi_string('restore_map', [],
+                          'With --restore_from: REGEX=>NAME; a model variable '
+                          'matching REGEX is read from checkpoint variable '
+                          'NAME (\\1 or %s for groups). Default: same names.')
+flags.DEFINE_integer('saver_max_to_keep', None,
+                     'Checkpoints kept; overrides task.train.save_max_to_keep.')
+flags.DEFINE_float('save_interval_seconds', None,
+                   'Also save a checkpoint after this many seconds (default: '
+                   'task.train.save_interval_seconds unless '
+                   'save_interval_steps is set).')
+flags.DEFINE_integer('log_interval_steps', 10,
+                     'A progress line every this many steps.', lower_bound=1)
+flags.DEFINE_string('export_dir', None,
+                    '--mode=export: output directory (default '
+                    '<logdir>/inference).')
+
+
+class UserError(Exception):
+  """A mistake in the flags or the model; reported in one line, exit 1."""
+
+
+# -- Devices -------------------------------------------------------------------
+
+
+def ConfigureDevices(num_cpu_devices=None, run_locally=None):
+  """Splits the CPU / hides GPUs. Must run before any TensorFlow op."""
+  if run_locally == 'cpu':
+    try:
+      tf.config.set_visible_devices([], 'GPU')
+    except RuntimeError as e:
+      logging.warning('Could not hide the GPUs: %s', e)
+  elif run_locally == 'gpu' and not tf.config.list_physical_devices('GPU'):
+    raise UserError('--run_locally=gpu but TensorFlow finds no GPU; use '
+                    '--run_locally=cpu.')
+  if num_cpu_devices:
+    try:
+      cluster.SplitCpu(num_cpu_devices)
+    except RuntimeError as e:
+      raise UserError(str(e)) from e
+
+
+# -- Params --------------------------------------------------------------------
+
+
+def _OverrideText(lines):
+  out = []
+  for chunk in lines or []:
+    out.extend(part for part in chunk.replace(';', '\n').split('\n'))
+  return '\n'.join(out)
+
+
+def _ApplyText(p, text, where):
+  try:
+    p.FromText(text)
+  except (AttributeError, ValueError) as e:
+    raise UserError(f'{where}: {e}') from e
+
+
+def PipelineLayers(p):
+  """[(key, Params)] of the PipeliningLayer Params inside model Params `p`."""
+  found = []
+
+  def Enter(key, value):
+    if (isinstance(value, hyperparams.InstantiableParams) and
+        isinstance(value.cls, type) and
+        issubclass(value.cls, pipelining_layer.PipeliningLayer)):
+      found.append((key, value))
+    return True
+
+  p.Visit(lambda k, v: None, enter_fn=Enter)
+  return found
+
+
+def ApplyWorkerSplit(p, num_stages, devices=None):
+  """Sets num_stages and devices of every PipeliningLayer in `p`.
+
+  Returns:
+    The keys of the pipelines changed ([] if the model has none).
+  """
+  devices = list(devices) if devices else placement.DefaultDevices()
+  if len(devices) < num_stages:
+    raise UserError(
+        f'--worker_split_size={num_stages} but only {len(devices)} devices '
+        f'exist ({devices}). Use --num_cpu_devices={num_stages} on CPU, or a '
+        'smaller --worker_split_size.')
+  keys = []
+  for key, lp in PipelineLayers(p):
+    if lp.cell_tpl:
+      if len(lp.cell_tpl) != num_stages:
+        raise UserError(
+            f'--worker_split_size={num_stages}: the pipeline at {key or "."} '
+            f'has {len(lp.cell_tpl)} fixed cells (cell_tpl); give it a flat '
+            '`layers` list to let the library re-split it.')
+    else:
+      lp.num_stages = num_stages
+      if isinstance(lp.splits, int) or (
+          lp.splits is not None and len(lp.splits) != num_stages):
+        lp.splits = None
+    lp.devices = devices[:num_stages]
+    keys.append(key)
+  if not keys:
+    logging.warning('--worker_split_size=%d: the model has no '
+                    'PipeliningLayer; nothing to split.', num_stages)
+  return keys
+
+
+def _GetParams(model, dataset):
+  try:
+    return model_registry.GetParams(model, dataset)
+  except LookupError as e:  # Unknown model (KeyError) or dataset.
+    raise UserError(str(e.args[0]) if e.args else str(e)) from e
+
+
+def BuildParams(model, dataset='Train', file_override=None, overrides=(),
+                worker_split_size=None, max_steps=None, seed=None,
+                max_to_keep=None):
+  """The model Params for `dataset` with every override applied."""
+  if not model:
+    raise UserError('--model is required, e.g. '
+                    '--model=image.digits.MlpDigitsTiny.')
+  p = _GetParams(model, dataset)
+  if file_override:
+    try:
+      with open(file_override) as f:
+        text = f.read()
+    except OSError as e:
+      raise UserError(f'--model_params_file_override={file_override!r}: '
+                      f'{e.strerror}.') from e
+    _ApplyText(p, text, f'--model_params_file_override={file_override}')
+  text = _OverrideText(overrides)
+  if text.strip():
+    _ApplyText(p, text, '--model_params_override')
+  if max_steps is not None:
+    p.task.train.max_steps = max_steps
+  if max_to_keep is not None:
+    p.task.train.save_max_to_keep = max_to_keep
+  if seed is not None:
+    p.random_seed = seed
+    if 'random_seed' in p.task:
+      p.task.random_seed = seed
+  if worker_split_size:
+    ApplyWorkerSplit(p, worker_split_size)
+  return p
+
+
+def _FlagParams(dataset='Train'):
+  return BuildParams(
+      FLAGS.model, dataset, FLAGS.model_params_file_override,
+      FLAGS.model_params_override, FLAGS.worker_split_size, FLAGS.max_steps,
+      FLAGS.seed, FLAGS.saver_max_to_keep)
+
+
+# -- Inspection ----------------------------------------------------------------
+
+
+def _Pipelines(model):
+  return [m for m in model.submodules
+          if isinstance(m, pipelining_layer.PipeliningLayer)]
+
+
+def PlacementText(model):
+  """Which layers of `model`'s pipelines run on which device."""
+  pipes = _Pipelines(model)
+  if not pipes:
+    return 'No PipeliningLayer: the model runs on the default device.'
+  return '\n'.join(pipe.PlacementText() for pipe in pipes)
+
+
+def InspectModel(model):
+  """Variables, parameter count and placement of a built model, as text."""
+  variables = model.VariablesByName()
+  width = max((len(n) for n in variables), default=0)
+  lines = ['Variables:']
+  total = trainable = 0
+  for name in sorted(variables):
+    v = variables[name]
+    n = int(v.shape.num_elements())
+    total += n
+    trainable += n if v.trainable else 0
+    lines.append(f'  {name:<{width}}  {str(v.shape.as_list()):<14} '
+                 f'{v.dtype.base_dtype.name:<8} {v.device}')
+  lines.append(f'{len(variables)} variables, {total:,} parameters '
+               f'({trainable:,} trainable).')
+  lines.append(PlacementText(model))
+  return '\n'.join(lines)
+
+
+# -- Jobs ----------------------------------------------------------------------
+
+
+def _SaveIntervalSeconds(tp):
+  """Lingvo's rule: save_interval_steps, if set, replaces the time rule."""
+  if FLAGS.save_interval_seconds is not None:
+    return FLAGS.save_interval_seconds
+  return None if tp.save_interval_steps else tp.save_interval_seconds
+
+
+def _RunTrainer(p, logdir, stop):
+  """The trainer job: resume (or fine-tune), train, save; a TrainResult."""
+  train_dir = os.path.join(logdir, 'train')
+  checkpointer.CheckWritableDir(logdir)
+  try:
+    rules = checkpointer.ParseRestoreMap(FLAGS.restore_map)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  model = p.Instantiate()
+  logging.info('Pipeline placement:\n%s', PlacementText(model))
+  task = model.GetTask()
+  tp = p.task.train
+  iterator = iter(task.input_generator.GetDataset())
+  ckpt = checkpointer.Checkpointer(
+      train_dir, model.VariablesByName(), iterator=iterator,
+      max_to_keep=tp.save_max_to_keep,
+      save_interval_steps=tp.save_interval_steps,
+      save_interval_seconds=_SaveIntervalSeconds(tp))
+  if ckpt.Restore() is None and FLAGS.restore_from:
+    report = checkpointer.FineTuneRestore(
+        model.VariablesByName(), FLAGS.restore_from, rules,
+        skip=(model.global_step.name.split(':')[0],))
+    logging.info('Fine-tuning restore:\n%s', report)
+    if not report.restored:
+      raise UserError(f'--restore_from={FLAGS.restore_from} restored no '
+                      f'variable:\n{report}\nFix --restore_map.')
+  # Written once the logdir is known to be this model's (not clobbering the
+  # params.txt of another model whose checkpoint was refused).
+  with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
+    f.write(p.ToText())
+  loop = train_loop.TrainLoop(
+      task, model.global_step, iterator, ckpt, tp.max_steps,
+      summary_dir=train_dir, log_interval_steps=FLAGS.log_interval_steps,
+      summary_interval_steps=tp.summary_interval_steps, stop=stop)
+  return loop.Run()
+
+
+def _RunEvaler(kind, dataset, logdir, stop, errors):
+  """Runs an evaler/decoder job; exceptions go to `errors`."""
+  try:
+    cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
+    ev = cls(_FlagParams(dataset), logdir, dataset=dataset,
+             interval_seconds=FLAGS.eval_interval_seconds,
+             timeout_seconds=FLAGS.eval_timeout,
+             max_batches=FLAGS.eval_max_batches)
+    logging.info('%s_%s pipeline placement:\n%s', kind, dataset.lower(),
+                 PlacementText(ev.model))
+    ev.Run(stop=stop)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.exception('%s_%s failed.', kind, dataset.lower())
+    errors.append(e)
+
+
+def ParseJobs(text):
+  """'trainer,evaler_dev' -> [('trainer', None), ('evaler', 'Dev')]."""
+  jobs = [j.strip() for j in (text or '').split(',') if j.strip()]
+  out = []
+  for job in jobs:
+    if job in ('trainer', 'trainer_client'):
+      out.append(('trainer', None))
+    elif job.startswith(('evaler_', 'decoder_')) and job.count('_') == 1:
+      kind, dataset = job.split('_')
+      out.append((kind, dataset.capitalize()))
+    else:
+      raise UserError(f'--job: unknown job {job!r}; use trainer, '
+                      'trainer_client, evaler_<dataset> (e.g. evaler_dev) or '
+                      'decoder_<dataset>, comma-separated.')
+  if not out:
+    raise UserError('--job is empty; use e.g. --job=trainer.')
+  return out
+
+
+def _Sync():
+  """Runs the --job list: the trainer here, evalers/decoders in threads."""
+  if not FLAGS.logdir:
+    raise UserError('--logdir is required with --mode=sync.')
+  jobs = ParseJobs(FLAGS.job)
+  stop = train_loop.StopRequest()
+  stop.InstallSignalHandlers()
+  train_p = _FlagParams('Train')  # Validates flags before any thread starts.
+  has_trainer = any(kind == 'trainer' for kind, _ in jobs)
+  # Evalers next to a trainer stop after it: they evaluate the last
+  # checkpoint it wrote, then return.
+  eval_stop = train_loop.StopRequest() if has_trainer else stop
+  errors, threads = [], []
+  for kind, dataset in jobs:
+    if kind != 'trainer':
+      t = threading.Thread(
+          target=_RunEvaler, name=f'{kind}_{dataset.lower()}',
+          args=(kind, dataset, FLAGS.logdir, eval_stop, errors), daemon=True)
+      threads.append(t)
+      t.start()
+  try:
+    if has_trainer:
+      _RunTrainer(train_p, FLAGS.logdir, stop)
+  finally:
+    if has_trainer:
+      eval_stop.Set('trainer finished')
+    for t in threads:
+      while t.is_alive():  # Short joins: signals reach the main thread.
+        t.join(timeout=0.5)
+  if errors:
+    if isinstance(errors[0], (UserError, checkpointer.CheckpointError)):
+      raise errors[0]
+    raise UserError(f'{type(errors[0]).__name__}: {errors[0]} (traceback '
+                    'logged above)')
+
+
+def _Export():
+  if not FLAGS.logdir:
+    raise UserError('--mode=export needs --logdir (its latest checkpoint).')
+  p = _FlagParams('Test')
+  model = p.Instantiate()
+  train_dir = os.path.join(FLAGS.logdir, 'train')
+  prefix = checkpointer.LatestCheckpoint(train_dir)
+  if prefix is None:
+    raise UserError(f'--mode=export: no checkpoint in {train_dir}; train '
+                    'first.')
+  checkpointer.Checkpointer(train_dir, model.VariablesByName(),
+                            writable=False).RestoreFrom(prefix, strict=False)
+  out = FLAGS.export_dir or os.path.join(FLAGS.logdir, 'inference')
+  exporter.ExportSavedModel(model.GetTask(), out,
+                            variables=model.VariablesByName())
+  print(f'Exported {prefix} to {out}')
+
+
+def _Main(unused_argv):
+  ConfigureDevices(FLAGS.num_cpu_devices, FLAGS.run_locally)
+  if FLAGS.mode == 'inspect_params':
+    print(_FlagParams('Train').ToText(), end='')
+  elif FLAGS.mode == 'inspect_model':
+    print(InspectModel(_FlagParams('Train').Instantiate()))
+  elif FLAGS.mode == 'export':
+    _Export()
+  else:
+    _Sync()
+
+
+def _Run(argv):
+  try:
+    _Main(argv)
+  except (UserError, checkpointer.CheckpointError,
+          train_loop.NonFiniteError) as e:
+    logging.error('%s', e)
+    sys.exit(f'ERROR: {e}')
+
+
+def main(argv=None):
+  """Console-script entry point (`gpipe_trainer`)."""
+  app.run(_Run, argv=argv)
+
+
+if __name__ == '__main__':
+  main()

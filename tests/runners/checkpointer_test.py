@@ -1,0 +1,260 @@
+"""Unit tests of the name-keyed, atomic checkpointer."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.runners import checkpointer
+
+
+def _Vars(scale=1.0, w_shape=(2, 3), extra=False):
+  out = {
+      'mlp/pipeline/body/layer_0/w': tf.Variable(
+          scale * np.arange(np.prod(w_shape), dtype=np.float32).reshape(
+              w_shape)),
+      'mlp/pipeline/body/layer_1/b': tf.Variable(scale * np.ones([3],
+                                                                 np.float32)),
+      'global_step': tf.Variable(0, dtype=tf.int64),
+  }
+  if extra:
+    out['mlp/extra.v'] = tf.Variable(np.zeros([4], np.float32))
+  return out
+
+
+def _Zero(variables):
+  for v in variables.values():
+    v.assign(tf.zeros_like(v))
+
+
+def _Files(directory):
+  return sorted(f for f in os.listdir(directory) if not f.startswith('.'))
+
+
+def test_escape_round_trip():
+  for name in ['a/b/c', 'a.b/c..d', 'x.S/y', '']:
+    assert checkpointer.UnescapeName(checkpointer.EscapeName(name)) == name
+  assert checkpointer.VariableKey('a/b.c') == (
+      'model/a.Sb..c/.ATTRIBUTES/VARIABLE_VALUE')
+
+
+def test_save_restore_by_name(tmp_path):
+  variables = _Vars(extra=True)
+  variables['global_step'].assign(7)
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  prefix = ckpt.Save(7)
+  assert prefix.endswith('ckpt-7')
+  names = checkpointer.ReadCheckpointVariables(prefix)
+  assert set(names) == set(variables)
+  # Restore into variables created in another order, on another device.
+  with tf.device('/device:CPU:1'):
+    other = dict(reversed(list(_Vars(scale=0.0, extra=True).items())))
+  restorer = checkpointer.Checkpointer(str(tmp_path), other)
+  assert restorer.Restore() == prefix
+  for name, v in variables.items():
+    np.testing.assert_array_equal(other[name].numpy(), v.numpy())
+  assert restorer.last_saved_step == 7
+  # The pointer is the standard one TensorFlow reads too.
+  assert tf.train.latest_checkpoint(str(tmp_path)) == prefix
+
+
+def test_keep_last_k_and_intervals(tmp_path):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2,
+                                   save_interval_steps=10)
+  saved = [s for s in range(0, 45) if ckpt.MaybeSave(s)]
+  assert saved == [10, 20, 30, 40]
+  assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [30, 40]
+  latest, everything = checkpointer.ReadPointer(str(tmp_path))
+  assert latest.endswith('ckpt-40')
+  assert [os.path.basename(p) for p in everything] == ['ckpt-30', 'ckpt-40']
+  assert not any('ckpt-10' in f or 'ckpt-20' in f for f in _Files(tmp_path))
+  # A restarted checkpointer adopts the list and keeps sweeping.
+  again = checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
+  again.Restore()
+  again.Save(50)
+  assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [40, 50]
+  # Saving the restored step again is a no-op, never an overwrite.
+  assert again.Save(50).endswith('ckpt-50')
+
+
+def test_pointer_update_is_atomic(tmp_path, monkeypatch):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  first = ckpt.Save(1)
+  pointer = os.path.join(str(tmp_path), checkpointer.POINTER)
+  before = open(pointer).read()
+  replaced = []
+  real_replace = os.replace
+
+  def CrashingReplace(src, dst):
+    replaced.append((src, dst))
+    raise OSError('simulated crash before the rename')
+
+  monkeypatch.setattr(os, 'replace', CrashingReplace)
+  with pytest.raises(checkpointer.CheckpointError, match='pointer'):
+    ckpt.Save(2)
+  monkeypatch.setattr(os, 'replace', real_replace)
+  # The pointer went through a temporary file and a rename; the crash left
+  # the old pointer whole, naming a complete checkpoint, and no temp file.
+  assert replaced and replaced[0][1] == pointer and replaced[0][0] != pointer
+  assert open(pointer).read() == before
+  assert checkpointer.LatestCheckpoint(str(tmp_path)) == first
+  assert not [f for f in os.listdir(tmp_path) if '.tmp-' in f]
+
+
+def test_crash_mid_save_leaves_restorable_latest(tmp_path):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  good = ckpt.Save(5)
+  # What a kill during the next save can leave: shards in ckpt-6_temp, and
+  # data without an index.
+  os.makedirs(os.path.join(str(tmp_path), 'ckpt-6_temp'))
+  with open(os.path.join(str(tmp_path), 'ckpt-6_temp', 'part-0'), 'w') as f:
+    f.write('x')
+  with open(os.path.join(str(tmp_path), 'ckpt-6.data-00000-of-00001'),
+            'w') as f:
+    f.write('partial')
+  assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
+  restarted = checkpointer.Checkpointer(str(tmp_path), _Vars(scale=0.0))
+  assert not [f for f in _Files(tmp_path) if f.startswith('ckpt-6')]
+  assert restarted.Restore() == good
+
+
+def test_pointer_to_broken_checkpoint_falls_back(tmp_path):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  good = ckpt.Save(1)
+  broken = ckpt.Save(2)
+  os.remove(broken + '.index')
+  assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
+  with open(os.path.join(str(tmp_path), checkpointer.POINTER), 'w') as f:
+    f.write('garbage')
+  assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
+
+
+def test_iterator_position_is_restored(tmp_path):
+  ds = tf.data.Dataset.range(100).batch(2)
+  it = iter(ds)
+  for _ in range(3):
+    next(it)
+  variables = _Vars()
+  checkpointer.Checkpointer(str(tmp_path), variables, iterator=it).Save(3)
+  expected = next(it).numpy()
+  it2 = iter(ds)
+  restorer = checkpointer.Checkpointer(str(tmp_path), _Vars(), iterator=it2)
+  restorer.Restore()
+  np.testing.assert_array_equal(next(it2).numpy(), expected)
+
+
+def test_unsaveable_iterator_falls_back_to_variables(tmp_path):
+  ds = tf.data.Dataset.from_generator(
+      lambda: iter(range(10)), output_signature=tf.TensorSpec([], tf.int64))
+  it = iter(ds)
+  next(it)
+  variables = _Vars()
+  prefix = checkpointer.Checkpointer(str(tmp_path), variables,
+                                     iterator=it).Save(1)
+  assert checkpointer.IsCompleteCheckpoint(prefix)
+  restorer = checkpointer.Checkpointer(str(tmp_path), _Vars(scale=0.0),
+                                       iterator=iter(ds))
+  assert restorer.Restore() == prefix
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+  checkpointer.Checkpointer(str(tmp_path), _Vars(extra=True)).Save(1)
+  other = _Vars(w_shape=(3, 3))
+  other['mlp/new'] = tf.Variable(1.0)
+  with pytest.raises(checkpointer.IncompatibleCheckpointError) as e:
+    checkpointer.Checkpointer(str(tmp_path), other).Restore()
+  msg = str(e.value)
+  assert 'mlp/new' in msg and 'mlp/extra.v' in msg
+  assert 'mlp/pipeline/body/layer_0/w: model [3, 3]' in msg
+  assert '--restore_from' in msg
+
+
+def test_fine_tune_with_map(tmp_path):
+  source = {
+      'old/w': tf.Variable(np.full([2, 2], 3.0, np.float32)),
+      'old/b': tf.Variable(np.full([2], 4.0, np.float32)),
+      'old/unused': tf.Variable(1.0),
+      'global_step': tf.Variable(100, dtype=tf.int64),
+  }
+  prefix = checkpointer.Checkpointer(str(tmp_path), source).Save(100)
+  model = {
+      'new/w': tf.Variable(np.zeros([2, 2], np.float32)),
+      'new/b': tf.Variable(np.zeros([3], np.float32)),
+      'new/extra': tf.Variable(0.0),
+      'global_step': tf.Variable(0, dtype=tf.int64),
+  }
+  rules = checkpointer.ParseRestoreMap([r'new/(w|b)=>old/\1',
+                                        'global_step=>global_step'])
+  report = checkpointer.FineTuneRestore(model, str(tmp_path), rules,
+                                        skip=('global_step',))
+  assert report.path == prefix
+  assert report.restored == [('new/w', 'old/w')]
+  reasons = dict(report.not_restored)
+  assert 'shape [2]' in reasons['new/b']
+  assert 'no --restore_map rule' in reasons['new/extra']
+  assert 'never restored' in reasons['global_step']
+  assert set(report.unused) == {'old/b', 'old/unused', 'global_step'}
+  np.testing.assert_array_equal(model['new/w'].numpy(), np.full([2, 2], 3.0))
+  assert int(model['global_step'].numpy()) == 0
+  assert 'new/w <- old/w' in str(report)
+  # Lingvo's %s form and the identity map.
+  rules = checkpointer.ParseRestoreMap(['new/(.*)=>old/%s'])
+  assert checkpointer._MapName('new/w', rules) == 'old/w'
+  assert checkpointer._MapName('x', []) == 'x'
+
+
+def test_bad_restore_map_is_named():
+  with pytest.raises(ValueError, match='no "=>"'):
+    checkpointer.ParseRestoreMap(['a/b'])
+  with pytest.raises(ValueError, match=r"bad regex '\(a'"):
+    checkpointer.ParseRestoreMap(['(a=>b'])
+
+
+def test_unwritable_dir_is_a_clear_error(tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('x')
+  with pytest.raises(checkpointer.CheckpointError,
+                     match='Cannot write to --logdir .*file/sub'):
+    checkpointer.Checkpointer(str(blocker / 'sub'), _Vars())
+
+
+def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  good = ckpt.Save(1)
+
+  def Full(*unused_args, **unused_kwargs):
+    raise tf.errors.ResourceExhaustedError(None, None, 'No space left on '
+                                           'device')
+
+  monkeypatch.setattr(tf.train.Checkpoint, 'write', Full)
+  with pytest.raises(checkpointer.CheckpointError,
+                     match='No space left.*MiB free.*ckpt-1 is intact'):
+    ckpt.Save(2)
+  monkeypatch.undo()
+  assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
+
+
+def test_interrupted_sweep_and_unpointed_newer_checkpoints_are_removed(
+    tmp_path):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
+  for step in (1, 2, 3):
+    ckpt.Save(step)
+  # A sweep that died after the pointer update left ckpt-1 behind; a save
+  # that died before it left a complete, unpointed ckpt-9.
+  checkpointer.Checkpointer(str(tmp_path / 'other'), variables).Save(1)
+  checkpointer.Checkpointer(str(tmp_path / 'other'), variables).Save(9)
+  for f in os.listdir(tmp_path / 'other'):
+    if f.startswith(('ckpt-1.', 'ckpt-9.')):
+      os.replace(tmp_path / 'other' / f, tmp_path / f)
+  assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [
+      1, 2, 3, 9]
+  assert checkpointer.LatestCheckpoint(str(tmp_path)).endswith('ckpt-3')
+  checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
+  assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [2, 3]
