@@ -106,7 +106,8 @@ class Bench:
           name='model', layers=layer_params, num_stages=num_stages,
           num_micro_batches=num_mb, devices=self.devices,
           balance_by='flops', input_shapes=[self.input_shape],
-          recompute='always' if recompute else 'never').Instantiate()
+          recompute='always' if recompute else 'never',
+          strict_order=bool(args.strict_order)).Instantiate()
     variables = self.layer.trainable_variables
     self.weight_bytes = sum(v.shape.num_elements() * v.dtype.size
                             for v in variables)
@@ -287,6 +288,13 @@ def main(argv=None):
                       help='Directory: write a timeline (PNG, Chrome trace).')
   parser.add_argument('--trace_stages', type=int, default=2)
   parser.add_argument('--trace_micro_batches', type=int, default=8)
+  parser.add_argument('--worker_inter_op_threads', type=int, default=2,
+                      help='multi_process: ops a worker may run at once.')
+  parser.add_argument('--pin_workers', type=int, default=1,
+                      help='multi_process: pin worker i to core i, so a '
+                      'worker computes on one core whatever its threads.')
+  parser.add_argument('--strict_order', type=int, default=1,
+                      help='PipeliningLayer.strict_order.')
   parser.add_argument('--no_benchmark', action='store_true',
                       help='Only write the trace.')
   args = parser.parse_args(argv)
@@ -302,9 +310,12 @@ def main(argv=None):
     # its config asks for (the config travels with the connection), so the
     # one-op-at-a-time setting must be made here as well as in the servers.
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    local = cluster.LocalCluster(args.num_devices, intra_op_threads=1,
-                                 inter_op_threads=1).Start()
+    tf.config.threading.set_inter_op_parallelism_threads(
+        args.worker_inter_op_threads)
+    local = cluster.LocalCluster(
+        args.num_devices, intra_op_threads=1,
+        inter_op_threads=args.worker_inter_op_threads,
+        pin_cpus=bool(args.pin_workers)).Start()
     cluster.Connect(local.cluster_spec)
     devices = local.devices
   try:
