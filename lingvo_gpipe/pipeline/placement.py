@@ -17,11 +17,14 @@ def _Spec(name):
 
 def _Matches(want, have):
   """True if device spec `want` (partially given) matches full spec `have`."""
+  local = {'job': 'localhost', 'replica': 0, 'task': 0}
   for field in ('job', 'replica', 'task', 'device_type', 'device_index'):
     w = getattr(want, field)
     if w is None:
       continue
     h = getattr(have, field)
+    if h is None and field in local:  # an unqualified local device name
+      h = local[field]
     if field == 'device_type':
       w, h = w.upper(), (h or '').upper()
     if w != h:

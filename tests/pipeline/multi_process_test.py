@@ -1,0 +1,79 @@
+"""A pipeline across TensorFlow server processes gives the in-process result.
+
+Runs in a subprocess: connecting to a cluster changes this process's
+TensorFlow context, which the other tests must not see.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import tensorflow as tf
+    from lingvo_gpipe.core import cluster
+    from lingvo_gpipe.core import layers
+    from lingvo_gpipe.pipeline import pipelining_layer
+
+    fcs = [layers.FCLayer.Params().Set(name=f'fc_{i}', input_dim=8,
+                                       output_dim=8, activation='TANH')
+           for i in range(4)]
+    x = tf.constant(np.random.RandomState(0).randn(8, 8), tf.float32)
+
+    def Run(devices, num_stages):
+      pipe = pipelining_layer.PipeliningLayer.Params().Set(
+          name='pipe', layers=fcs, num_stages=num_stages,
+          num_micro_batches=4, devices=devices).Instantiate()
+
+      @tf.function
+      def Step():
+        with tf.GradientTape() as tape:
+          y = pipe(x)
+          loss = tf.reduce_sum(y * y)
+        return y, tape.gradient(loss, pipe.trainable_variables)
+
+      y, grads = Step()
+      return y.numpy(), {v.name: g.numpy() for v, g in
+                         zip(pipe.trainable_variables, grads)}
+
+    y_ref, g_ref = Run(['/job:localhost/replica:0/task:0/device:CPU:0'], 1)
+    with cluster.LocalCluster(2, startup_timeout_s=60) as c:
+      cluster.Connect(c.cluster_spec, timeout_s=30)
+      y, g = Run(c.devices, 2)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    assert sorted(g) == sorted(g_ref)
+    for name in g:
+      np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-5, atol=1e-6)
+    print('MULTI_PROCESS_OK', len(g))
+""")
+
+
+def testPipelineAcrossTwoWorkerProcessesMatchesOneProcess():
+  out = subprocess.run([sys.executable, '-c', SCRIPT], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=ROOT,
+                                TF_CPP_MIN_LOG_LEVEL='2'))
+  assert 'MULTI_PROCESS_OK 8' in out.stdout, out.stderr[-4000:]
+
+
+def testUnreachableWorkerFailsFastNamingTheAddress():
+  script = textwrap.dedent("""
+      import time
+      from lingvo_gpipe.core import cluster
+      port = cluster.FreePorts(1)[0]
+      start = time.time()
+      try:
+        cluster.Connect({'worker': [f'127.0.0.1:{port}']}, timeout_s=2)
+      except TimeoutError as e:
+        print('TIMEOUT', round(time.time() - start), e)
+  """)
+  out = subprocess.run([sys.executable, '-c', script], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+  assert 'TIMEOUT' in out.stdout, out.stderr[-3000:]
+  assert '127.0.0.1:' in out.stdout
+  assert int(out.stdout.split()[1]) <= 10
