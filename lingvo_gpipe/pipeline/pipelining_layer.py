@@ -320,8 +320,13 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _Device(self, k):
     return tf.device(self._devices[k] if self._devices else None)
 
+  @tf.autograph.experimental.do_not_convert
   def FProp(self, theta, *args):
     """Runs the pipeline.
+
+    In evaluation and inference (`do_eval`), a batch that M does not divide,
+    or whose size is unknown when the graph is built (an exported model),
+    runs as one micro-batch: no gradients, so nothing to pipeline for memory.
 
     Args:
       theta: this layer's theta.
@@ -332,9 +337,18 @@ class PipeliningLayer(base_layer.BaseLayer):
       The last cell's outputs for the whole mini-batch.
     """
     p = self.params
-    num_mb = microbatch.NumMicroBatches(
-        microbatch.BatchSize(args, p.batch_dim), p.num_micro_batches,
-        p.micro_batch_size)
+    batch = microbatch.BatchSize(args, p.batch_dim)
+    if self.do_eval:
+      try:
+        num_mb = microbatch.NumMicroBatches(batch, p.num_micro_batches,
+                                            p.micro_batch_size)
+      except ValueError:
+        num_mb = 1
+      if batch is None:
+        num_mb = 1
+    else:
+      num_mb = microbatch.NumMicroBatches(batch, p.num_micro_batches,
+                                          p.micro_batch_size)
     thetas = []
     for k in range(self.num_stages):
       with self._Device(k):

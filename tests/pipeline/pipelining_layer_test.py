@@ -310,3 +310,17 @@ def testBadInputErrors():
                      r'the output of cell 0 \(fc_0, fc_1\)'):
     P().Set(name='p', layers=bad, splits=[2, 4], devices=DEVICES[:2],
             input_shapes=[[8, 6]]).Instantiate()
+
+
+def testEvalRunsBatchesThatMDoesNotDivide(reference):
+  _, x, _, _ = reference
+  pipe = pipelining_layer.PipeliningLayer.Params().Set(
+      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=4,
+      devices=DEVICES[:2]).Instantiate()
+  with py_utils.EvalMode():
+    five = tf.function(lambda x: pipe(x))(x[:5])
+    unknown = tf.function(lambda x: pipe(x), input_signature=[
+        tf.TensorSpec([None, 6], tf.float32)])(x[:3])
+  np.testing.assert_allclose(five.numpy()[:3], unknown.numpy(), rtol=1e-6)
+  with pytest.raises(ValueError, match='does not divide the batch size 5'):
+    pipe(x[:5])
