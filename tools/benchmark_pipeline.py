@@ -222,6 +222,8 @@ def RunBenchmark(args, devices):
                  examples_per_s=batch / t,
                  ideal_speedup=schedule.IdealSpeedup(max(k, 1), m),
                  weight_bytes=b.weight_bytes, devices=b.devices)
+      if model_name == 'transformer':
+        rec['tokens_per_s'] = batch * args.seq_len / t
       if k == 0:
         plain = rec
       if args.mode == 'in_process':
