@@ -122,7 +122,8 @@ class Bench:
         y = self.layer(x)
         with tf.device(last):
           loss = tf.reduce_mean(tf.square(y))
-      grads = tape.gradient(loss, variables)
+      with tf.device(last):  # the loss gradient next to the loss
+        grads = tape.gradient(loss, variables)
       for v, g in zip(variables, grads):
         with tf.device(v.device):  # update where the weight lives
           v.assign_sub(lr * g)
