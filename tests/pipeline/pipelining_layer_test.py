@@ -242,41 +242,66 @@ def testVariablesLiveOnTheirCellsDevice():
   assert 'cell 1 on' in pipe.PlacementText()
 
 
+_OVERLAP_SCRIPT = """
+import tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+from lingvo_gpipe.core import cluster
+cluster.SplitCpu(2)
+from lingvo_gpipe.pipeline import pipelining_layer, schedule
+from tests.pipeline.pipelining_layer_test import Dense
+dim = 512
+layers = [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
+          for i in range(4)]
+pipe = pipelining_layer.PipeliningLayer.Params().Set(
+    name='pipe', layers=layers, num_stages=2, num_micro_batches=8,
+    devices=['/device:CPU:0', '/device:CPU:1']).Instantiate()
+x = tf.random.normal([1024, dim])
+tracer = schedule.ScheduleTracer()
+
+@tf.function
+def Step(x):
+  with tracer:
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    grads = tape.gradient(loss, pipe.trainable_variables)
+  return loss, grads, tracer.Tensors()
+
+Step(x)
+best = 0.0
+for _ in range(3):
+  events = tracer.Events(Step(x)[2])
+  assert len(events) == 2 * 2 * 8, len(events)
+  fwd = {(k, m): (s, e) for (ps, k, m, s, e) in events if ps == 'forward'}
+  for m in range(8):  # cell 1 starts micro-batch m after cell 0 ended it
+    assert fwd[(1, m)][0] >= fwd[(0, m)][1] - 1e-4, m
+  overlap = sum(max(0.0, min(e0, e1) - max(s0, s1))
+                for (s0, e0) in [fwd[(0, m)] for m in range(8)]
+                for (s1, e1) in [fwd[(1, m)] for m in range(8)])
+  busy = sum(e - s for (s, e) in fwd.values())
+  best = max(best, overlap / busy)
+print('OVERLAP', best)
+"""
+
+
 def testCellsOverlapInTrace():
-  """Cell 0 runs micro-batch m+1 while cell 1 runs m: seen in a trace."""
-  dim = 256
-  layers = [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
-            for i in range(4)]
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=layers, num_stages=2, num_micro_batches=8,
-      devices=DEVICES[:2]).Instantiate()
-  x = tf.random.normal([512, dim])
-  tracer = schedule.ScheduleTracer()
+  """Cell 0 runs micro-batch m+1 while cell 1 runs m: seen in a trace.
 
-  @tf.function
-  def Step(x):
-    with tracer:
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(pipe(x))
-      grads = tape.gradient(loss, pipe.trainable_variables)
-    return loss, grads, tracer.Tensors()
-
-  Step(x)
-  overlaps = []
-  for _ in range(3):
-    _, _, stamps = Step(x)
-    events = tracer.Events(stamps)
-    assert len(events) == 2 * 2 * 8
-    fwd = {(k, m): (s, e) for (ps, k, m, s, e) in events if ps == 'forward'}
-    # Cell 1 works on micro-batch m only after cell 0 finished it.
-    for m in range(8):
-      assert fwd[(1, m)][0] >= fwd[(0, m)][1] - 1e-4
-    # Total time during which both cells were busy in the forward pass.
-    busy0 = [fwd[(0, m)] for m in range(8)]
-    busy1 = [fwd[(1, m)] for m in range(8)]
-    overlaps.append(sum(max(0.0, min(e0, e1) - max(s0, s1))
-                        for s0, e0 in busy0 for s1, e1 in busy1))
-  assert max(overlaps) > 0.0
+  Runs in a fresh process with one intra-op and two inter-op threads, so two
+  virtual devices can run one op each at the same time.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  out = subprocess.run([sys.executable, '-c', _OVERLAP_SCRIPT], cwd=root,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=root,
+                                TF_CPP_MIN_LOG_LEVEL='2'))
+  assert 'OVERLAP' in out.stdout, out.stderr[-3000:]
+  # A clearly positive share of the forward work ran concurrently.
+  assert float(out.stdout.split('OVERLAP')[1]) > 0.05, out.stdout
 
 
 def testBadInputErrors():
