@@ -1,0 +1,1 @@
+"""Machine translation experiments (the GPipe paper's multilingual models)."""

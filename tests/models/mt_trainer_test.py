@@ -1,0 +1,54 @@
+"""End to end: the trainer binary trains TransformerTiny; BLEU is scored.
+
+The trainer runs in a subprocess on 2 virtual CPU devices (the pipeline's 2
+cells), with an empty cache directory, so the demo corpus and its vocabulary
+are built on the fly, as on a fresh machine.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from lingvo_gpipe.runners import checkpointer
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODEL = 'mt.multilingual.TransformerTiny'
+
+
+def _Env(cache):
+  path = os.environ.get('PYTHONPATH', '')
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', XDG_CACHE_HOME=str(cache),
+              PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''))
+
+
+def test_tiny_transformer_trains_and_is_scored(tmp_path):
+  logdir = tmp_path / 'logdir'
+  env = _Env(tmp_path / 'cache')
+  res = subprocess.run(
+      [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={MODEL}',
+       f'--logdir={logdir}', '--num_cpu_devices=2', '--run_locally=cpu',
+       '--mode=sync', '--max_steps=3', '--log_interval_steps=1'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+  assert res.returncode == 0, res.stderr[-3000:]
+  log = res.stderr
+  assert 'cell 1 on /device:CPU:1' in log and 'mt/network/softmax' in log
+  assert 'step       3/3' in log
+  assert 'Corpus de-en' in log  # Per-corpus counts are logged.
+  assert os.path.exists(tmp_path / 'cache' / 'lingvo_gpipe' / 'demo_mt' /
+                        'spm.model')
+  assert checkpointer.LatestCheckpoint(str(logdir / 'train')).endswith(
+      'ckpt-3')
+  out = tmp_path / 'bleu.json'
+  res = subprocess.run(
+      [sys.executable, str(REPO / 'tools' / 'eval_bleu.py'), f'--model={MODEL}',
+       f'--logdir={logdir}', '--dataset=Dev', '--beam_size=2',
+       '--max_batches=1', '--num_cpu_devices=2', f'--json={out}'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert f'{MODEL} step 3, Dev:' in res.stdout
+  assert 'average' in res.stdout and 'corpus' in res.stdout
+  scores = json.loads(out.read_text())
+  assert scores['step'] == 3 and 0.0 <= scores['bleu'] <= 100.0
+  assert any(k.startswith('bleu_') and k.endswith('-en') for k in scores)
