@@ -234,6 +234,8 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
   def __getattr__(self, name):
     # Only called when normal lookup fails: look in children, then vars.
     d = self.__dict__
+    if name.startswith('_'):  # tf.Module's internal probes: no suggestions
+      raise AttributeError(name)
     if '_private_children' in d and name in d['_private_children']:
       return d['_private_children'][name]
     if '_private_vars' in d and name in d['_private_vars']:

@@ -282,13 +282,18 @@ class Decoder(Evaler):
       total += int(keep.sum()) if keep is not None else BatchRows(batch)
       num_batches += 1
     path = os.path.join(self._eval_dir, f'decoder_out_{step}.npz')
+    arrays = {k: np.concatenate(v) if v[0].ndim else np.stack(v)
+              for k, v in columns.items()}
     buf = io.BytesIO()  # np.savez seeks; not every file system can.
-    np.savez(buf, **{k: np.concatenate(v) if v[0].ndim else np.stack(v)
-                     for k, v in columns.items()})
+    np.savez(buf, **arrays)
     with tf.io.gfile.GFile(path, 'wb') as f:
       f.write(buf.getvalue())
-    return ({'num_examples': float(total)}, {'num_examples': 1.0},
-            num_batches, {'decoder_out': path})
+    metrics = {'num_examples': float(total)}
+    if hasattr(self._task, 'PostProcessDecodeOut'):
+      # Task-specific decode metrics, e.g. BLEU per language.
+      metrics.update(self._task.PostProcessDecodeOut(arrays).Metrics())
+    return (metrics, {k: 1.0 for k in metrics}, num_batches,
+            {'decoder_out': path})
 
 
 def BatchRows(batch):
