@@ -294,6 +294,12 @@ def _SaveIntervalSeconds(tp):
   return None if tp.save_interval_steps else tp.save_interval_seconds
 
 
+# Jobs of one process build their models one at a time: model construction
+# (variable creation and naming, optimizer slots) is not meant to run in two
+# threads at once, and it is fast next to training.
+_BUILD_LOCK = threading.Lock()
+
+
 def _RunTrainer(p, logdir, stop):
   """The trainer job: resume (or fine-tune), train, save; a TrainResult."""
   train_dir = os.path.join(logdir, 'train')
@@ -302,7 +308,8 @@ def _RunTrainer(p, logdir, stop):
     rules = checkpointer.ParseRestoreMap(FLAGS.restore_map)
   except ValueError as e:
     raise UserError(str(e)) from e
-  model = p.Instantiate()
+  with _BUILD_LOCK:
+    model = p.Instantiate()
   logging.info('Pipeline placement:\n%s', PlacementText(model))
   task = model.GetTask()
   tp = p.task.train
@@ -335,10 +342,11 @@ def _RunEvaler(kind, dataset, logdir, stop, errors):
   """Runs an evaler/decoder job; exceptions go to `errors`."""
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
-    ev = cls(_FlagParams(dataset), logdir, dataset=dataset,
-             interval_seconds=FLAGS.eval_interval_seconds,
-             timeout_seconds=FLAGS.eval_timeout,
-             max_batches=FLAGS.eval_max_batches)
+    with _BUILD_LOCK:
+      ev = cls(_FlagParams(dataset), logdir, dataset=dataset,
+               interval_seconds=FLAGS.eval_interval_seconds,
+               timeout_seconds=FLAGS.eval_timeout,
+               max_batches=FLAGS.eval_max_batches)
     logging.info('%s_%s pipeline placement:\n%s', kind, dataset.lower(),
                  PlacementText(ev.model))
     ev.Run(stop=stop)

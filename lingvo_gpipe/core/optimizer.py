@@ -97,7 +97,7 @@ class Base:
       with tf.init_scope():
         self._counter = tf.Variable(
             tf.constant(0, tf.int64), trainable=False,
-            name=f'{self.params.name}/iterations')
+            name=f'{self.params.name}/iterations/')
 
   def CreateSlots(self, variables):
     """Creates the slots of `variables` (idempotent), each on its device."""
@@ -116,7 +116,7 @@ class Base:
         with tf.init_scope(), tf.device(var.device):
           self._slots[(vname, slot)] = tf.Variable(
               tf.fill(shape, tf.constant(init, var.dtype.base_dtype)),
-              trainable=False, name=f'{vname}/{slot}')
+              trainable=False, name=f'{vname}/{slot}/')  # '/': absolute name
 
   def GetSlot(self, var, slot):
     """The slot variable `slot` of `var`."""
