@@ -299,3 +299,34 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   expected = tf.tanh(tf.matmul(n, ref.body[2].vars.w) + ref.body[2].vars.b)
   plt.AssertClose(y_eval, expected)
   np.testing.assert_array_equal(before, bn.vars.moving_mean.numpy())
+
+
+def testMixedPrecisionComputeWithFloat32MasterWeights():
+  """fprop_dtype=bfloat16: the cells compute in bfloat16, the variables and
+  their gradients stay float32, and the result tracks the float32 model."""
+  x, w = plt._Inputs()
+  pipe32 = PipeliningLayer.Params().Set(
+      name='pipe', layers=plt.DenseLayers(4), num_stages=2,
+      num_micro_batches=2, devices=DEVICES[:2]).Instantiate()
+  pipe16 = PipeliningLayer.Params().Set(
+      name='pipe', layers=plt.DenseLayers(4), num_stages=2,
+      num_micro_batches=2, devices=DEVICES[:2],
+      fprop_dtype=tf.bfloat16).Instantiate()
+  assert all(v.dtype == tf.float32 for v in pipe16.trainable_variables)
+
+  @tf.function
+  def Step16(x):
+    with tf.GradientTape() as tape:
+      y = pipe16(tf.cast(x, tf.bfloat16))
+      loss = tf.reduce_sum(tf.cast(y, tf.float32) * w)
+    return y, tape.gradient(loss, pipe16.trainable_variables)
+
+  y16, grads16 = Step16(x)
+  assert y16.dtype == tf.bfloat16
+  y32, _, grads32, _ = plt.LossAndGrads(pipe32, (x,), w)
+  np.testing.assert_allclose(tf.cast(y16, tf.float32).numpy(), y32.numpy(),
+                             atol=0.05)
+  for v, g in zip(pipe16.trainable_variables, grads16):
+    assert g.dtype == tf.float32
+    np.testing.assert_allclose(g.numpy(), grads32[v.name], atol=0.1,
+                               rtol=0.1)
