@@ -22,7 +22,7 @@ __all__ = [
     'NestedMap', 'WeightInit', 'WeightParams', 'StableHash', 'EvalMode',
     'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
     'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
-    'GetShape', 'ReduceSum', 'CheckNumerics',
+    'GetShape', 'CheckNumerics',
 ]
 
 Flatten = tf.nest.flatten
@@ -377,10 +377,6 @@ def HasShape(tensor, expected, layer_name='', what='input'):
         f'{shown} is expected (? = any). Check the layer\'s Params '
         f'(e.g. input_dim) against the tensor you pass.')
   return tensor
-
-
-def ReduceSum(x, axis=None):
-  return tf.reduce_sum(x, axis=axis)
 
 
 def CheckNumerics(x, message='NaN or Inf found'):

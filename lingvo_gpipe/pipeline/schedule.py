@@ -18,7 +18,6 @@ cell's first op and right after its last one, so a trace shows the real
 overlap of the cells, not the intended one.
 """
 
-import contextlib
 import threading
 
 import tensorflow as tf
@@ -137,17 +136,3 @@ class ScheduleTracer:
 def ActiveTracer():
   stack = getattr(_local, 'stack', None)
   return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def NoTracing():
-  """Hides the active tracer (e.g. while probing shapes)."""
-  stack = getattr(_local, 'stack', None)
-  saved = list(stack) if stack else []
-  if stack:
-    del stack[:]
-  try:
-    yield
-  finally:
-    if stack is not None:
-      stack.extend(saved)
