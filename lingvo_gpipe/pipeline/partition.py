@@ -20,7 +20,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.pipeline import balance
 
-__all__ = ['LayerMetas', 'LayerCosts', 'ComputeSplits',
+__all__ = ['LayerMetas', 'LayerCosts', 'ComputeSplits', 'FormatShapes',
            'PartitionSequentialLayers', 'MeasureLayerTimes', 'Report']
 
 BALANCE_BY = ('flops', 'params', 'time', 'uniform')
@@ -59,14 +59,15 @@ def LayerMetas(layer_params, *input_shapes):
               if i else 'the pipeline input')
       raise ValueError(
           f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
-          f'shapes {_Fmt(shapes)}: {e}') from e
+          f'shapes {FormatShapes(shapes)}: {e}') from e
     out.append((m.flops, shapes, m.out_shapes))
     shapes = _AsTuple(m.out_shapes) if not isinstance(
         m.out_shapes, tuple) else m.out_shapes
   return out
 
 
-def _Fmt(shapes):
+def FormatShapes(shapes):
+  """Shapes (TensorShapes, nested) as plain lists, for error messages."""
   return tf.nest.map_structure(
       lambda s: tf.TensorShape(s).as_list() if s is not None else None,
       shapes)

@@ -236,7 +236,8 @@ class PipeliningLayer(base_layer.BaseLayer):
         prev = ', '.join(c.name for c in cells[k - 1])
         raise ValueError(
             f'Pipeline cell {k} ({names}) cannot take the output of cell '
-            f'{k - 1} ({prev}), of shapes {partition._Fmt(shapes)}: {e}. Make '
+            f'{k - 1} ({prev}), of shapes '
+            f'{partition.FormatShapes(shapes)}: {e}. Make '
             f'the first layer of cell {k} accept what the last layer of cell '
             f'{k - 1} returns.') from e
       shapes = tuple(metas[-1][2])
