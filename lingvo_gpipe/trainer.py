@@ -6,6 +6,16 @@ Lingvo's flags, one process:
       --run_locally=cpu --num_cpu_devices=2 --worker_split_size=2 \
       --job=trainer,evaler_dev --max_steps=200
 
+Devices: --worker_split_size=K stages per pipeline, --worker_replicas=R
+data-parallel copies of it, on R*K devices of this host (--num_cpu_devices /
+--num_gpu_devices split the CPU / a GPU into virtual devices) or of remote
+TensorFlow workers (--cluster_spec=worker=host:port,host:port, or TF_CONFIG;
+start the workers with gpipe_tf_server or tools/local_cluster.py). The
+placement (which layer on which device) is logged at start and written to
+<logdir>/placement.txt. If a worker dies, the trainer exits with status 1
+naming it; rerun it (after restarting the worker) to resume from the last
+checkpoint.
+
 Modes: `sync` (default; runs the --job list: trainer / trainer_client,
 evaler_<dataset>, decoder_<dataset>), `inspect_params` (prints the Params
 text), `inspect_model` (prints variables, parameter count and pipeline
@@ -79,9 +89,30 @@ flags.DEFINE_integer('worker_split_size', None,
                      'Devices per model split: sets num_stages (and the '
                      'first N devices) of every PipeliningLayer.',
                      lower_bound=1)
+flags.DEFINE_integer('worker_replicas', 1,
+                     'Data-parallel replicas R of every PipeliningLayer: the '
+                     'pipelines use R * worker_split_size devices; each '
+                     'replica runs 1/R of the batch and the gradients are '
+                     'summed.', lower_bound=1)
 flags.DEFINE_integer('num_cpu_devices', None,
                      'Split the host CPU into N virtual devices (before any '
                      'TensorFlow op).', lower_bound=1)
+flags.DEFINE_integer('num_gpu_devices', None,
+                     'Split the first GPU into N logical GPUs (tests of '
+                     'multi-GPU pipelines on one GPU); needs '
+                     '--gpu_memory_limit_mb.', lower_bound=1)
+flags.DEFINE_integer('gpu_memory_limit_mb', None,
+                     'Memory of each logical GPU (--num_gpu_devices).',
+                     lower_bound=1)
+flags.DEFINE_string('cluster_spec', None,
+                    'Remote TensorFlow workers that run the model: '
+                    '"worker=host:port,host:port" (Lingvo\'s form) or JSON '
+                    '{"worker": [...]}. Default: TF_CONFIG if set, else this '
+                    'host\'s devices.')
+flags.DEFINE_string('worker_job', 'worker',
+                    'The job of --cluster_spec whose devices run the model.')
+flags.DEFINE_float('connect_timeout_s', 30.0,
+                   'Bound on reaching each remote worker at start.')
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
                      lower_bound=0)
 flags.DEFINE_integer('seed', None, 'Model random_seed (overrides Params).')
@@ -121,21 +152,31 @@ class UserError(Exception):
 # -- Devices -------------------------------------------------------------------
 
 
-def ConfigureDevices(num_cpu_devices=None, run_locally=None):
-  """Splits the CPU / hides GPUs. Must run before any TensorFlow op."""
-  if run_locally == 'cpu':
-    try:
-      tf.config.set_visible_devices([], 'GPU')
-    except RuntimeError as e:
-      logging.warning('Could not hide the GPUs: %s', e)
-  elif run_locally == 'gpu' and not tf.config.list_physical_devices('GPU'):
-    raise UserError('--run_locally=gpu but TensorFlow finds no GPU; use '
-                    '--run_locally=cpu.')
-  if num_cpu_devices:
-    try:
-      cluster.SplitCpu(num_cpu_devices)
-    except RuntimeError as e:
-      raise UserError(str(e)) from e
+def ConfigureDevices(num_cpu_devices=None, run_locally=None, **kwargs):
+  """Makes the job's devices (see cluster.Cluster.Params for `kwargs`):
+  splits the CPU / a GPU, hides GPUs, connects to remote workers. Must run
+  before any TensorFlow op. Returns the cluster.Cluster."""
+  try:
+    c = cluster.Cluster(cluster.Cluster.Params().Set(
+        num_cpu_devices=num_cpu_devices, run_locally=run_locally, **kwargs))
+    return c.Configure()
+  except (RuntimeError, ValueError, TimeoutError) as e:
+    raise UserError(str(e)) from e
+
+
+def _FlagCluster():
+  return ConfigureDevices(
+      FLAGS.num_cpu_devices, FLAGS.run_locally,
+      num_gpu_devices=FLAGS.num_gpu_devices,
+      gpu_memory_limit_mb=FLAGS.gpu_memory_limit_mb,
+      cluster_spec=FLAGS.cluster_spec, worker_job=FLAGS.worker_job,
+      worker_split_size=FLAGS.worker_split_size,
+      worker_replicas=FLAGS.worker_replicas,
+      connect_timeout_s=FLAGS.connect_timeout_s)
+
+
+# The cluster of this process, set by main() before anything is built.
+_CLUSTER = None
 
 
 # -- Params --------------------------------------------------------------------
@@ -170,36 +211,48 @@ def PipelineLayers(p):
   return found
 
 
-def ApplyWorkerSplit(p, num_stages, devices=None):
-  """Sets num_stages and devices of every PipeliningLayer in `p`.
+def ApplyWorkerSplit(p, num_stages, devices=None, num_replicas=1):
+  """Sets the stages, replicas and devices of every PipeliningLayer in `p`.
+
+  Args:
+    p: model Params.
+    num_stages: K (--worker_split_size); None keeps each pipeline's own.
+    devices: the devices to use (default: this host's accelerators or CPUs);
+      replica r's stages get devices[r*K:(r+1)*K].
+    num_replicas: R (--worker_replicas).
 
   Returns:
     The keys of the pipelines changed ([] if the model has none).
   """
   devices = list(devices) if devices else placement.DefaultDevices()
-  if len(devices) < num_stages:
-    raise UserError(
-        f'--worker_split_size={num_stages} but only {len(devices)} devices '
-        f'exist ({devices}). Use --num_cpu_devices={num_stages} on CPU, or a '
-        'smaller --worker_split_size.')
   keys = []
   for key, lp in PipelineLayers(p):
+    k = num_stages or len(lp.cell_tpl) or lp.num_stages or 1
+    if k * num_replicas > len(devices):
+      what = (f'--worker_replicas={num_replicas} x --worker_split_size={k} '
+              f'need {k * num_replicas} devices' if num_replicas > 1 else
+              f'--worker_split_size={k} needs {k} devices')
+      raise UserError(
+          f'{what} but only {len(devices)} exist ({devices}). Use '
+          f'--num_cpu_devices={k * num_replicas} on CPU, more workers in '
+          '--cluster_spec, or fewer stages/replicas.')
     if lp.cell_tpl:
-      if len(lp.cell_tpl) != num_stages:
+      if len(lp.cell_tpl) != k:
         raise UserError(
-            f'--worker_split_size={num_stages}: the pipeline at {key or "."} '
+            f'--worker_split_size={k}: the pipeline at {key or "."} '
             f'has {len(lp.cell_tpl)} fixed cells (cell_tpl); give it a flat '
             '`layers` list to let the library re-split it.')
     else:
-      lp.num_stages = num_stages
+      lp.num_stages = k
       if isinstance(lp.splits, int) or (
-          lp.splits is not None and len(lp.splits) != num_stages):
+          lp.splits is not None and len(lp.splits) != k):
         lp.splits = None
-    lp.devices = devices[:num_stages]
+    lp.num_replicas = num_replicas
+    lp.devices = devices[:k * num_replicas]
     keys.append(key)
   if not keys:
-    logging.warning('--worker_split_size=%d: the model has no '
-                    'PipeliningLayer; nothing to split.', num_stages)
+    logging.warning('--worker_split_size / --worker_replicas: the model has '
+                    'no PipeliningLayer; nothing to split.')
   return keys
 
 
@@ -212,7 +265,7 @@ def _GetParams(model, dataset):
 
 def BuildParams(model, dataset='Train', file_override=None, overrides=(),
                 worker_split_size=None, max_steps=None, seed=None,
-                max_to_keep=None):
+                max_to_keep=None, worker_replicas=1, devices=None):
   """The model Params for `dataset` with every override applied."""
   if not model:
     raise UserError('--model is required, e.g. '
@@ -237,16 +290,19 @@ def BuildParams(model, dataset='Train', file_override=None, overrides=(),
     p.random_seed = seed
     if 'random_seed' in p.task:
       p.task.random_seed = seed
-  if worker_split_size:
-    ApplyWorkerSplit(p, worker_split_size)
+  if worker_split_size or (worker_replicas or 1) > 1 or devices:
+    ApplyWorkerSplit(p, worker_split_size, devices, worker_replicas or 1)
   return p
 
 
 def _FlagParams(dataset='Train'):
+  devices = None
+  if _CLUSTER is not None and _CLUSTER.is_remote:
+    devices = _CLUSTER.Devices()
   return BuildParams(
       FLAGS.model, dataset, FLAGS.model_params_file_override,
       FLAGS.model_params_override, FLAGS.worker_split_size, FLAGS.max_steps,
-      FLAGS.seed, FLAGS.saver_max_to_keep)
+      FLAGS.seed, FLAGS.saver_max_to_keep, FLAGS.worker_replicas, devices)
 
 
 # -- Inspection ----------------------------------------------------------------
@@ -310,7 +366,10 @@ def _RunTrainer(p, logdir, stop):
     raise UserError(str(e)) from e
   with _BUILD_LOCK:
     model = p.Instantiate()
-  logging.info('Pipeline placement:\n%s', PlacementText(model))
+  text = PlacementText(model)
+  if _CLUSTER is not None:
+    text = _CLUSTER.Describe() + '\n' + text
+  logging.info('Placement:\n%s', text)
   task = model.GetTask()
   tp = p.task.train
   iterator = iter(task.input_generator.GetDataset())
@@ -331,11 +390,42 @@ def _RunTrainer(p, logdir, stop):
   # params.txt of another model whose checkpoint was refused).
   with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
     f.write(p.ToText())
+  with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
+    f.write(text + '\n')
   loop = train_loop.TrainLoop(
       task, model.global_step, iterator, ckpt, tp.max_steps,
       summary_dir=train_dir, log_interval_steps=FLAGS.log_interval_steps,
       summary_interval_steps=tp.summary_interval_steps, stop=stop)
-  return loop.Run()
+  try:
+    return loop.Run()
+  except tf.errors.OpError as e:
+    _RaiseIfWorkerLost(e, train_dir)
+    raise
+
+
+# What TensorFlow raises when a remote worker goes away during a step.
+_LOST_WORKER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                       tf.errors.CancelledError, tf.errors.InternalError,
+                       tf.errors.UnknownError)
+
+
+def _RaiseIfWorkerLost(error, train_dir):
+  """Turns the error of a step that lost a remote worker into a UserError
+  naming the worker (the trainer then exits with status 1)."""
+  if (_CLUSTER is None or not _CLUSTER.is_remote or
+      not isinstance(error, _LOST_WORKER_ERRORS)):
+    return
+  lost = _CLUSTER.UnreachableWorkers()
+  if not lost:
+    return
+  last = checkpointer.LatestCheckpoint(train_dir)
+  first_line = str(error).strip().splitlines()[0] if str(error) else ''
+  raise UserError(
+      f'Lost worker {", ".join(lost)} during training: it no longer accepts '
+      f'connections (the process died or its host is down). The last '
+      f'checkpoint is {last or "none"}; restart the worker and rerun the '
+      f'trainer to resume from it. (TensorFlow: {type(error).__name__}: '
+      f'{first_line})') from error
 
 
 def _RunEvaler(kind, dataset, logdir, stop, errors):
@@ -429,7 +519,8 @@ def _Export():
 
 
 def _Main(unused_argv):
-  ConfigureDevices(FLAGS.num_cpu_devices, FLAGS.run_locally)
+  global _CLUSTER
+  _CLUSTER = _FlagCluster()
   if FLAGS.mode == 'inspect_params':
     print(_FlagParams('Train').ToText(), end='')
   elif FLAGS.mode == 'inspect_model':

@@ -200,7 +200,7 @@ def test_params_overrides_in_process(tmp_path):
                         overrides=['task.train.max_steps : abc'])
   with pytest.raises(trainer.UserError, match='No such file'):
     trainer.BuildParams(MODEL, 'Train', file_override=str(tmp_path / 'none'))
-  with pytest.raises(trainer.UserError, match='--worker_split_size=9 but only'):
+  with pytest.raises(trainer.UserError, match='--worker_split_size=9 needs 9 devices but only'):
     trainer.BuildParams(MODEL, 'Train', worker_split_size=9)
   with pytest.raises(trainer.UserError, match='unknown job'):
     trainer.ParseJobs('trainer,evaler')

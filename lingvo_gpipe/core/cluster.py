@@ -1,12 +1,18 @@
-"""Devices and clusters: where pipeline cells run.
+"""Devices and clusters: where pipeline cells and replicas run.
 
-* `SplitCpu(n)` splits the host CPU into n virtual devices (development and
-  tests: `/device:CPU:0..n-1`). Call it before TensorFlow runs any op.
+* `Cluster` (Lingvo's cluster, from the trainer's flags) knows the devices of
+  this job: local CPUs (split into `num_cpu_devices` virtual devices for
+  development), local GPUs (optionally split into logical GPUs), or the
+  devices of remote TensorFlow workers (`cluster_spec` or `TF_CONFIG`). It
+  hands out the device of each (replica, stage): `StageDevices()`.
+* `SplitCpu(n)` / `SplitGpu(n)` split the host CPU / the first GPU into n
+  logical devices. Call them before TensorFlow runs any op.
 * `LocalCluster(n)` starts n TensorFlow server processes on 127.0.0.1 (free
   ports, bounded start-up, always cleaned up) and `Connect(spec)` makes their
   devices `/job:worker/replica:0/task:i/device:CPU:0` usable from this
   process, through TensorFlow's own distributed runtime.
-* `StageDevices(...)` hands out the device of each pipeline stage.
+* `UnreachableWorkers(spec)` names the workers that no longer accept
+  connections (a worker process that died).
 """
 
 import json
@@ -18,8 +24,12 @@ import time
 
 import tensorflow as tf
 
-__all__ = ['SplitCpu', 'FreePorts', 'LocalCluster', 'Connect',
-           'WorkerDevices', 'StageDevices', 'WaitForAddress']
+from absl import logging
+
+__all__ = ['Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts', 'LocalCluster',
+           'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
+           'ParseClusterSpec', 'ClusterSpecFromTfConfig',
+           'UnreachableWorkers', 'WorkerName']
 
 
 def SplitCpu(num_devices):
@@ -36,6 +46,103 @@ def SplitCpu(num_devices):
         f'Cannot split the CPU into {num_devices} devices: TensorFlow has '
         'already initialized its devices. Call SplitCpu (trainer flag '
         '--num_cpu_devices) before running any TensorFlow op.') from e
+
+
+def SplitGpu(num_devices, memory_limit_mb=None):
+  """Splits the first physical GPU into `num_devices` logical GPUs.
+
+  Args:
+    num_devices: logical GPUs to make (`/device:GPU:0..n-1`).
+    memory_limit_mb: memory of each; None: the GPU's memory divided evenly
+      is not known to TensorFlow before start-up, so this is required when
+      num_devices > 1.
+  """
+  gpus = tf.config.list_physical_devices('GPU')
+  if not gpus:
+    raise RuntimeError(
+        f'Cannot split the GPU into {num_devices} devices: TensorFlow finds '
+        'no GPU on this host. Use --run_locally=cpu and --num_cpu_devices '
+        'instead.')
+  if num_devices > 1 and not memory_limit_mb:
+    raise ValueError(
+        f'Splitting a GPU into {num_devices} logical GPUs needs a memory '
+        'limit for each (--gpu_memory_limit_mb), e.g. a quarter of the '
+        'GPU\'s memory for 4 devices.')
+  config = [tf.config.LogicalDeviceConfiguration(
+      memory_limit=memory_limit_mb)] * num_devices
+  try:
+    tf.config.set_logical_device_configuration(gpus[0], config)
+  except RuntimeError as e:
+    raise RuntimeError(
+        f'Cannot split the GPU into {num_devices} devices: TensorFlow has '
+        'already initialized its devices. Split it (trainer flag '
+        '--num_gpu_devices) before running any TensorFlow op.') from e
+
+
+def ParseClusterSpec(text):
+  """A cluster spec from text: JSON ('{"worker": ["h:p", ...]}') or Lingvo's
+  'worker=h:p,h:p@ps=h:p' form. Returns {job: [addresses]}."""
+  text = (text or '').strip()
+  if not text:
+    raise ValueError('The cluster spec is empty; give e.g. '
+                     '"worker=127.0.0.1:2222,127.0.0.1:2223".')
+  if text.startswith('{'):
+    try:
+      spec = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'Cluster spec {text!r} is not valid JSON: {e}') from e
+  else:
+    spec = {}
+    for part in text.split('@'):
+      job, sep, addresses = part.partition('=')
+      if not sep or not job.strip() or not addresses.strip():
+        raise ValueError(
+            f'Cluster spec part {part!r} is not "job=host:port[,host:port]"; '
+            'e.g. "worker=127.0.0.1:2222,127.0.0.1:2223".')
+      spec[job.strip()] = [a.strip() for a in addresses.split(',')]
+  for job, addresses in spec.items():
+    if not isinstance(addresses, list) or not addresses:
+      raise ValueError(f'Job {job!r} of the cluster spec has no addresses.')
+    for address in addresses:
+      host, sep, port = str(address).rpartition(':')
+      if not sep or not host or not port.isdigit():
+        raise ValueError(f'Address {address!r} of job {job!r} is not '
+                         'host:port.')
+  return spec
+
+
+def ClusterSpecFromTfConfig(tf_config=None):
+  """(cluster spec dict, job, task) from TF_CONFIG (or the JSON given)."""
+  text = os.environ.get('TF_CONFIG') if tf_config is None else tf_config
+  if not text:
+    return None, None, None
+  try:
+    config = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'TF_CONFIG is not valid JSON: {e}: {text!r}') from e
+  if 'cluster' not in config:
+    raise ValueError(f'TF_CONFIG has no "cluster": {text!r}')
+  task = config.get('task', {})
+  return (ParseClusterSpec(json.dumps(config['cluster'])), task.get('type'),
+          task.get('index'))
+
+
+def WorkerName(job, task, spec):
+  return f'/job:{job}/task:{task} ({spec[job][task]})'
+
+
+def UnreachableWorkers(spec, timeout_s=2.0, skip=None):
+  """Names of the tasks of `spec` that do not accept connections."""
+  bad = []
+  for job, addresses in spec.items():
+    for i, address in enumerate(addresses):
+      if skip == (job, i):
+        continue
+      try:
+        WaitForAddress(address, timeout_s)
+      except TimeoutError:
+        bad.append(WorkerName(job, i, spec))
+  return bad
 
 
 def FreePorts(n):
@@ -108,28 +215,48 @@ class LocalCluster:
     return WorkerDevices(self.num_workers, self.job)
 
   def Start(self):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     for i in range(self.num_workers):
-      cmd = [sys.executable, '-m', 'lingvo_gpipe.runners.tf_server',
-             f'--cluster_spec={json.dumps(self.cluster_spec)}',
-             f'--job_name={self.job}', f'--task_index={i}',
-             f'--intra_op_threads={self._threads[0]}',
-             f'--inter_op_threads={self._threads[1]}']
-      if self._pin:
-        cores = sorted(os.sched_getaffinity(0))
-        cmd.append(f'--cpus={cores[i % len(cores)]}')
-      self._procs.append(subprocess.Popen(
-          cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+      self._procs.append(self._Launch(i))
     try:
-      for i, address in enumerate(self.addresses):
-        WaitForAddress(address, self._timeout)
-        if self._procs[i].poll() is not None:
-          err = self._procs[i].stderr.read().decode(errors='replace')[-2000:]
-          raise RuntimeError(f'Worker {i} at {address} exited: {err}')
+      for i in range(self.num_workers):
+        self._WaitReady(i)
     except BaseException:
       self.Stop()
       raise
     return self
+
+  def Command(self, task):
+    """The command line of worker `task` (what tools/local_cluster prints)."""
+    cmd = [sys.executable, '-m', 'lingvo_gpipe.runners.tf_server',
+           f'--cluster_spec={json.dumps(self.cluster_spec)}',
+           f'--job_name={self.job}', f'--task_index={task}',
+           f'--intra_op_threads={self._threads[0]}',
+           f'--inter_op_threads={self._threads[1]}']
+    if self._pin:
+      cores = sorted(os.sched_getaffinity(0))
+      cmd.append(f'--cpus={cores[task % len(cores)]}')
+    return cmd
+
+  def _Launch(self, task):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+    return subprocess.Popen(self.Command(task), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+  def _WaitReady(self, task):
+    address = self.addresses[task]
+    WaitForAddress(address, self._timeout)
+    if self._procs[task].poll() is not None:
+      err = self._procs[task].stderr.read().decode(errors='replace')[-2000:]
+      raise RuntimeError(f'Worker {task} at {address} exited: {err}')
+
+  def Restart(self, task):
+    """Starts worker `task` again (after Kill), on the same address."""
+    if self._procs[task].poll() is None:
+      raise RuntimeError(f'Worker {task} is still running; Kill it first.')
+    if self._procs[task].stderr:
+      self._procs[task].stderr.close()
+    self._procs[task] = self._Launch(task)
+    self._WaitReady(task)
 
   def Alive(self):
     """[bool] per worker."""
@@ -206,3 +333,141 @@ def StageDevices(num_stages, num_replicas=1, devices=None):
         'replicas, or add devices (--num_cpu_devices for virtual CPUs).')
   return [devices[r * num_stages:(r + 1) * num_stages]
           for r in range(num_replicas)]
+
+
+class Cluster:
+  """The devices of this job, from the trainer's flags (Lingvo's cluster).
+
+    c = cluster.Cluster(cluster.Cluster.Params().Set(
+        worker_split_size=2, worker_replicas=2, num_cpu_devices=4))
+    c.Configure()              # split the CPU / connect to the workers
+    c.StageDevices()           # [[replica 0's 2 devices], [replica 1's]]
+  """
+
+  @classmethod
+  def Params(cls):
+    from lingvo_gpipe.core import hyperparams  # pylint: disable=g-import-not-at-top
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('run_locally', None, 'cpu: hide GPUs; gpu: require one; None.')
+    p.Define('num_cpu_devices', None,
+             'Split the host CPU into this many virtual devices.')
+    p.Define('num_gpu_devices', None,
+             'Split the first GPU into this many logical GPUs.')
+    p.Define('gpu_memory_limit_mb', None,
+             'Memory of each logical GPU (with num_gpu_devices > 1).')
+    p.Define('cluster_spec', None,
+             'Remote workers: a dict {job: [host:port]} or its text form '
+             '("worker=h:p,h:p" or JSON). None: TF_CONFIG if set, else this '
+             'host\'s devices.')
+    p.Define('worker_job', 'worker', 'The job whose devices run the model.')
+    p.Define('worker_split_size', None,
+             'Devices per model split K (pipeline stages).')
+    p.Define('worker_replicas', 1, 'Data-parallel replicas R.')
+    p.Define('connect_timeout_s', 30.0,
+             'Bound on reaching each remote worker.')
+    return p
+
+  def __init__(self, params):
+    self.params = params.Copy()
+    p = self.params
+    if p.worker_replicas is None or p.worker_replicas < 1:
+      raise ValueError(f'worker_replicas={p.worker_replicas!r} must be >= 1.')
+    if p.worker_split_size is not None and p.worker_split_size < 1:
+      raise ValueError(
+          f'worker_split_size={p.worker_split_size!r} must be >= 1.')
+    spec = p.cluster_spec
+    if isinstance(spec, str):
+      spec = ParseClusterSpec(spec)
+    elif isinstance(spec, tf.train.ClusterSpec):
+      spec = spec.as_dict()
+    if spec is None:
+      spec, _, _ = ClusterSpecFromTfConfig()
+    self.spec = spec
+    if spec is not None and p.worker_job not in spec:
+      raise ValueError(f'The cluster spec {spec} has no job '
+                       f'{p.worker_job!r} (worker_job).')
+    self._configured = False
+
+  @property
+  def is_remote(self):
+    return self.spec is not None
+
+  def Configure(self):
+    """Makes the devices exist: splits CPU/GPU, connects to the workers.
+
+    Must run before TensorFlow runs any op (for the splits).
+    """
+    if self._configured:
+      return self
+    p = self.params
+    if p.run_locally == 'cpu':
+      try:
+        tf.config.set_visible_devices([], 'GPU')
+      except RuntimeError as e:
+        logging.warning('Could not hide the GPUs: %s', e)
+    elif p.run_locally == 'gpu' and not tf.config.list_physical_devices('GPU'):
+      raise RuntimeError('--run_locally=gpu but TensorFlow finds no GPU; use '
+                         '--run_locally=cpu.')
+    if p.num_gpu_devices:
+      SplitGpu(p.num_gpu_devices, p.gpu_memory_limit_mb)
+    if p.num_cpu_devices:
+      SplitCpu(p.num_cpu_devices)
+    if self.is_remote:
+      Connect(self.spec, timeout_s=p.connect_timeout_s)
+    self._configured = True
+    return self
+
+  def Devices(self):
+    """The devices that run the model, in order: accelerators first.
+
+    Remote: the worker job's devices, task by task (GPUs of a task if it has
+    any, else its CPUs). Local: TPUs, else GPUs, else CPUs.
+    """
+    from lingvo_gpipe.pipeline import placement  # pylint: disable=g-import-not-at-top
+    if not self.is_remote:
+      return placement.DefaultDevices()
+    job = self.params.worker_job
+    by_task = {}
+    for d in tf.config.list_logical_devices():
+      spec = tf.DeviceSpec.from_string(d.name)
+      if spec.job == job:
+        by_task.setdefault(spec.task, []).append((spec, d.name))
+    out = []
+    for task in sorted(by_task):
+      devs = by_task[task]
+      for kind in ('TPU', 'GPU', 'CPU'):
+        found = sorted((s.device_index, n) for s, n in devs
+                       if s.device_type == kind)
+        if found:
+          out.extend(n for _, n in found)
+          break
+    if not out:
+      raise RuntimeError(f'No device of job {job!r} is visible; is this '
+                         'process connected to the cluster (Configure())?')
+    return out
+
+  def NumStages(self, default=1):
+    return self.params.worker_split_size or default
+
+  def StageDevices(self, num_stages=None):
+    """[[device of each stage] for each replica]."""
+    k = num_stages or self.NumStages()
+    return StageDevices(k, self.params.worker_replicas, self.Devices())
+
+  def UnreachableWorkers(self, timeout_s=2.0):
+    if not self.is_remote:
+      return []
+    return UnreachableWorkers(self.spec, timeout_s)
+
+  def Describe(self):
+    p = self.params
+    where = (f'remote job {p.worker_job!r} of {self.spec}' if self.is_remote
+             else 'this host')
+    lines = [f'Cluster: {where}; {p.worker_replicas} replica(s) x '
+             f'{self.NumStages()} stage(s).']
+    try:
+      devices = self.Devices()
+    except RuntimeError as e:
+      return lines[0] + f' {e}'
+    lines.append(f'  devices: {devices}')
+    return '\n'.join(lines)

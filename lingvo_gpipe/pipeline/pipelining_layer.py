@@ -142,7 +142,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('batch_dim', 0, 'The batch axis of inputs and outputs.')
     p.Define('devices', None,
              'Device of each cell, e.g. ["/device:CPU:0", "/device:CPU:1"]; '
-             'None: the accelerators (or CPU devices) TensorFlow lists.')
+             'None: the accelerators (or CPU devices) TensorFlow lists. With '
+             'num_replicas R, R*K devices, replica-major: replica r\'s cells '
+             'on devices[r*K:(r+1)*K].')
+    p.Define('num_replicas', 1,
+             'Data-parallel copies R of the pipeline. Each replica runs 1/R of '
+             'the mini-batch (in num_micro_batches micro-batches) on its own '
+             'K devices; the variables live once, on replica 0\'s devices, '
+             'and the replicas\' gradients are summed there: the same update '
+             'as one pipeline with R*M micro-batches.')
     p.Define('recompute', 'always',
              'Re-materialization: always | except_last_cell | '
              'except_last_micro_batch | never. Recomputed cells keep only '
@@ -161,6 +169,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(f'recompute={p.recompute!r}; use one of '
                        f'{RECOMPUTE_POLICIES}.')
+    if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
+      raise ValueError(f'num_replicas={p.num_replicas!r} must be a positive '
+                       'int.')
     if bool(p.cell_tpl) == bool(p.layers):
       raise ValueError(
           f'PipeliningLayer {p.name!r}: set exactly one of cell_tpl (a list of '
@@ -178,7 +189,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                          f'{len(cells)} cells.')
       self._ranges = None
       num_stages = len(cells)
-      self._devices = self._Devices(num_stages)
+      self._SetDevices(num_stages)
       self._CheckCellShapes([[c] for c in cells])
       self.CreateChildren('cell', cells, devices=self._DeviceList())
     else:
@@ -189,7 +200,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._splits = self._Splits(layers)
       self._ranges = balance.SplitsToRanges(self._splits)
       num_stages = len(self._splits)
-      self._devices = self._Devices(num_stages)
+      self._SetDevices(num_stages)
       self._CheckCellShapes([layers[a:b] for a, b in self._ranges])
       per_layer = None
       if self._devices:
@@ -202,7 +213,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _Splits(self, layers):
     p = self.params
-    num_stages = p.num_stages or (len(p.devices) if p.devices else None)
+    num_stages = p.num_stages or (len(p.devices) // p.num_replicas
+                                  if p.devices else None)
     by = p.balance_by
     if by == 'auto':
       by = 'flops' if p.input_shapes is not None else 'params'
@@ -211,10 +223,18 @@ class PipeliningLayer(base_layer.BaseLayer):
         layers, num_stages, p.splits, by, shapes,
         device=(p.devices or [None])[0])
 
-  def _Devices(self, num_stages):
+  def _SetDevices(self, num_stages):
+    """Resolves the devices of every (replica, cell)."""
+    self._replica_devices = None
+    self._devices = None
     if base_layer.IsAbstract():
-      return None  # Counting or tracing: nothing is placed.
-    return placement.ResolveDevices(self.params.devices, num_stages)
+      return  # Counting or tracing: nothing is placed.
+    r = self.params.num_replicas
+    flat = placement.ResolveDevices(self.params.devices, num_stages * r,
+                                    num_replicas=r)
+    self._replica_devices = [flat[i * num_stages:(i + 1) * num_stages]
+                             for i in range(r)]
+    self._devices = self._replica_devices[0]  # Where the variables live.
 
   def _DeviceList(self):
     return list(self._devices) if self._devices else None
@@ -249,9 +269,20 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._num_stages
 
   @property
+  def num_replicas(self):
+    return self.params.num_replicas
+
+  @property
   def devices(self):
-    """The device of each cell."""
+    """The device of each cell (of replica 0, which holds the variables)."""
     return list(self._devices) if self._devices else [None] * self._num_stages
+
+  @property
+  def replica_devices(self):
+    """[[device of each cell] for each replica]."""
+    if self._replica_devices is None:
+      return [[None] * self._num_stages] * self.num_replicas
+    return [list(d) for d in self._replica_devices]
 
   @property
   def splits(self):
@@ -266,16 +297,27 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self.body[a:b]
 
   def Placement(self):
-    """[(cell, device, [layer paths])] — which layer runs where."""
+    """[(cell, device, [layer paths])] — which layer runs where (replica
+    0's devices, which hold the variables; see `replica_devices`)."""
     return [(k, self.devices[k], [lyr.path for lyr in self.CellLayers(k)])
             for k in range(self.num_stages)]
 
   def PlacementText(self):
-    lines = [f'Pipeline {self.path!r}: {self.num_stages} cells, '
-             f'{self.params.num_micro_batches} micro-batches, recompute='
-             f'{self.params.recompute}']
+    p = self.params
+    m = (f'micro-batches of {p.micro_batch_size} examples'
+         if p.micro_batch_size else f'{p.num_micro_batches} micro-batches')
+    lines = [f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
+             f'recompute={p.recompute}']
+    if self.num_replicas > 1:
+      lines[0] += (f', {self.num_replicas} data-parallel replicas (variables '
+                   'on replica 0, gradients summed there)')
+    replicas = self.replica_devices
     for k, dev, paths in self.Placement():
-      lines.append(f'  cell {k} on {dev}: {", ".join(paths)}')
+      where = dev
+      if self.num_replicas > 1:
+        where = ', '.join(f'{d} (replica {r})'
+                          for r, d in enumerate(rd[k] for rd in replicas))
+      lines.append(f'  cell {k} on {where}: {", ".join(paths)}')
     return '\n'.join(lines)
 
   @classmethod
@@ -318,16 +360,19 @@ class PipeliningLayer(base_layer.BaseLayer):
       return m != num_micro_batches - 1
     return False
 
-  def _Device(self, k):
-    return tf.device(self._devices[k] if self._devices else None)
+  def _Device(self, k, r=0):
+    if self._replica_devices is None:
+      return tf.device(None)
+    return tf.device(self._replica_devices[r][k])
 
   @tf.autograph.experimental.do_not_convert
   def FProp(self, theta, *args):
     """Runs the pipeline.
 
-    In evaluation and inference (`do_eval`), a batch that M does not divide,
-    or whose size is unknown when the graph is built (an exported model),
-    runs as one micro-batch: no gradients, so nothing to pipeline for memory.
+    In evaluation and inference (`do_eval`), a batch that R*M does not
+    divide, or whose size is unknown when the graph is built (an exported
+    model), runs as one micro-batch on replica 0: no gradients, so nothing to
+    pipeline for memory.
 
     Args:
       theta: this layer's theta.
@@ -341,61 +386,95 @@ class PipeliningLayer(base_layer.BaseLayer):
     batch = microbatch.BatchSize(args, p.batch_dim)
     if self.do_eval:
       try:
-        num_mb = microbatch.NumMicroBatches(batch, p.num_micro_batches,
-                                            p.micro_batch_size)
+        num_rep, num_mb = self._NumSplits(batch)
       except ValueError:
-        num_mb = 1
+        num_rep, num_mb = 1, 1
       if batch is None:
-        num_mb = 1
+        num_rep, num_mb = 1, 1
     else:
-      num_mb = microbatch.NumMicroBatches(batch, p.num_micro_batches,
-                                          p.micro_batch_size)
-    thetas = []
+      num_rep, num_mb = self._NumSplits(batch)
+    thetas = [[None] * self.num_stages for _ in range(num_rep)]
     for k in range(self.num_stages):
       with self._Device(k):
-        thetas.append(tf.nest.map_structure(
-            tf.identity, self._CellTheta(theta, k)))
+        thetas[0][k] = tf.nest.map_structure(tf.identity,
+                                             self._CellTheta(theta, k))
+    # Each replica reads the weights once per step onto its own devices.
+    for r in range(1, num_rep):
+      for k in range(self.num_stages):
+        with self._Device(k, r):
+          thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
     seed = py_utils.CurrentStepSeed()
     if self.do_eval:
       outs, _, _ = self._Forward(thetas, args, num_mb, seed, train=False)
       return outs
     return self._PipelineWithGrad(thetas, args, num_mb, seed)
 
+  def _NumSplits(self, batch):
+    """(replicas R, micro-batches per replica M) for a batch of `batch`."""
+    r = self.num_replicas
+    if r == 1:
+      return 1, microbatch.NumMicroBatches(
+          batch, self.params.num_micro_batches, self.params.micro_batch_size)
+    if batch is not None and batch % r:
+      raise ValueError(
+          f'num_replicas={r} does not divide the batch size {batch} of '
+          f'pipeline {self.path!r}; use a batch size that is a multiple of '
+          f'{r}.')
+    per_replica = None if batch is None else batch // r
+    try:
+      m = microbatch.NumMicroBatches(per_replica, self.params.num_micro_batches,
+                                     self.params.micro_batch_size)
+    except ValueError as e:
+      raise ValueError(f'{e} (The batch of {batch} is split over {r} '
+                       f'replicas: {per_replica} each.)') from e
+    return r, m
+
   def _Forward(self, thetas, args, num_mb, seed, train):
-    """The forward schedule. Returns (outputs, updates, saved contexts)."""
+    """The forward schedule of every replica.
+
+    Replica r runs micro-batches r*M .. r*M+M-1 of the mini-batch on its own
+    devices; micro-batch j's random values come from seed (step, j), so R
+    replicas of M micro-batches compute what one pipeline of R*M does.
+
+    Returns:
+      (outputs, updates, saved contexts keyed by (cell, micro-batch)).
+    """
     p = self.params
     num_cells = self.num_stages
+    num_rep = len(thetas)
     with self._Device(0):
-      states = [tuple(mb) for mb in microbatch.Split(args, num_mb,
-                                                     p.batch_dim)]
+      states = [tuple(mb) for mb in microbatch.Split(
+          args, num_rep * num_mb, p.batch_dim)]
     tracer = schedule.ActiveTracer()
     saved, updates = {}, []
-    last_on_device = [None] * num_cells
+    last_on_device = {}
     for _, k, m in schedule.ForwardOrder(num_cells, num_mb):
-      with self._Device(k):
-        x = states[m]
-        if p.strict_order and last_on_device[k] is not None:
-          x = _After(x, last_on_device[k])
-        start = None
-        if tracer is not None:
-          start, x = _Stamp(x)
-        seed_m = py_utils.MixSeed(seed, m)
-        tape = None
-        if train and not self._Recompute(k, m, num_mb):
-          tape = tf.GradientTape(watch_accessed_variables=False)
-          with tape:
-            tape.watch([t for t in tf.nest.flatten((thetas[k], x))
-                        if _IsFloat(t)])
-            y, upd = self._RunCell(k, thetas[k], x, seed_m)
-        else:
-          y, upd = self._RunCell(k, thetas[k], x, seed_m)
-        if tracer is not None:
-          end, y = _Stamp(y)
-          tracer.Record(('forward', k, m), start, end)
-        saved[(k, m)] = (x, tape, y, seed_m)
-        updates.extend(upd)
-        states[m] = y
-        last_on_device[k] = y
+      for r in range(num_rep):
+        j = r * num_mb + m
+        with self._Device(k, r):
+          x = states[j]
+          if p.strict_order and (r, k) in last_on_device:
+            x = _After(x, last_on_device[(r, k)])
+          start = None
+          if tracer is not None:
+            start, x = _Stamp(x)
+          seed_m = py_utils.MixSeed(seed, j)
+          tape = None
+          if train and not self._Recompute(k, m, num_mb):
+            tape = tf.GradientTape(watch_accessed_variables=False)
+            with tape:
+              tape.watch([t for t in tf.nest.flatten((thetas[r][k], x))
+                          if _IsFloat(t)])
+              y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
+          else:
+            y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
+          if tracer is not None:
+            end, y = _Stamp(y)
+            tracer.Record(('forward', r * num_cells + k, j), start, end)
+          saved[(k, j)] = (x, tape, y, seed_m)
+          updates.extend(upd)
+          states[j] = y
+          last_on_device[(r, k)] = y
     with self._Device(num_cells - 1):
       outs = microbatch.Concat([_Unwrap(s) for s in states], p.batch_dim)
     return outs, updates, saved
@@ -413,7 +492,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     flat_args = tf.nest.flatten(args)
     inputs = [x for x in flat_args if _IsTensor(x)]
-    flat_thetas = [t for th in thetas for t in tf.nest.flatten(th)]
+    # Replica 0's weights: the other replicas' copies are made from them, and
+    # their gradients are summed into replica 0's.
+    flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = tape_record.could_possibly_record()
     with tape_record.VariableWatcher() as watcher:
       outs, updates, saved = self._Forward(thetas, args, num_mb, seed,
@@ -444,74 +525,37 @@ class PipeliningLayer(base_layer.BaseLayer):
     return tf.nest.pack_sequence_as(outs, results)
 
   def _Backward(self, thetas, inputs, outs, saved, dys, num_mb):
-    """The backward schedule; returns grads of (input tensors, thetas)."""
+    """The backward schedule; returns grads of (input tensors, thetas[0])."""
     p = self.params
     num_cells = self.num_stages
+    num_rep = len(thetas)
     tracer = schedule.ActiveTracer()
     flat_outs = tf.nest.flatten(outs)
     dys = [tf.zeros_like(y) if dy is None else dy
            for y, dy in zip(flat_outs, dys)]
     with self._Device(num_cells - 1):
       dy_mbs = [_AsTuple(d) for d in microbatch.Split(
-          tf.nest.pack_sequence_as(outs, dys), num_mb, p.batch_dim)]
-    grads_state = {m: dy_mbs[m] for m in range(num_mb)}
-    theta_acc = [[None] * len(tf.nest.flatten(th)) for th in thetas]
-    last_on_device = [None] * num_cells
+          tf.nest.pack_sequence_as(outs, dys), num_rep * num_mb, p.batch_dim)]
+    grads_state = dict(enumerate(dy_mbs))
+    # theta_acc[r][k][i]: the gradients of replica r's micro-batches for the
+    # i-th weight of cell k.
+    theta_acc = [[[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
+                 for r in range(num_rep)]
+    last_on_device = {}
     for _, k, m in schedule.BackwardOrder(num_cells, num_mb):
-      with self._Device(k):
-        x, tape, y, seed_m = saved[(k, m)]
-        dy = grads_state[m]
-        if p.strict_order and last_on_device[k] is not None:
-          dy = _After(dy, last_on_device[k])
-        start = None
-        if tracer is not None:
-          start, (dy, x_after) = _Stamp((dy, x))
-          if tape is None:
-            x = x_after
-        if tape is None:  # Re-materialize: same inputs, same seed.
-          # Fresh copies of the inputs and the seed, made once the output
-          # gradient has arrived: otherwise the executor would recompute
-          # every micro-batch right after the forward pass, and TensorFlow's
-          # graph optimizer would merge the recomputation with the forward
-          # ops (common subexpression elimination), keeping every forward
-          # activation alive until the backward pass.
-          x, seed_m = _FreshCopies((x, seed_m), dy)
-          tape = tf.GradientTape(watch_accessed_variables=False)
-          with tape:
-            tape.watch([t for t in tf.nest.flatten((thetas[k], x))
-                        if _IsFloat(t)])
-            y, _ = self._RunCell(k, thetas[k], x, seed_m, collect=False)
-        flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
-        pairs = [(a, b) for a, b in zip(flat_y, flat_dy)
-                 if _IsFloat(a) and b is not None]
-        flat_th = tf.nest.flatten(thetas[k])
-        flat_x = tf.nest.flatten(x)
-        sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
-        sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
-        sources = [flat_th[i] if w == 't' else flat_x[i]
-                   for w, i in sources_idx]
-        if pairs and sources:
-          g = tape.gradient([a for a, _ in pairs], sources,
-                            output_gradients=[b for _, b in pairs])
-        else:
-          g = [None] * len(sources)
-        dx = [None] * len(flat_x)
-        for (w, i), gi in zip(sources_idx, g):
-          if w == 't':
-            if gi is not None:
-              acc = theta_acc[k][i]
-              theta_acc[k][i] = [gi] if acc is None else acc + [gi]
-          else:
-            dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
-        new_dy = tf.nest.pack_sequence_as(x, dx)
-        if tracer is not None:
-          end, new_dy = _Stamp(new_dy)
-          tracer.Record(('backward', k, m), start, end)
-        grads_state[m] = new_dy
-        last_on_device[k] = new_dy
+      for r in range(num_rep):
+        j = r * num_mb + m
+        with self._Device(k, r):
+          new_dy = self._CellBackward(
+              k, thetas[r][k], saved[(k, j)], grads_state[j],
+              last_on_device.get((r, k)), theta_acc[r][k], tracer,
+              ('backward', r * num_cells + k, j))
+          grads_state[j] = new_dy
+          last_on_device[(r, k)] = new_dy
     # Gradients of the pipeline's inputs, joined on device 0.
     with self._Device(0):
-      per_mb = [tf.nest.flatten(grads_state[m]) for m in range(num_mb)]
+      per_mb = [tf.nest.flatten(grads_state[j])
+                for j in range(num_rep * num_mb)]
       flat_in = tf.nest.flatten(inputs)
       in_grads = []
       for i, x in enumerate(flat_in):
@@ -520,29 +564,96 @@ class PipeliningLayer(base_layer.BaseLayer):
         parts = [mb[i] for mb in per_mb]
         if not x.dtype.is_floating or any(t is None for t in parts):
           in_grads.append(None)
-        elif num_mb == 1:
+        elif len(parts) == 1:
           in_grads.append(parts[0])
         elif x.shape.rank == 0:
           in_grads.append(tf.add_n(parts))
         else:
           in_grads.append(tf.concat(parts, axis=p.batch_dim))
     theta_grads = []
-    for k, accs in enumerate(theta_acc):
-      with self._Device(k):
-        for acc in accs:
-          if acc is None:
-            theta_grads.append(None)
-          elif len(acc) == 1:
-            theta_grads.append(acc[0])
-          elif tf.executing_eagerly():
-            theta_grads.append(tf.add_n(acc))
-          else:
-            # Not a chain of adds: TensorFlow's graph optimizer rewrites that
-            # into one AddN, which keeps the gradients of all micro-batches
-            # alive at once. AccumulateNV2 adds each as soon as it is ready.
-            theta_grads.append(tf.raw_ops.AccumulateNV2(
-                inputs=acc, shape=acc[0].shape))
+    for k in range(num_cells):
+      for i in range(len(theta_acc[0][k])):
+        partial = []
+        for r in range(num_rep):
+          with self._Device(k, r):
+            g = _Sum(theta_acc[r][k][i])
+          if g is not None:
+            partial.append(g)
+        if len(partial) > 1:
+          # The cross-replica sum, on the device of the variables.
+          with self._Device(k):
+            partial = [tf.add_n(partial)]
+        theta_grads.append(partial[0] if partial else None)
     return in_grads + theta_grads
+
+  def _CellBackward(self, k, theta_k, saved, dy, after, theta_acc, tracer,
+                    trace_key):
+    """Back-propagates one micro-batch through cell k.
+
+    Adds the weight gradients to the lists in `theta_acc`; returns the
+    gradient of the cell's input.
+    """
+    p = self.params
+    x, tape, y, seed_m = saved
+    if p.strict_order and after is not None:
+      dy = _After(dy, after)
+    start = None
+    if tracer is not None:
+      start, (dy, x_after) = _Stamp((dy, x))
+      if tape is None:
+        x = x_after
+    if tape is None:  # Re-materialize: same inputs, same seed.
+      # Fresh copies of the inputs and the seed, made once the output
+      # gradient has arrived: otherwise the executor would recompute every
+      # micro-batch right after the forward pass, and TensorFlow's graph
+      # optimizer would merge the recomputation with the forward ops (common
+      # subexpression elimination), keeping every forward activation alive
+      # until the backward pass.
+      x, seed_m = _FreshCopies((x, seed_m), dy)
+      tape = tf.GradientTape(watch_accessed_variables=False)
+      with tape:
+        tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
+        y, _ = self._RunCell(k, theta_k, x, seed_m, collect=False)
+    flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
+    pairs = [(a, b) for a, b in zip(flat_y, flat_dy)
+             if _IsFloat(a) and b is not None]
+    flat_th = tf.nest.flatten(theta_k)
+    flat_x = tf.nest.flatten(x)
+    sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
+    sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
+    sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
+    if pairs and sources:
+      g = tape.gradient([a for a, _ in pairs], sources,
+                        output_gradients=[b for _, b in pairs])
+    else:
+      g = [None] * len(sources)
+    dx = [None] * len(flat_x)
+    for (w, i), gi in zip(sources_idx, g):
+      if w == 't':
+        if gi is not None:
+          acc = theta_acc[i]
+          theta_acc[i] = [gi] if acc is None else acc + [gi]
+      else:
+        dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
+    new_dy = tf.nest.pack_sequence_as(x, dx)
+    if tracer is not None:
+      end, new_dy = _Stamp(new_dy)
+      tracer.Record(trace_key, start, end)
+    return new_dy
+
+
+def _Sum(parts):
+  """The sum of a list of gradients (None for None)."""
+  if parts is None:
+    return None
+  if len(parts) == 1:
+    return parts[0]
+  if tf.executing_eagerly():
+    return tf.add_n(parts)
+  # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
+  # AddN, which keeps the gradients of all micro-batches alive at once.
+  # AccumulateNV2 adds each as soon as it is ready.
+  return tf.raw_ops.AccumulateNV2(inputs=parts, shape=parts[0].shape)
 
 
 def _After(x, deps):

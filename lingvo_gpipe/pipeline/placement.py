@@ -67,24 +67,35 @@ def DefaultDevices():
   return []
 
 
-def ResolveDevices(devices, num_stages):
-  """Validates the devices of `num_stages` cells.
+def ResolveDevices(devices, num_devices, num_replicas=1):
+  """Validates the devices of a pipeline's cells.
 
   Args:
     devices: list of device names, or None for `DefaultDevices()`.
-    num_stages: number of pipeline cells.
+    num_devices: devices needed: the number of cells K times num_replicas.
+    num_replicas: data-parallel replicas R (for the error message).
 
   Returns:
-    A list of `num_stages` canonical device names.
+    A list of `num_devices` distinct canonical device names.
   """
   available = AvailableDevices()
   given = list(devices) if devices else DefaultDevices()
-  if len(given) < num_stages:
+  if len(given) < num_devices:
+    if num_replicas > 1:
+      what = (f'{num_replicas} replicas x {num_devices // num_replicas} '
+              f'stages need {num_devices} devices')
+      fix = 'Use fewer replicas or stages'
+    else:
+      what = f'The pipeline has {num_devices} stages'
+      fix = f'Use at most {len(given)} stages'
     raise ValueError(
-        f'The pipeline has {num_stages} stages but only {len(given)} devices '
-        f'are given: {given} (available: {available}). Use at most '
-        f'{len(given)} stages, pass more devices, or split the CPU into '
-        'virtual devices with lingvo_gpipe.core.cluster.SplitCpu(n) '
+        f'{what} but only {len(given)} devices are given: {given} '
+        f'(available: {available}). {fix}, pass more devices, or split the '
+        'CPU into virtual devices with lingvo_gpipe.core.cluster.SplitCpu(n) '
         '(trainer flag --num_cpu_devices).')
-  out = [CanonicalDevice(d, available) for d in given[:num_stages]]
+  out = [CanonicalDevice(d, available) for d in given[:num_devices]]
+  if num_replicas > 1 and len(set(out)) < len(out):
+    raise ValueError(
+        f'The devices of {num_replicas} replicas must be distinct; got '
+        f'{out}. Give each (replica, cell) its own device.')
   return out

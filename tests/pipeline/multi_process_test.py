@@ -1,4 +1,5 @@
-"""A pipeline across TensorFlow server processes gives the in-process result.
+"""Pipelines across TensorFlow server processes give the in-process result:
+K=2 cells on 2 workers, and R=2 data-parallel replicas on 2 workers.
 
 Runs in a subprocess: connecting to a cluster changes this process's
 TensorFlow context, which the other tests must not see.
@@ -24,10 +25,11 @@ SCRIPT = textwrap.dedent("""
            for i in range(4)]
     x = tf.constant(np.random.RandomState(0).randn(8, 8), tf.float32)
 
-    def Run(devices, num_stages):
+    def Run(devices, num_stages, num_replicas=1, num_micro_batches=4):
       pipe = pipelining_layer.PipeliningLayer.Params().Set(
           name='pipe', layers=fcs, num_stages=num_stages,
-          num_micro_batches=4, devices=devices).Instantiate()
+          num_replicas=num_replicas, num_micro_batches=num_micro_batches,
+          devices=devices).Instantiate()
 
       @tf.function
       def Step():
@@ -44,10 +46,14 @@ SCRIPT = textwrap.dedent("""
     with cluster.LocalCluster(2, startup_timeout_s=60) as c:
       cluster.Connect(c.cluster_spec, timeout_s=30)
       y, g = Run(c.devices, 2)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    assert sorted(g) == sorted(g_ref)
-    for name in g:
-      np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-5, atol=1e-6)
+      # Data parallel: 2 replicas of a 1-cell pipeline, one per worker.
+      y_dp, g_dp = Run(c.devices, 1, num_replicas=2, num_micro_batches=2)
+    for yy, gg in ((y, g), (y_dp, g_dp)):
+      np.testing.assert_allclose(yy, y_ref, rtol=1e-5, atol=1e-6)
+      assert sorted(gg) == sorted(g_ref)
+      for name in gg:
+        np.testing.assert_allclose(gg[name], g_ref[name], rtol=1e-5,
+                                   atol=1e-6)
     print('MULTI_PROCESS_OK', len(g))
 """)
 

@@ -1,0 +1,104 @@
+"""The cluster module: specs, TF_CONFIG, devices of stages and replicas."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def testParseClusterSpecLingvoAndJsonForms():
+  spec = cluster.ParseClusterSpec(
+      'worker=127.0.0.1:2222,127.0.0.1:2223@ps=10.0.0.1:1')
+  assert spec == {'worker': ['127.0.0.1:2222', '127.0.0.1:2223'],
+                  'ps': ['10.0.0.1:1']}
+  assert cluster.ParseClusterSpec(json.dumps(spec)) == spec
+  with pytest.raises(ValueError, match="'worker' is not"):
+    cluster.ParseClusterSpec('worker')
+  with pytest.raises(ValueError, match="Address 'nohost' of job 'worker'"):
+    cluster.ParseClusterSpec('worker=nohost')
+  with pytest.raises(ValueError, match='not valid JSON'):
+    cluster.ParseClusterSpec('{"worker": [}')
+  with pytest.raises(ValueError, match='empty'):
+    cluster.ParseClusterSpec(' ')
+
+
+def testTfConfig():
+  text = json.dumps({'cluster': {'worker': ['a:1', 'b:2']},
+                     'task': {'type': 'worker', 'index': 1}})
+  spec, job, task = cluster.ClusterSpecFromTfConfig(text)
+  assert spec == {'worker': ['a:1', 'b:2']} and (job, task) == ('worker', 1)
+  assert cluster.ClusterSpecFromTfConfig('') == (None, None, None)
+  with pytest.raises(ValueError, match='no "cluster"'):
+    cluster.ClusterSpecFromTfConfig('{"task": {}}')
+
+
+def testLocalClusterStageDevices():
+  # conftest splits the CPU into 4 devices.
+  c = cluster.Cluster(cluster.Cluster.Params().Set(
+      worker_split_size=2, worker_replicas=2)).Configure()
+  assert not c.is_remote
+  stages = c.StageDevices()
+  assert [[tf.DeviceSpec.from_string(d).device_index for d in r]
+          for r in stages] == [[0, 1], [2, 3]]
+  assert '2 replica(s) x 2 stage(s)' in c.Describe()
+  c3 = cluster.Cluster(cluster.Cluster.Params().Set(
+      worker_split_size=2, worker_replicas=3))
+  with pytest.raises(ValueError, match=r'3 replicas x 2 stages need 6 devices '
+                     r'but 4 were found: \[.*CPU:3'):
+    c3.StageDevices()
+  with pytest.raises(ValueError, match='worker_replicas=0'):
+    cluster.Cluster(cluster.Cluster.Params().Set(worker_replicas=0))
+  with pytest.raises(ValueError, match="no job 'worker'"):
+    cluster.Cluster(cluster.Cluster.Params().Set(cluster_spec='ps=a:1'))
+
+
+def testSplitGpuWithoutGpuNamesTheFix():
+  if tf.config.list_physical_devices('GPU'):
+    pytest.skip('This host has a GPU.')
+  with pytest.raises(RuntimeError, match='no GPU.*--num_cpu_devices'):
+    cluster.SplitGpu(2, 1024)
+
+
+_REMOTE_SCRIPT = textwrap.dedent("""
+    import time
+    from lingvo_gpipe.core import cluster
+    with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+      c = cluster.Cluster(cluster.Cluster.Params().Set(
+          cluster_spec='worker=' + ','.join(local.addresses),
+          worker_split_size=2)).Configure()
+      assert c.is_remote
+      devices = c.StageDevices()
+      assert devices == [['/job:worker/replica:0/task:0/device:CPU:0',
+                          '/job:worker/replica:0/task:1/device:CPU:0']], devices
+      assert c.UnreachableWorkers() == []
+      local.Kill(1)
+      t0 = time.time()
+      lost = c.UnreachableWorkers(timeout_s=1.0)
+      assert lost == [f'/job:worker/task:1 ({local.addresses[1]})'], lost
+      assert time.time() - t0 < 10
+      local.Restart(1)
+      assert c.UnreachableWorkers() == []
+      assert local.Alive() == [True, True]
+    print('REMOTE_OK')
+""")
+
+
+def testRemoteClusterDevicesAndDeadWorker():
+  """Stage devices on 2 workers; a killed worker is named; restart works.
+
+  In a subprocess: connecting changes the process's TensorFlow context.
+  """
+  out = subprocess.run([sys.executable, '-c', _REMOTE_SCRIPT], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=ROOT,
+                                TF_CPP_MIN_LOG_LEVEL='2'))
+  assert 'REMOTE_OK' in out.stdout, out.stderr[-4000:]

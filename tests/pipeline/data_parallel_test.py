@@ -1,0 +1,176 @@
+"""Data parallel x pipeline: R replicas of a K-cell pipeline on R*K devices.
+
+R replicas of M micro-batches must compute exactly what one pipeline of R*M
+micro-batches computes (and so what the sequential model computes): the same
+outputs, gradients (the cross-replica sum) and batch-norm moving averages,
+the same random values; each replica's ops run on its own devices.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import schedule
+from tests.pipeline import pipeline_features_test as pft
+from tests.pipeline import pipelining_layer_test as plt
+
+DEVICES = plt.DEVICES
+PipeliningLayer = pipelining_layer.PipeliningLayer
+
+
+def _Pipe(layers, num_stages, num_replicas, num_micro_batches, **kwargs):
+  return PipeliningLayer.Params().Set(
+      name='pipe', layers=layers, num_stages=num_stages,
+      num_replicas=num_replicas, num_micro_batches=num_micro_batches,
+      devices=DEVICES[:num_stages * num_replicas], **kwargs).Instantiate()
+
+
+@pytest.mark.parametrize('num_replicas,num_stages,num_micro_batches',
+                         [(2, 1, 1), (2, 1, 4), (2, 2, 1), (2, 2, 2),
+                          (4, 1, 2)])
+def testReplicasEqualSequential(plt_reference, num_replicas, num_stages,
+                                num_micro_batches):
+  _, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = plt_reference
+  pipe = _Pipe(plt.DenseLayers(), num_stages, num_replicas, num_micro_batches)
+  assert pipe.num_replicas == num_replicas
+  out, loss, grads, in_grads = plt.LossAndGrads(pipe, (x,), w)
+  plt.AssertClose(out, ref_out)
+  plt.AssertClose(loss, ref_loss)
+  assert sorted(grads) == sorted(ref_grads)
+  for name in grads:
+    assert plt.MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
+  plt.AssertClose(in_grads, ref_in_grads)
+
+
+@pytest.fixture(scope='module')
+def plt_reference():
+  return plt.reference.__wrapped__()
+
+
+def testVariablesOnReplicaZeroOpsOnEveryReplica():
+  pipe = _Pipe(plt.DenseLayers(4), 2, 2, 2)
+  assert pipe.devices == [tf.DeviceSpec.from_string(d).to_string()
+                          for d in pipe.replica_devices[0]]
+  assert [[tf.DeviceSpec.from_string(d).device_index for d in rd]
+          for rd in pipe.replica_devices] == [[0, 1], [2, 3]]
+  for v in pipe.trainable_variables:
+    assert tf.DeviceSpec.from_string(v.device).device_index in (0, 1), v.name
+  x, w = plt._Inputs()
+
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x) * w)
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  graph = tf.function(Step).get_concrete_function(x).graph
+  matmul_devices = set()
+  for op in graph.get_operations():
+    if op.type == 'MatMul':
+      matmul_devices.add(tf.DeviceSpec.from_string(op.device).device_index)
+  # Forward and backward matmuls of both replicas' cells.
+  assert matmul_devices == {0, 1, 2, 3}
+  text = pipe.PlacementText()
+  assert '2 data-parallel replicas' in text
+  assert '(replica 1)' in text and 'CPU:3' in text
+
+
+def testSameRandomValuesAsOnePipelineOfRTimesMMicroBatches():
+  layers = [pft.RandomScale.Params().Set(name=f'r{i}') for i in range(2)]
+  x = tf.random.uniform([8, 5], 1.0, 2.0)
+
+  def Run(pipe):
+    with py_utils.StepSeed(tf.constant(7, tf.int64)):
+      return tf.function(lambda x: pipe(x))(x)
+
+  one = Run(_Pipe(layers, 2, 1, 4))
+  two = Run(_Pipe(layers, 2, 2, 2))
+  np.testing.assert_array_equal(one.numpy(), two.numpy())
+
+
+def testBatchNormStatsOverAllReplicas():
+  """Each micro-batch normalizes by its own statistics; the moving averages
+  take the statistics of the whole mini-batch, across replicas."""
+  dim = 6
+  layers = [plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
+            pft.NormStats.Params().Set(name='bn', dim=dim),
+            plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim)]
+  x = tf.random.normal([16, dim], seed=5)
+
+  def Train(pipe):
+
+    @tf.function
+    def Step(x):
+      with py_utils.UpdateCollector() as updates:
+        with tf.GradientTape() as tape:
+          y = pipe(x)
+          loss = tf.reduce_sum(y * y)
+        grads = tape.gradient(loss, pipe.trainable_variables)
+      updates.Apply()
+      return y, grads
+
+    y, grads = Step(x)
+    bn = pipe.body[1]
+    return (y, grads, bn.vars.moving_mean.numpy(),
+            bn.vars.moving_variance.numpy())
+
+  ref = Train(_Pipe(layers, 2, 1, 4, splits=[2, 3]))
+  got = Train(_Pipe(layers, 2, 2, 2, splits=[2, 3]))
+  plt.AssertClose(got[0], ref[0])
+  for g, rg in zip(got[1], ref[1]):
+    assert plt.MaxRelDiff(g, rg) <= 1e-5
+  np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got[3], ref[3], rtol=1e-5)
+
+
+def testTraceHasOneRowPerDevice():
+  pipe = _Pipe(plt.DenseLayers(4), 2, 2, 2)
+  x, w = plt._Inputs()
+  tracer = schedule.ScheduleTracer()
+
+  @tf.function
+  def Step(x):
+    with tracer:
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(pipe(x) * w)
+      grads = tape.gradient(loss, pipe.trainable_variables)
+    return grads, tracer.Tensors()
+
+  _, stamps = Step(x)
+  events = tracer.Events(stamps)
+  rows = {(phase, row) for phase, row, _, _, _ in events}
+  assert rows == {(p, r) for p in ('forward', 'backward') for r in range(4)}
+  # Replica 1 (rows 2, 3) runs micro-batches 2 and 3 of the mini-batch.
+  assert {mb for _, row, mb, _, _ in events if row >= 2} == {2, 3}
+
+
+def testEvalWithBatchThatReplicasDoNotDivideRunsOnReplicaZero(plt_reference):
+  _, x, _, (ref_out, _, _, _) = plt_reference
+  pipe = _Pipe(plt.DenseLayers(), 2, 2, 2)
+  with py_utils.EvalMode():
+    out = tf.function(lambda x: pipe(x))(x[:5])
+  plt.AssertClose(out, ref_out[:5])
+
+
+def testBadReplicaConfigurations():
+  with pytest.raises(ValueError, match=r'3 replicas x 2 stages need 6 devices '
+                     r'but only 4 devices'):
+    PipeliningLayer.Params().Set(
+        name='pipe', layers=plt.DenseLayers(4), num_stages=2, num_replicas=3,
+        devices=DEVICES).Instantiate()
+  with pytest.raises(ValueError, match='num_replicas=0'):
+    PipeliningLayer.Params().Set(
+        name='pipe', layers=plt.DenseLayers(4), num_replicas=0,
+        devices=DEVICES[:1]).Instantiate()
+  with pytest.raises(ValueError, match='must be distinct'):
+    PipeliningLayer.Params().Set(
+        name='pipe', layers=plt.DenseLayers(4), num_stages=2, num_replicas=2,
+        devices=DEVICES[:2] * 2).Instantiate()
+  pipe = _Pipe(plt.DenseLayers(4), 1, 2, 1)
+  with pytest.raises(ValueError, match=r'num_replicas=2 does not divide the '
+                     r'batch size 7'):
+    pipe(tf.zeros([7, 6]))
+  pipe = _Pipe(plt.DenseLayers(4), 1, 2, 3)
+  with pytest.raises(ValueError, match=r'split over 2 replicas: 4 each'):
+    pipe(tf.zeros([8, 6]))
