@@ -14,16 +14,24 @@ distributed runtime; the plain baseline runs on one such process.
 memory (`tf.config.experimental.get_memory_info`).
 
 Configurations (per model): the plain model without the pipeline (stages 0),
-K=1 M=1, K=1 M=8 with recompute, K=2 with M in {1, 2, 4, 8, 16}. Beside each:
-the ideal speedup K*M/(M+K-1) and the throughput normalized to K=2, M=1 as in
-the paper's Table 2. Configurations are run interleaved, round by round, and
-the median step time over rounds is reported (the machine is noisy).
+K=1 M=1, K=1 M=8 with recompute, K=2 with M in {1, 2, 4, 8, 16}, and R=2
+data-parallel replicas of K=1 (one per worker, the same global batch). Beside
+each: the ideal speedup K*M/(M+K-1) and the throughput normalized to K=2, M=1
+as in the paper's Table 2. Configurations are run interleaved, round by round,
+and the median step time over rounds is reported (the machine is noisy).
+
+multi_process also reports the TCP bytes the worker processes send per step
+(from `ss -tinp`): to each other (`bytes_between_workers_per_step`: the
+tensors a pipeline or the replicas exchange) and to this driving process
+(`bytes_to_driver_per_step`: replies and step control).
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -39,10 +47,12 @@ from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-n
 from lingvo_gpipe.pipeline import schedule  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import timeline  # pylint: disable=g-import-not-at-top
 
-# (K, M, recompute); K=0: the plain model without the pipeline.
-DEFAULT_CONFIGS = [(0, 1, False), (1, 1, False), (1, 8, True), (2, 1, False),
-                   (2, 2, False), (2, 4, False), (2, 8, False), (2, 16, False),
-                   (2, 8, True)]
+# (K, M, recompute, R); K=0: the plain model without the pipeline; R:
+# data-parallel replicas (M micro-batches each).
+DEFAULT_CONFIGS = [(0, 1, False, 1), (1, 1, False, 1), (1, 8, True, 1),
+                   (2, 1, False, 1), (2, 2, False, 1), (2, 4, False, 1),
+                   (2, 8, False, 1), (2, 16, False, 1), (2, 8, True, 1),
+                   (1, 1, False, 2)]
 
 
 # ----------------------------------------------------------------------------
@@ -95,10 +105,10 @@ class Bench:
   """A built model plus its compiled training step."""
 
   def __init__(self, model_name, args, num_stages, num_mb, recompute, devices,
-               tracer=None):
-    self.key = (model_name, num_stages, num_mb, recompute)
+               tracer=None, num_replicas=1):
+    self.key = (model_name, num_stages, num_mb, recompute, num_replicas)
     layer_params, self.input_shape = MODELS[model_name](args)
-    self.devices = devices[:max(1, num_stages)]
+    self.devices = devices[:max(1, num_stages) * num_replicas]
     if num_stages == 0:
       with tf.device(devices[0]):
         self.layer = layers.SequentialLayer.Params().Set(
@@ -107,13 +117,16 @@ class Bench:
       self.layer = pipelining_layer.PipeliningLayer.Params().Set(
           name='model', layers=layer_params, num_stages=num_stages,
           num_micro_batches=num_mb, devices=self.devices,
+          num_replicas=num_replicas,
           balance_by='flops', input_shapes=[self.input_shape],
           recompute='always' if recompute else 'never',
           strict_order=bool(args.strict_order)).Instantiate()
     variables = self.layer.trainable_variables
     self.weight_bytes = sum(v.shape.num_elements() * v.dtype.size
                             for v in variables)
-    first, last = self.devices[0], self.devices[-1]
+    # Replica 0's first and last cells: the input is made on the first, the
+    # loss computed on the last.
+    first, last = self.devices[0], self.devices[max(1, num_stages) - 1]
     shape = self.input_shape
     lr = 1e-4
 
@@ -152,6 +165,56 @@ class Bench:
     return time.perf_counter() - start, out
 
 
+class SocketBytes:
+  """TCP bytes the worker processes send, read from `ss -tinp` (Linux).
+
+  `Snapshot()` returns (bytes sent from one worker to another, bytes sent
+  from workers to anyone else, i.e. this driving process), cumulative over
+  the connections alive now; the difference of two snapshots around a step is
+  that step's traffic (gRPC channels stay open between steps).
+  """
+
+  def __init__(self, worker_pids):
+    self._pids = set(worker_pids)
+    self.available = bool(worker_pids) and self._Read() is not None
+
+  @staticmethod
+  def _Read():
+    try:
+      out = subprocess.run(['ss', '-tinpH', 'state', 'established'],
+                           capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+      return None
+    socks, current = [], None
+    for line in out.splitlines():
+      if not line.startswith((' ', '\t')):
+        fields = line.split()
+        pid = re.search(r'pid=(\d+)', line)
+        if len(fields) < 4 or not pid:
+          current = None
+          continue
+        current = dict(local=fields[2], peer=fields[3], pid=int(pid.group(1)),
+                       sent=0)
+        socks.append(current)
+      elif current is not None:
+        sent = re.search(r'bytes_sent:(\d+)', line)
+        current['sent'] = int(sent.group(1)) if sent else 0
+    return socks
+
+  def Snapshot(self):
+    socks = self._Read() or []
+    owner = {s['local']: s['pid'] for s in socks}
+    between = other = 0
+    for s in socks:
+      if s['pid'] not in self._pids:
+        continue
+      peer = owner.get(s['peer'])
+      if peer in self._pids and peer != s['pid']:
+        between += s['sent']
+      else:
+        other += s['sent']
+    return between, other
+
 def _MemoryDevices(devices):
   local = [d for d in devices if '/job:worker' not in d]
   return local
@@ -179,11 +242,12 @@ def MeasureMemory(bench):
 
 
 def Table(records):
-  cols = ['model', 'mode', 'num_stages', 'num_micro_batches', 'recompute',
-          'batch_size', 'step_time_s', 'examples_per_s', 'ideal_speedup',
-          'speedup_vs_plain', 'normalized_to_k2m1', 'peak_bytes',
-          'activation_bytes']
-  rows = [[_Fmt(r.get(c)) for c in cols] for r in records]
+  cols = ['model', 'mode', 'replicas', 'num_stages', 'num_micro_batches',
+          'recompute', 'batch_size', 'step_time_s', 'examples_per_s',
+          'ideal_speedup', 'speedup_vs_plain', 'normalized_to_k2m1',
+          'bytes_between_workers_per_step', 'bytes_to_driver_per_step',
+          'peak_bytes', 'activation_bytes']
+  rows = [[_Fmt(r.get(c), c) for c in cols] for r in records]
   widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in
             enumerate(cols)]
   head = '  '.join(c.rjust(w) for c, w in zip(cols, widths))
@@ -192,9 +256,11 @@ def Table(records):
   return '\n'.join(lines)
 
 
-def _Fmt(v):
+def _Fmt(v, col=''):
   if v is None:
     return '-'
+  if col.startswith('bytes_'):
+    return f'{v / 2**20:.1f}M'
   if isinstance(v, float):
     return f'{v:.3f}' if v < 1e5 else f'{v:.3e}'
   if isinstance(v, dict):
@@ -202,34 +268,57 @@ def _Fmt(v):
   return str(v)
 
 
-def RunBenchmark(args, devices):
+def ParseConfigs(text):
+  """'KxMxC[xR],...' (C=1: recompute; R: replicas) -> [(K, M, bool, R)]."""
+  out = []
+  for c in text.split(','):
+    parts = [int(x) for x in c.split('x')]
+    if len(parts) not in (3, 4):
+      raise ValueError(f'Config {c!r} is not KxMxC or KxMxCxR.')
+    k, m, r = parts[:3]
+    out.append((k, m, bool(r), parts[3] if len(parts) == 4 else 1))
+  return out
+
+
+def RunBenchmark(args, devices, worker_pids=()):
   records = []
   for model_name in args.model.split(','):
-    configs = [c for c in DEFAULT_CONFIGS if c[0] <= len(devices)]
+    configs = [c for c in DEFAULT_CONFIGS
+               if max(c[0], 1) * c[3] <= len(devices)]
     if args.configs:
-      configs = [tuple(int(x) for x in c.split('x')) for c in
-                 args.configs.split(',')]
-      configs = [(k, m, bool(r)) for k, m, r in configs]
-    benches = [Bench(model_name, args, k, m, r, devices) for k, m, r in
-               configs]
+      configs = ParseConfigs(args.configs)
+    benches = [Bench(model_name, args, k, m, r, devices, num_replicas=reps)
+               for k, m, r, reps in configs]
     for b in benches:  # compile and warm up
       for _ in range(args.warmup):
         b.Run()
     times = {b.key: [] for b in benches}
+    sent = {b.key: [] for b in benches}
+    sockets = SocketBytes(worker_pids)
     for _ in range(args.steps):  # interleaved rounds
       for b in benches:
+        before = sockets.Snapshot() if sockets.available else None
         times[b.key].append(b.Run()[0])
+        if before is not None:
+          after = sockets.Snapshot()
+          sent[b.key].append((after[0] - before[0], after[1] - before[1]))
     batch = benches[0].input_shape[0]
     plain = None
     for b in benches:
-      k, m = b.key[1], b.key[2]
+      k, m, reps = b.key[1], b.key[2], b.key[4]
       t = statistics.median(times[b.key])
-      rec = dict(model=model_name, mode=args.mode, num_stages=k,
-                 num_micro_batches=m, recompute=b.key[3], batch_size=batch,
-                 step_time_s=t, step_times_s=times[b.key],
+      rec = dict(model=model_name, mode=args.mode, replicas=reps,
+                 num_stages=k, num_micro_batches=m, recompute=b.key[3],
+                 batch_size=batch, step_time_s=t, step_times_s=times[b.key],
                  examples_per_s=batch / t,
-                 ideal_speedup=schedule.IdealSpeedup(max(k, 1), m),
+                 ideal_speedup=(reps if k <= 1 and m == 1 else
+                                schedule.IdealSpeedup(max(k, 1), m)),
                  weight_bytes=b.weight_bytes, devices=b.devices)
+      if sent[b.key]:
+        rec['bytes_between_workers_per_step'] = statistics.median(
+            x[0] for x in sent[b.key])
+        rec['bytes_to_driver_per_step'] = statistics.median(
+            x[1] for x in sent[b.key])
       if model_name == 'transformer':
         rec['tokens_per_s'] = batch * args.seq_len / t
       if k == 0:
@@ -238,7 +327,8 @@ def RunBenchmark(args, devices):
         rec['peak_bytes'], rec['activation_bytes'] = MeasureMemory(b)
       records.append(rec)
     k2m1 = [r for r in records if r['model'] == model_name and
-            r['num_stages'] == 2 and r['num_micro_batches'] == 1]
+            r['num_stages'] == 2 and r['num_micro_batches'] == 1 and
+            r['replicas'] == 1]
     for r in records:
       if r['model'] != model_name:
         continue
@@ -283,8 +373,9 @@ def main(argv=None):
   parser.add_argument('--model', default='transformer',
                       help='Comma list of: ' + ', '.join(MODELS))
   parser.add_argument('--configs', default='',
-                      help='Comma list of KxMxR (R=1: recompute), e.g. '
-                      '0x1x0,2x8x1; default: the standard set.')
+                      help='Comma list of KxMxC or KxMxCxR (C=1: recompute; '
+                      'R: data-parallel replicas), e.g. 0x1x0,2x8x1,1x1x0x2; '
+                      'default: the standard set.')
   parser.add_argument('--num_devices', type=int, default=2)
   parser.add_argument('--num_blocks', type=int, default=8)
   parser.add_argument('--dim', type=int, default=256)
@@ -331,7 +422,8 @@ def main(argv=None):
   try:
     result = {'records': [], 'trace': None}
     if not args.no_benchmark:
-      result['records'] = RunBenchmark(args, devices)
+      result['records'] = RunBenchmark(
+          args, devices, local.pids if local is not None else ())
       print(Table(result['records']))
     if args.trace:
       trace = RunTrace(args, devices)

@@ -308,7 +308,10 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
             f'CreateChildren({name!r}) in {self.path!r}: two children are named '
             f'{p.name!r}; give each a distinct name (or leave names empty).')
       names.add(p.name)
-      with tf.device(devices[i] if devices else None):
+      # No device given: the enclosing device scope (tf.device(None) would
+      # clear it).
+      scope = tf.device(devices[i]) if devices else contextlib.nullcontext()
+      with scope:
         children.append(self._BuildChild(p))
     self._private_children[name] = children
     return children

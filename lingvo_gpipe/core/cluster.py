@@ -258,6 +258,11 @@ class LocalCluster:
     self._procs[task] = self._Launch(task)
     self._WaitReady(task)
 
+  @property
+  def pids(self):
+    """Process ids of the workers."""
+    return [p.pid for p in self._procs]
+
   def Alive(self):
     """[bool] per worker."""
     return [p.poll() is None for p in self._procs]

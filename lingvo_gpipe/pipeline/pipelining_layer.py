@@ -41,12 +41,17 @@ Two ways to describe the cells:
     split: a checkpoint of K=8 restores into K=1.
 """
 
+import contextlib
+import os
+import secrets
+
 import tensorflow as tf
 # The tape API tf.custom_gradient is built on; see _PipelineWithGrad.
 from tensorflow.python.eager import record as tape_record
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import tpu
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import microbatch
@@ -227,8 +232,13 @@ class PipeliningLayer(base_layer.BaseLayer):
     """Resolves the devices of every (replica, cell)."""
     self._replica_devices = None
     self._devices = None
+    self._assign = None  # Set during FProp on TPU: pins to logical cores.
+    self._on_tpu = False
     if base_layer.IsAbstract():
       return  # Counting or tracing: nothing is placed.
+    if tpu.NumCoresPerReplica() > 1:
+      self._on_tpu = True  # TPUStrategy: cell k on logical core k.
+      return
     r = self.params.num_replicas
     flat = placement.ResolveDevices(self.params.devices, num_stages * r,
                                     num_replicas=r)
@@ -313,7 +323,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                    'on replica 0, gradients summed there)')
     replicas = self.replica_devices
     for k, dev, paths in self.Placement():
-      where = dev
+      where = f'logical core {k} of each TPU replica' if self._on_tpu else dev
       if self.num_replicas > 1:
         where = ', '.join(f'{d} (replica {r})'
                           for r, d in enumerate(rd[k] for rd in replicas))
@@ -361,12 +371,37 @@ class PipeliningLayer(base_layer.BaseLayer):
     return False
 
   def _Device(self, k, r=0):
-    if self._replica_devices is None:
-      return tf.device(None)
+    if self._replica_devices is None or self._assign is not None:
+      return contextlib.nullcontext()
     return tf.device(self._replica_devices[r][k])
 
-  @tf.autograph.experimental.do_not_convert
+  def _Place(self, structure, k):
+    """On TPU, pins the tensors of `structure` to logical core k."""
+    if self._assign is None:
+      return structure
+    return self._assign(structure, k)
+
   def FProp(self, theta, *args):
+    """Runs the pipeline. See `_FProp`.
+
+    Inside a `TPUStrategy` replica of several cores, cell k runs on the
+    replica's logical core k (`tpu.LogicalDeviceAssigner`); the strategy's
+    replicas are the data parallelism, so num_replicas must then be 1.
+    """
+    assign = tpu.LogicalDeviceAssigner()
+    if assign is not None and self.num_replicas != 1:
+      raise ValueError(
+          f'Pipeline {self.path!r} runs in a TPUStrategy replica, whose '
+          'replicas are the data parallelism; set num_replicas=1 (got '
+          f'{self.num_replicas}).')
+    self._assign = assign
+    try:
+      return self._FProp(theta, *args)
+    finally:
+      self._assign = None
+
+  @tf.autograph.experimental.do_not_convert
+  def _FProp(self, theta, *args):
     """Runs the pipeline.
 
     In evaluation and inference (`do_eval`), a batch that R*M does not
@@ -396,8 +431,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     thetas = [[None] * self.num_stages for _ in range(num_rep)]
     for k in range(self.num_stages):
       with self._Device(k):
-        thetas[0][k] = tf.nest.map_structure(tf.identity,
-                                             self._CellTheta(theta, k))
+        thetas[0][k] = self._Place(tf.nest.map_structure(
+            tf.identity, self._CellTheta(theta, k)), k)
     # Each replica reads the weights once per step onto its own devices.
     for r in range(1, num_rep):
       for k in range(self.num_stages):
@@ -452,7 +487,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       for r in range(num_rep):
         j = r * num_mb + m
         with self._Device(k, r):
-          x = states[j]
+          x = self._Place(states[j], k)
           if p.strict_order and (r, k) in last_on_device:
             x = _After(x, last_on_device[(r, k)])
           start = None
@@ -468,6 +503,7 @@ class PipeliningLayer(base_layer.BaseLayer):
               y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
           else:
             y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
+          y = self._Place(y, k)
           if tracer is not None:
             end, y = _Stamp(y)
             tracer.Record(('forward', r * num_cells + k, j), start, end)
@@ -635,7 +671,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           theta_acc[i] = [gi] if acc is None else acc + [gi]
       else:
         dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
-    new_dy = tf.nest.pack_sequence_as(x, dx)
+    new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
     if tracer is not None:
       end, new_dy = _Stamp(new_dy)
       tracer.Record(trace_key, start, end)
@@ -653,7 +689,16 @@ def _Sum(parts):
   # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
   # AddN, which keeps the gradients of all micro-batches alive at once.
   # AccumulateNV2 adds each as soon as it is ready.
-  return tf.raw_ops.AccumulateNV2(inputs=parts, shape=parts[0].shape)
+  return tf.raw_ops.AccumulateNV2(inputs=parts, shape=parts[0].shape,
+                                  name=_ACCUMULATOR_NAME)
+
+
+# AccumulateNV2 keeps its running sum in a temporary variable named after the
+# op, in a per-step container on the op's device. A step aborted by a lost
+# worker leaves that container behind on the surviving workers; a name unique
+# to this process keeps the next trainer process (same graph, same step ids)
+# from colliding with it.
+_ACCUMULATOR_NAME = f'AccumulateGrads_{os.getpid()}_{secrets.token_hex(4)}'
 
 
 def _After(x, deps):

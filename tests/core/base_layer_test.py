@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.py_utils import WeightInit
 
@@ -465,3 +466,13 @@ def testDefaultFPropMetaIsTraced():
   assert meta.out_shapes == (tf.TensorShape([5, 3]),)
   # 3 matmuls [5,2]x[2,3], plus 3 adds of [5,3].
   assert meta.flops == 3 * (2 * 5 * 2 * 3) + 3 * 15
+
+
+def testChildrenWithoutDevicesKeepTheEnclosingDeviceScope():
+  p = layers.SequentialLayer.Params().Set(
+      name='seq', sub=[layers.FCLayer.Params().Set(
+          name='fc', input_dim=2, output_dim=2)])
+  with tf.device('/device:CPU:1'):
+    seq = p.Instantiate()
+  for v in seq.variables:
+    assert v.device.endswith('CPU:1'), v.device

@@ -174,3 +174,43 @@ def testBadReplicaConfigurations():
   pipe = _Pipe(plt.DenseLayers(4), 1, 2, 3)
   with pytest.raises(ValueError, match=r'split over 2 replicas: 4 each'):
     pipe(tf.zeros([8, 6]))
+
+
+def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
+  """The TPU code path, with a stand-in TPUStrategy of 2 cores per replica:
+  every cell's inputs, weights and outputs go to its logical core, no
+  tf.device placement is used, and the result is unchanged."""
+  from tests.core import tpu_test  # pylint: disable=g-import-not-at-top
+  _, x, w, (ref_out, _, ref_grads, _) = plt_reference
+  strategy = tpu_test._FakeTPUStrategy(4, 2)
+  strategy.extended.value_container = lambda v: v  # Variables read as is.
+  with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+    pipe = PipeliningLayer.Params().Set(
+        name='pipe', layers=plt.DenseLayers(), num_stages=2,
+        num_micro_batches=2).Instantiate()
+    assert 'logical core 1 of each TPU replica' in pipe.PlacementText()
+
+  @tf.function
+  def Step(x):
+    with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+      with tf.GradientTape() as tape:
+        y = pipe(x)
+        loss = tf.reduce_sum(y * w)
+      return y, tape.gradient(loss, pipe.trainable_variables)
+
+  graph = Step.get_concrete_function(x).graph
+  assert not [op for op in graph.get_operations()
+              if op.type == 'MatMul' and op.device]
+  cores = {k for _, k in strategy.calls}
+  assert cores == {0, 1}
+  y, grads = Step(x)
+  plt.AssertClose(y, ref_out)
+  for v, g in zip(pipe.trainable_variables, grads):
+    assert plt.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
+  with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+    dp = PipeliningLayer.Params().Set(
+        name='pipe', layers=plt.DenseLayers(2), num_replicas=2,
+        num_stages=1).Instantiate()
+  with pytest.raises(ValueError, match='set num_replicas=1'):
+    with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
+      dp(x)

@@ -1,0 +1,117 @@
+"""The trainer across devices: data-parallel replicas, remote workers, and a
+worker that dies during training.
+"""
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe import trainer
+from lingvo_gpipe.core import cluster
+from lingvo_gpipe.runners import checkpointer
+from tests import trainer_test
+
+MODEL = 'image.digits.MlpDigitsTinyBN'
+
+
+def _TrainInProcess(p, batches):
+  model = p.Instantiate()
+  step = tf.function(model.GetTask().TrainStep, autograph=False)
+  for batch in batches:
+    step(batch)
+  return {name: v.numpy() for name, v in model.VariablesByName().items()}
+
+
+def testReplicasGiveTheUpdateOfOneReplicaWithTheWholeBatch():
+  """R=2 replicas x K=2 stages (M=2 each, 4 devices) == R=1 x K=2 with M=4:
+  weights, batch-norm moving averages and Adam slots after 3 steps."""
+  dp = trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
+                           worker_replicas=2,
+                           overrides=['task.network.num_micro_batches : 2'])
+  one = trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
+                            overrides=['task.network.num_micro_batches : 4'])
+  assert dp.task.network.num_replicas == 2
+  assert len(dp.task.network.devices) == 4
+  inputs = one.task.input.Instantiate()
+  it = iter(inputs.GetDataset())
+  batches = [next(it) for _ in range(3)]
+  got = _TrainInProcess(dp, batches)
+  want = _TrainInProcess(one, batches)
+  assert sorted(got) == sorted(want)
+  assert any('moving_mean' in n for n in got)
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6,
+                               err_msg=name)
+  # Training moved the weights: the comparison is not of initial values.
+  init = {n: v.numpy() for n, v in one.Instantiate().VariablesByName().items()}
+  assert any(not np.allclose(init[n], want[n]) for n in want
+             if n.endswith('/w'))
+
+
+def testTooManyReplicasNamesBothNumbers():
+  try:
+    trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
+                        worker_replicas=3)
+  except trainer.UserError as e:
+    assert ('--worker_replicas=3 x --worker_split_size=2 need 6 devices but '
+            'only 4 exist') in str(e)
+  else:
+    raise AssertionError('no error')
+
+
+def testTrainerWithReplicasWritesPlacement(tmp_path):
+  logdir = tmp_path / 'logdir'
+  res = trainer_test._Run(f'--logdir={logdir}', '--worker_replicas=2',
+                          '--worker_split_size=1', '--max_steps=5',
+                          model=MODEL)
+  assert res.returncode == 0, res.stderr[-3000:]
+  text = (logdir / 'placement.txt').read_text()
+  assert '2 data-parallel replicas' in text
+  assert 'CPU:1 (replica 1)' in text
+  assert '1 replica(s)' not in text and '2 replica(s) x 1 stage(s)' in text
+
+
+def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
+  """K=2 stages on 2 worker processes; killing one makes the trainer exit 1
+  naming it; after a restart the trainer resumes from the last checkpoint."""
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+    spec = 'worker=' + ','.join(local.addresses)
+    args = [f'--logdir={logdir}', f'--cluster_spec={spec}',
+            '--worker_split_size=2', '--log_interval_steps=1',
+            '--model_params_override=task.train.save_interval_steps : 5']
+    proc = trainer_test._Proc(str(tmp_path / 'log1.txt'), *args,
+                              '--max_steps=100000')
+    try:
+      proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
+      log = proc.Log()
+      assert '/job:worker/replica:0/task:1/device:CPU:0' in log
+      local.Kill(1)
+      t0 = time.time()
+      proc.proc.wait(timeout=120)
+      assert time.time() - t0 < 60
+    finally:
+      proc.Close()
+    log = proc.Log()
+    assert proc.proc.returncode == 1, log[-3000:]
+    assert f'Lost worker /job:worker/task:1 ({local.addresses[1]})' in log, (
+        log[-3000:])
+    saved = trainer_test._Latest(train_dir)
+    assert saved >= 5
+    assert 'restart the worker and rerun the trainer' in log
+    # Restart the worker; the trainer resumes from the checkpoint.
+    local.Restart(1)
+    res = subprocess.run(
+        trainer_test._Cmd(*args, f'--max_steps={saved + 3}'),
+        cwd=trainer_test.REPO, env=trainer_test._Env(), capture_output=True,
+        text=True, timeout=trainer_test.TIMEOUT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f'Restored {checkpointer.LatestCheckpoint(str(train_dir))}' not in (
+        res.stderr)  # A new checkpoint was written after the restore ...
+    assert f'ckpt-{saved}' in res.stderr  # ... from the one left before.
+    assert trainer_test._Latest(train_dir) == saved + 3
+  assert not os.path.exists(logdir / 'train' / 'checkpoint.tmp')
