@@ -353,7 +353,8 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
       value = py_utils.InitialValue(init, shape, dtype, seed)
       # The trailing '/' makes the name absolute: an enclosing tf.name_scope
       # must not change checkpoint names.
-      var = tf.Variable(value, name=full_name + '/', trainable=trainable)
+      var = tf.Variable(value, name=full_name + '/', trainable=trainable,
+                        aggregation=py_utils.REPLICATED_AGGREGATION)
     if shared and shared not in self._shared_store:
       self._shared_store[shared] = var
     self._private_vars[name] = var

@@ -96,7 +96,8 @@ class BaseTask(base_layer.BaseLayer):
     else:
       with tf.init_scope():
         self._global_step = tf.Variable(
-            tf.constant(0, tf.int64), trainable=False, name='global_step')
+            tf.constant(0, tf.int64), trainable=False, name='global_step',
+            aggregation=py_utils.REPLICATED_AGGREGATION)
     lp = p.train.learner
     if lp is None:
       lp = learner_lib.Learner.Params()

@@ -3,6 +3,8 @@
 Per training step, `Apply(loss, grads_and_vars, global_step)`:
 
   1. keeps the variables selected by bprop_variable_filter / _exclusion;
+     inside a tf.distribute replica of several (TPUStrategy.run, or
+     MirroredStrategy.run), averages their gradients over the replicas;
   2. adds L2 weight decay (if l2_regularizer_weight): g += w * var and reports
      l2_loss = 0.5 * w * sum(var^2), except for variables whose name matches
      `skip_lp_regularization_regex` (by default biases '/b' and batch-norm
@@ -65,6 +67,19 @@ def DefineLearnerParams(p):
            'are trained.')
   p.Define('bprop_variable_exclusion', None,
            'If set, variables whose names match this regex are not trained.')
+
+
+def _AllReduceInReplica(pairs):
+  """Inside a tf.distribute replica (e.g. TPUStrategy.run) of several
+  replicas: the gradients averaged over the replicas (each replica's loss is
+  the mean over its share of the batch), so every replica applies the update
+  of the whole batch. Elsewhere: `pairs` unchanged."""
+  ctx = tf.distribute.get_replica_context()
+  if (ctx is None or not tf.distribute.has_strategy() or
+      ctx.num_replicas_in_sync == 1):
+    return pairs
+  grads = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, [g for g, _ in pairs])
+  return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 
 class Learner:
@@ -204,6 +219,7 @@ class Learner:
     if dropped:
       logging.warning('Learner %s: no gradient for %s; they are not updated.',
                       p.name, dropped)
+    pairs = _AllReduceInReplica(pairs)
     if not pairs:
       raise ValueError(f'Learner {p.name!r}: no variable has a gradient; '
                        'check that the loss depends on the trainable '

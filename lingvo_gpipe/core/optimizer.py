@@ -32,6 +32,7 @@ import re
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import py_utils
 
 __all__ = ['Base', 'SGD', 'Momentum', 'RMSProp', 'Adam', 'Adafactor',
            'VarName']
@@ -97,7 +98,8 @@ class Base:
       with tf.init_scope():
         self._counter = tf.Variable(
             tf.constant(0, tf.int64), trainable=False,
-            name=f'{self.params.name}/iterations/')
+            name=f'{self.params.name}/iterations/',
+            aggregation=py_utils.REPLICATED_AGGREGATION)
 
   def CreateSlots(self, variables):
     """Creates the slots of `variables` (idempotent), each on its device."""
@@ -116,7 +118,8 @@ class Base:
         with tf.init_scope(), tf.device(var.device):
           self._slots[(vname, slot)] = tf.Variable(
               tf.fill(shape, tf.constant(init, var.dtype.base_dtype)),
-              trainable=False, name=f'{vname}/{slot}/')  # '/': absolute name
+              trainable=False, name=f'{vname}/{slot}/',  # '/': absolute name
+              aggregation=py_utils.REPLICATED_AGGREGATION)
 
   def GetSlot(self, var, slot):
     """The slot variable `slot` of `var`."""

@@ -22,7 +22,7 @@ __all__ = [
     'NestedMap', 'WeightInit', 'WeightParams', 'StableHash', 'EvalMode',
     'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
     'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
-    'GetShape', 'CheckNumerics',
+    'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaSum',
 ]
 
 Flatten = tf.nest.flatten
@@ -322,6 +322,23 @@ class UpdateCollector:
       if op is not None:
         ops.append(op)
     return ops
+
+
+# Under a tf.distribute strategy (TPUStrategy, MirroredStrategy) every
+# replica computes the same update from all-reduced gradients and statistics:
+# the first replica's value is written to every copy. Outside a strategy
+# this has no effect.
+REPLICATED_AGGREGATION = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def CrossReplicaSum(tensors):
+  """The sum over tf.distribute replicas of `tensors` (a list), inside a
+  replica of several; `tensors` unchanged elsewhere."""
+  ctx = tf.distribute.get_replica_context()
+  if (ctx is None or not tf.distribute.has_strategy() or
+      ctx.num_replicas_in_sync == 1):
+    return tensors
+  return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
 
 def AddDeferredUpdate(layer, stats):

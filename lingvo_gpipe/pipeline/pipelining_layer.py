@@ -239,6 +239,19 @@ class PipeliningLayer(base_layer.BaseLayer):
     if tpu.NumCoresPerReplica() > 1:
       self._on_tpu = True  # TPUStrategy: cell k on logical core k.
       return
+    if tf.distribute.has_strategy():
+      # MirroredStrategy, or TPUStrategy with one core per replica: each
+      # replica is one device, which the strategy chooses.
+      if num_stages > 1 or self.params.num_replicas > 1:
+        raise ValueError(
+            f'Pipeline {self.path!r} has {num_stages} cells x '
+            f'{self.params.num_replicas} replicas but is built under '
+            f'{type(tf.distribute.get_strategy()).__name__}, whose replicas '
+            'are one device each. Use num_stages=1 there, or no strategy and '
+            'num_replicas (trainer flag --worker_replicas) for data '
+            'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
+            'with K cores per replica).')
+      return
     r = self.params.num_replicas
     flat = placement.ResolveDevices(self.params.devices, num_stages * r,
                                     num_replicas=r)

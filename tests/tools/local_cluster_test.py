@@ -1,0 +1,64 @@
+"""tools/local_cluster.py starts workers a trainer can use; the benchmark's
+data-parallel rows report the bytes the workers exchange."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from tests import trainer_test
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def testLauncherServesATrainerAndStops(tmp_path):
+  spec_file = tmp_path / 'spec.json'
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
+  proc = subprocess.Popen(
+      [sys.executable, str(ROOT / 'tools' / 'local_cluster.py'),
+       '--num_workers=2', f'--spec_file={spec_file}', '--serve_seconds=300'],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    while not spec_file.exists() and time.time() < deadline:
+      assert proc.poll() is None, proc.stderr.read()[-3000:]
+      time.sleep(0.2)
+    spec = json.loads(spec_file.read_text())
+    assert len(spec['worker']) == 2
+    logdir = tmp_path / 'logdir'
+    res = trainer_test._Run(
+        f'--logdir={logdir}', '--cluster_spec=' + json.dumps(spec),
+        '--worker_split_size=2', '--max_steps=3')
+    assert res.returncode == 0, res.stderr[-3000:]
+    placement = (logdir / 'placement.txt').read_text()
+    assert 'cell 1 on /job:worker/replica:0/task:1/device:CPU:0' in placement
+  finally:
+    proc.terminate()
+    out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err[-3000:]
+  assert 'workers ready' in out and '--cluster_spec=worker=127.0.0.1:' in out
+  assert 'Cluster stopped.' in out
+
+
+def testBenchmarkDataParallelRowsReportBytesBetweenWorkers(tmp_path):
+  out_json = tmp_path / 'bench.json'
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
+  res = subprocess.run(
+      [sys.executable, str(ROOT / 'tools' / 'benchmark_pipeline.py'),
+       '--mode=multi_process', '--model=mlp', '--configs=0x1x0,1x1x0x2,2x2x1',
+       '--batch_size=64', '--dim=64', '--num_blocks=4', '--steps=1',
+       '--warmup=1', f'--json={out_json}'],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  records = json.loads(out_json.read_text())['records']
+  by = {(r['num_stages'], r['replicas']): r for r in records}
+  assert set(by) == {(0, 1), (1, 2), (2, 1)}
+  # One worker: at most a few control messages (keep-alives) between them.
+  assert by[(0, 1)]['bytes_between_workers_per_step'] < 4096
+  # Replicas exchange weights and gradients; stages exchange activations.
+  weights = by[(1, 2)]['weight_bytes']
+  assert by[(1, 2)]['bytes_between_workers_per_step'] >= 2 * weights
+  assert by[(2, 1)]['bytes_between_workers_per_step'] > 0
+  assert 'bytes_between_workers_per_step' in res.stdout
