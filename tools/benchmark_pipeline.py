@@ -311,8 +311,7 @@ def RunBenchmark(args, devices, worker_pids=()):
                  num_stages=k, num_micro_batches=m, recompute=b.key[3],
                  batch_size=batch, step_time_s=t, step_times_s=times[b.key],
                  examples_per_s=batch / t,
-                 ideal_speedup=(reps if k <= 1 and m == 1 else
-                                schedule.IdealSpeedup(max(k, 1), m)),
+                 ideal_speedup=reps * schedule.IdealSpeedup(max(k, 1), m),
                  weight_bytes=b.weight_bytes, devices=b.devices)
       if sent[b.key]:
         rec['bytes_between_workers_per_step'] = statistics.median(
