@@ -113,6 +113,11 @@ flags.DEFINE_string('worker_job', 'worker',
                     'The job of --cluster_spec whose devices run the model.')
 flags.DEFINE_float('connect_timeout_s', 30.0,
                    'Bound on reaching each remote worker at start.')
+flags.DEFINE_float('step_timeout_s', None,
+                   'Exit with status 1, naming the unreachable workers, if '
+                   'one training step (with its checkpoint) takes longer '
+                   '(the first step: 4 times longer). Default: 900 with '
+                   '--cluster_spec/TF_CONFIG, off on one host; 0: off.')
 flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
                      lower_bound=0)
 flags.DEFINE_integer('seed', None, 'Model random_seed (overrides Params).')
@@ -392,15 +397,57 @@ def _RunTrainer(p, logdir, stop):
     f.write(p.ToText())
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
+  watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
       task, model.global_step, iterator, ckpt, tp.max_steps,
       summary_dir=train_dir, log_interval_steps=FLAGS.log_interval_steps,
-      summary_interval_steps=tp.summary_interval_steps, stop=stop)
+      summary_interval_steps=tp.summary_interval_steps, stop=stop,
+      watchdog=watchdog)
   try:
     return loop.Run()
   except tf.errors.OpError as e:
     _RaiseIfWorkerLost(e, train_dir)
     raise
+  finally:
+    if watchdog is not None:
+      watchdog.Stop()
+
+
+def _StepTimeout():
+  if FLAGS.step_timeout_s is not None:
+    return FLAGS.step_timeout_s
+  return 900.0 if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
+
+
+def _Watchdog(train_dir):
+  """A StepWatchdog that ends the process naming the workers (or None)."""
+  timeout = _StepTimeout()
+  if not timeout:
+    return None
+
+  def OnTimeout(step, elapsed):
+    lost = _CLUSTER.UnreachableWorkers() if _CLUSTER is not None else []
+    if lost:
+      who = (f'worker {", ".join(lost)} no longer accepts connections (the '
+             'process died or its host is down)')
+    elif _CLUSTER is not None and _CLUSTER.is_remote:
+      who = ('every worker still accepts connections, so one is stuck (e.g. '
+             'stopped, swapping, or deadlocked) or the step is slower than '
+             'the bound; raise --step_timeout_s if it is just slow')
+    else:
+      who = 'raise --step_timeout_s if the step is just slow'
+    last = checkpointer.LatestCheckpoint(train_dir)
+    message = (f'Step {step} did not finish within {elapsed:.0f} s '
+               f'(--step_timeout_s={timeout:g}): {who}. The last checkpoint '
+               f'is {last or "none"}; fix the workers and rerun the trainer '
+               'to resume from it.')
+    logging.error('%s', message)
+    logging.flush()
+    sys.stderr.write(f'ERROR: {message}\n')
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+  return train_loop.StepWatchdog(timeout, OnTimeout)
 
 
 # What TensorFlow raises when a remote worker goes away during a step.

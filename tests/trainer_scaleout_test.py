@@ -3,6 +3,7 @@ worker that dies during training.
 """
 
 import os
+import signal
 import subprocess
 import time
 
@@ -115,3 +116,31 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
     assert f'ckpt-{saved}' in res.stderr  # ... from the one left before.
     assert trainer_test._Latest(train_dir) == saved + 3
   assert not os.path.exists(logdir / 'train' / 'checkpoint.tmp')
+
+
+def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
+  """A worker that stops answering (SIGSTOP: its sockets still accept) would
+  block the step forever; --step_timeout_s ends the trainer with status 1."""
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+    proc = trainer_test._Proc(
+        str(tmp_path / 'log.txt'), f'--logdir={logdir}',
+        '--cluster_spec=worker=' + ','.join(local.addresses),
+        '--worker_split_size=2', '--step_timeout_s=3', '--max_steps=100000',
+        '--model_params_override=task.train.save_interval_steps : 5')
+    try:
+      proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
+      os.kill(local.pids[1], signal.SIGSTOP)
+      t0 = time.time()
+      proc.proc.wait(timeout=120)
+      elapsed = time.time() - t0
+    finally:
+      os.kill(local.pids[1], signal.SIGCONT)
+      proc.Close()
+  log = proc.Log()
+  assert proc.proc.returncode == 1, log[-3000:]
+  assert elapsed < 30, elapsed
+  assert 'did not finish within' in log and '--step_timeout_s=3' in log, (
+      log[-3000:])
+  assert 'every worker still accepts connections' in log

@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 __all__ = ['StopRequest', 'NonFiniteError', 'TrainResult', 'TrainLoop',
-           'BatchSize', 'FormatDuration', 'WriteScalar']
+           'StepWatchdog', 'BatchSize', 'FormatDuration', 'WriteScalar']
 
 # What tf.summary.scalar writes, without needing the tensorboard package.
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
@@ -76,6 +76,59 @@ class StopRequest:
 
     for signum in signums:
       signal.signal(signum, Handler)
+
+
+class StepWatchdog:
+  """Calls `on_timeout(step, seconds)` if one step runs longer than a bound.
+
+  A TensorFlow step blocked on a worker that stopped answering (hung, or its
+  host unreachable without a closed connection) cannot be interrupted from
+  Python; the trainer's `on_timeout` names the workers and ends the process
+  (checkpoints are written atomically, so the last one stays good). The
+  first step (tracing, compilation) gets `first_step_factor` times the bound.
+  """
+
+  def __init__(self, timeout_s, on_timeout, first_step_factor=4.0,
+               poll_s=0.5):
+    self._timeout = float(timeout_s)
+    self._on_timeout = on_timeout
+    self._first_factor = float(first_step_factor)
+    self._poll = poll_s
+    self._lock = threading.Lock()
+    self._current = None  # (step, start time, bound)
+    self._steps_done = 0
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._Watch, name='step_watchdog',
+                                    daemon=True)
+    self._thread.start()
+
+  def StepStarted(self, step):
+    bound = self._timeout * (self._first_factor if self._steps_done == 0
+                             else 1.0)
+    with self._lock:
+      self._current = (step, time.time(), bound)
+
+  def StepFinished(self):
+    with self._lock:
+      self._current = None
+      self._steps_done += 1
+
+  def Stop(self):
+    self._done.set()
+    self._thread.join(timeout=5)
+
+  def _Watch(self):
+    while not self._done.wait(self._poll):
+      with self._lock:
+        current = self._current
+      if current is None:
+        continue
+      step, start, bound = current
+      elapsed = time.time() - start
+      if elapsed > bound:
+        with self._lock:
+          self._current = None  # report once
+        self._on_timeout(step, elapsed)
 
 
 class TrainResult:
@@ -130,7 +183,7 @@ class TrainLoop:
   def __init__(self, task, global_step, iterator, checkpointer, max_steps,
                summary_dir=None, log_interval_steps=10,
                summary_interval_steps=100, stop=None, batch_size=None,
-               train_step_fn=None):
+               train_step_fn=None, watchdog=None):
     """Constructor.
 
     Args:
@@ -147,7 +200,10 @@ class TrainLoop:
       stop: a StopRequest; set it to stop after the current step.
       batch_size: examples per step; None: read from each batch.
       train_step_fn: replaces `task.TrainStep` (tests).
+      watchdog: a StepWatchdog told when each step (and its checkpoint)
+        starts and ends.
     """
+    self._watchdog = watchdog
     self._task = task
     self._global_step = global_step
     self._iterator = iterator
@@ -251,6 +307,8 @@ class TrainLoop:
                         'max_steps=%d.', step, self._max_steps)
         break
       t0 = time.time()
+      if self._watchdog is not None:
+        self._watchdog.StepStarted(step + 1)
       outputs = self._step_fn(batch)
       if self._increments is None:
         self._increments = int(self._global_step.numpy()) != step
@@ -278,6 +336,8 @@ class TrainLoop:
         self._Log(step, scalars, eps, avg_step, first=not window_steps)
         window_start, window_steps, window_examples = time.time(), 0, 0
       checkpoint = self._Save(step, force=False) or checkpoint
+      if self._watchdog is not None:
+        self._watchdog.StepFinished()
     checkpoint = self._Save(step, force=True) or checkpoint
     if self._writer is not None:
       self._writer.flush()

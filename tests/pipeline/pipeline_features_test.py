@@ -301,9 +301,11 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   np.testing.assert_array_equal(before, bn.vars.moving_mean.numpy())
 
 
-def testMixedPrecisionComputeWithFloat32MasterWeights():
-  """fprop_dtype=bfloat16: the cells compute in bfloat16, the variables and
-  their gradients stay float32, and the result tracks the float32 model."""
+@pytest.mark.parametrize('dtype', [tf.bfloat16, tf.float16])
+def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
+  """fprop_dtype=bfloat16/float16: the cells compute in that type, the
+  variables and their gradients stay float32, and the result tracks the
+  float32 model."""
   x, w = plt._Inputs()
   pipe32 = PipeliningLayer.Params().Set(
       name='pipe', layers=plt.DenseLayers(4), num_stages=2,
@@ -311,18 +313,18 @@ def testMixedPrecisionComputeWithFloat32MasterWeights():
   pipe16 = PipeliningLayer.Params().Set(
       name='pipe', layers=plt.DenseLayers(4), num_stages=2,
       num_micro_batches=2, devices=DEVICES[:2],
-      fprop_dtype=tf.bfloat16).Instantiate()
+      fprop_dtype=dtype).Instantiate()
   assert all(v.dtype == tf.float32 for v in pipe16.trainable_variables)
 
   @tf.function
   def Step16(x):
     with tf.GradientTape() as tape:
-      y = pipe16(tf.cast(x, tf.bfloat16))
+      y = pipe16(tf.cast(x, dtype))
       loss = tf.reduce_sum(tf.cast(y, tf.float32) * w)
     return y, tape.gradient(loss, pipe16.trainable_variables)
 
   y16, grads16 = Step16(x)
-  assert y16.dtype == tf.bfloat16
+  assert y16.dtype == dtype
   y32, _, grads32, _ = plt.LossAndGrads(pipe32, (x,), w)
   np.testing.assert_allclose(tf.cast(y16, tf.float32).numpy(), y32.numpy(),
                              atol=0.05)
