@@ -144,3 +144,24 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
   assert 'did not finish within' in log and '--step_timeout_s=3' in log, (
       log[-3000:])
   assert 'every worker still accepts connections' in log
+
+
+def testBadDeviceFlagsFailInOneLine(tmp_path):
+  port = cluster.FreePorts(1)[0]
+  cases = [
+      (['--num_gpu_devices=2', '--gpu_memory_limit_mb=512'],
+       'TensorFlow finds no GPU'),
+      (['--cluster_spec=worker'], "'worker' is not \"job=host:port"),
+      ([f'--cluster_spec=worker=127.0.0.1:{port}', '--connect_timeout_s=2'],
+       f'worker:0: Worker at 127.0.0.1:{port} is not reachable'),
+      (['--worker_replicas=3', '--worker_split_size=1'],
+       '--worker_replicas=3 x --worker_split_size=1 need 3 devices but only '
+       '2 exist'),
+  ]
+  for args, message in cases:
+    t0 = time.time()
+    res = trainer_test._Run(f'--logdir={tmp_path / "logdir"}', *args)
+    assert res.returncode == 1, (args, res.stderr[-2000:])
+    assert message in res.stderr, (args, res.stderr[-2000:])
+    assert 'Traceback' not in res.stderr, res.stderr[-2000:]
+    assert time.time() - t0 < 60
