@@ -31,6 +31,7 @@ from absl import logging
 
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import optimizer
+from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule
 from lingvo_gpipe.core.nested_map import NestedMap
 
@@ -96,6 +97,17 @@ class Learner:
     p.Define('skip_lp_regularization_regex', r'/(b|beta|gamma)$',
              'Variables whose names match this regex (re.search) get no '
              'weight decay; None: only those passed to CreateSlots.')
+    p.Define('loss_scale', None,
+             'Loss scaling, for float16 compute (fprop_dtype) whose small '
+             'gradients would underflow: None (off); a number S (static: '
+             'back-propagate S * loss, divide the gradients by S); or '
+             '"dynamic": S starts at initial_loss_scale, is halved when a '
+             'gradient is not finite (that step gets zero gradients, like '
+             'any non-finite step), and doubled after '
+             'loss_scale_growth_interval finite steps.')
+    p.Define('initial_loss_scale', 2.0**15, 'Initial dynamic loss scale.')
+    p.Define('loss_scale_growth_interval', 2000,
+             'Finite steps before the dynamic loss scale doubles.')
     return p
 
   def __init__(self, params):
@@ -118,10 +130,15 @@ class Learner:
       if not isinstance(p.Get(what), hyperparams.InstantiableParams):
         raise TypeError(f'Learner {p.name!r}: p.{what} = {p.Get(what)!r}; '
                         f'set it to the Params of a {what} class.')
+    if not (p.loss_scale is None or p.loss_scale == 'dynamic' or (
+        isinstance(p.loss_scale, (int, float)) and p.loss_scale > 0)):
+      raise ValueError(f'Learner {p.name!r}: loss_scale = {p.loss_scale!r}; '
+                       'use None, a positive number or "dynamic".')
     self._optimizer = p.optimizer.Instantiate()
     self._schedule = p.lr_schedule.Instantiate()
     self._variables = None
     self._skip_lp = set()
+    self._loss_scale_vars = None  # (scale, good steps) when dynamic
 
   @property
   def params(self):
@@ -172,10 +189,50 @@ class Learner:
     self._variables = [chosen[k] for k in sorted(chosen)]
     self._skip_lp |= set(skip_lp_regularization)
     self._optimizer.CreateSlots(self._variables)
+    if self.params.loss_scale == 'dynamic' and self._loss_scale_vars is None:
+      name = self.params.name
+      with tf.init_scope():
+        self._loss_scale_vars = (
+            tf.Variable(float(self.params.initial_loss_scale),
+                        dtype=tf.float32, trainable=False,
+                        name=f'{name}/loss_scale/',
+                        aggregation=py_utils.REPLICATED_AGGREGATION),
+            tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                        name=f'{name}/loss_scale_good_steps/',
+                        aggregation=py_utils.REPLICATED_AGGREGATION))
 
   def slots(self):
-    """{name: variable} of the optimizer's slots and counters."""
-    return self._optimizer.slots()
+    """{name: variable} of the optimizer's slots and counters (and of the
+    dynamic loss scale)."""
+    out = self._optimizer.slots()
+    for v in self._loss_scale_vars or ():
+      out[optimizer.VarName(v)] = v
+    return out
+
+  def LossScale(self):
+    """The current loss scale (a float32 scalar), or None when off."""
+    p = self.params
+    if p.loss_scale is None:
+      return None
+    if p.loss_scale == 'dynamic':
+      if self._loss_scale_vars is None:
+        raise ValueError(f'Learner {p.name!r}: call CreateSlots before '
+                         'using the dynamic loss scale.')
+      return tf.convert_to_tensor(self._loss_scale_vars[0])
+    return tf.constant(float(p.loss_scale), tf.float32)
+
+  def _UpdateLossScale(self, finite):
+    """Dynamic loss scale: halve on a non-finite step, double after
+    loss_scale_growth_interval finite ones. Returns the update op."""
+    scale, good = self._loss_scale_vars
+    interval = self.params.loss_scale_growth_interval
+    grow = tf.logical_and(finite, good + 1 >= interval)
+    new_scale = tf.where(
+        finite, tf.where(grow, scale * 2.0, scale),
+        tf.maximum(scale * 0.5, 1.0))
+    new_good = tf.where(tf.logical_and(finite, tf.logical_not(grow)),
+                        good + 1, tf.zeros_like(good))
+    return tf.group(scale.assign(new_scale), good.assign(new_good))
 
   def LearningRate(self, step):
     """learning_rate * lr_schedule.Value(step), a float32 scalar."""
@@ -205,7 +262,16 @@ class Learner:
       if self._variables is None:
         raise ValueError(f'Learner {p.name!r}: call CreateSlots(variables) '
                          'before Apply with a tape.')
-      grads = grads_and_vars.gradient(loss, self._variables)
+      loss_scale = self.LossScale()
+      if loss_scale is None:
+        grads = grads_and_vars.gradient(loss, self._variables)
+      else:
+        # d(S * loss)/dw, without recording S * loss on the tape.
+        grads = grads_and_vars.gradient(
+            loss, self._variables,
+            output_gradients=tf.cast(loss_scale, loss.dtype))
+        grads = [None if g is None else g / tf.cast(loss_scale, g.dtype)
+                 for g in grads]
       grads_and_vars = list(zip(grads, self._variables))
     pairs, dropped = [], []
     for g, v in grads_and_vars:
@@ -260,6 +326,11 @@ class Learner:
         final.append((g, v))
     lr = self.LearningRate(global_step)
     update_op = self._optimizer.Apply(lr, final)
+    if self._loss_scale_vars is not None:
+      update_op = tf.group(update_op, self._UpdateLossScale(
+          tf.logical_not(has_nan_or_inf)))
+    if self.params.loss_scale is not None:
+      stats.loss_scale = self.LossScale()
     stats.learning_rate = lr
     stats.grad_norm = grad_norm
     stats.var_norm = var_norm

@@ -140,3 +140,57 @@ def test_params_errors():
   assert lrn.loss_name == 'loss'
   with pytest.raises(TypeError, match='frozen'):
     lrn.params.learning_rate = 3.0
+
+
+def _Float16Step(lrn, w, x, loss_factor):
+  """One learner step on loss = factor * sum(tanh(x w)) computed in float16."""
+  with tf.GradientTape() as tape:
+    y = tf.tanh(tf.matmul(tf.cast(x, tf.float16), tf.cast(w, tf.float16)))
+    loss = tf.cast(tf.reduce_sum(y), tf.float32) * loss_factor
+  return lrn.Apply(loss, tape, 0)
+
+
+def test_static_loss_scale_keeps_float16_gradients_from_underflowing():
+  x = tf.constant(np.random.RandomState(0).rand(4, 3).astype(np.float32))
+  w0 = np.zeros([3, 2], np.float32)  # updates of 1e-8 stay exact
+  factor = 1e-8  # float16 gradients below its smallest subnormal (6e-8)
+  # The float32 reference gradient of the same loss.
+  w32 = tf.Variable(w0)
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w32))) * factor
+  want = tape.gradient(loss, w32).numpy()
+  grads = {}
+  for scale in (None, 2.0**15):
+    w = _Var(w0, f'ls{scale is None}/w')
+    lrn = _Learner(loss_scale=scale)
+    lrn.CreateSlots([w])
+    stats, _ = _Float16Step(lrn, w, x, factor)
+    grads[scale] = w0 - w.numpy()  # SGD with lr 1
+    if scale:
+      assert float(stats.loss_scale) == scale
+  assert not np.any(grads[None])  # underflowed to zero
+  np.testing.assert_allclose(grads[2.0**15], want, rtol=2e-2)
+
+
+def test_dynamic_loss_scale_halves_on_overflow_and_grows_when_finite():
+  x = tf.ones([2, 2])
+  w = _Var(np.full([2, 2], 0.5, np.float32), 'dyn/w')
+  lrn = _Learner(loss_scale='dynamic', initial_loss_scale=2.0**20,
+                 loss_scale_growth_interval=2)
+  lrn.CreateSlots([w])
+  assert 'loss/loss_scale' in lrn.slots()
+  # 2**20 * 10 overflows float16 (max 65504): halve until finite.
+  scales, finite = [], []
+  for _ in range(12):
+    stats, _ = _Float16Step(lrn, w, x, 10.0)
+    scales.append(float(stats.loss_scale))
+    finite.append(not float(stats.has_nan_or_inf))
+  first = finite.index(True)
+  assert first > 0 and scales[0] == 2.0**19
+  assert not any(finite[:first])
+  # After two finite steps in a row the scale doubles; overflowing again, it
+  # halves again: it settles at the largest scale that stays finite.
+  assert finite[first + 1] and scales[first + 1] == 2 * scales[first]
+  assert not finite[first + 2] and scales[first + 2] == scales[first]
+  with pytest.raises(ValueError, match='loss_scale = -1'):
+    _Learner(loss_scale=-1)
