@@ -232,7 +232,8 @@ def ApplyWorkerSplit(p, num_stages, devices=None, num_replicas=1):
   devices = list(devices) if devices else placement.DefaultDevices()
   keys = []
   for key, lp in PipelineLayers(p):
-    k = num_stages or len(lp.cell_tpl) or lp.num_stages or 1
+    k = (num_stages or len(lp.cell_tpl) or lp.num_stages or
+         (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1))
     if k * num_replicas > len(devices):
       what = (f'--worker_replicas={num_replicas} x --worker_split_size={k} '
               f'need {k * num_replicas} devices' if num_replicas > 1 else

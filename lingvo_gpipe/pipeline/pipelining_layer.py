@@ -329,11 +329,13 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = self.params
     m = (f'micro-batches of {p.micro_batch_size} examples'
          if p.micro_batch_size else f'{p.num_micro_batches} micro-batches')
+    if self.num_replicas > 1:
+      m += ' per replica'
     lines = [f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
              f'recompute={p.recompute}']
     if self.num_replicas > 1:
-      lines[0] += (f' per replica, {self.num_replicas} data-parallel replicas '
-                   '(variables on replica 0, gradients summed there)')
+      lines[0] += (f', {self.num_replicas} data-parallel replicas (variables '
+                   'on replica 0, gradients summed there)')
     replicas = self.replica_devices
     for k, dev, paths in self.Placement():
       where = f'logical core {k} of each TPU replica' if self._on_tpu else dev
