@@ -34,6 +34,17 @@ def testLauncherServesATrainerAndStops(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     placement = (logdir / 'placement.txt').read_text()
     assert 'cell 1 on /job:worker/replica:0/task:1/device:CPU:0' in placement
+    # The same cluster through TF_CONFIG; the trainer resumes to step 5.
+    env = trainer_test._Env()
+    env['TF_CONFIG'] = json.dumps({'cluster': spec,
+                                   'task': {'type': 'chief', 'index': 0}})
+    res = subprocess.run(
+        trainer_test._Cmd(f'--logdir={logdir}', '--worker_split_size=2',
+                          '--max_steps=5'),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "remote job 'worker'" in res.stderr
+    assert trainer_test._Latest(logdir / 'train') == 5
   finally:
     proc.terminate()
     out, err = proc.communicate(timeout=60)
