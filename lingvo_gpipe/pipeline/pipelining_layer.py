@@ -33,6 +33,14 @@ each device also runs its micro-batches in schedule order. The result is
 exactly the sequential model's: the same outputs and, up to float rounding of
 the sum over micro-batches, the same gradients for every K and M.
 
+Data parallelism: with `num_replicas` R, R copies of the pipeline run on R*K
+devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch; the
+variables live on replica 0's devices, each other replica reads them once
+per step, and each cell's gradients are summed over the replicas on the
+device of its variables: the result of one pipeline of R*M micro-batches.
+Inside a TPUStrategy replica of several cores, cell k runs on logical core k
+instead (see `lingvo_gpipe.core.tpu`).
+
 Two ways to describe the cells:
   * Lingvo's: `cell_tpl`, a list of K cell Params (e.g. FeatureExtractionLayer).
   * A flat list of layer Params in `layers`, split by the library into
