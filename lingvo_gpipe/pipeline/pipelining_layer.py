@@ -500,9 +500,20 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = self.params
     num_cells = self.num_stages
     num_rep = len(thetas)
-    with self._Device(0):
-      states = [tuple(mb) for mb in microbatch.Split(
-          args, num_rep * num_mb, p.batch_dim)]
+    if num_rep == 1:
+      with self._Device(0):
+        states = [tuple(mb) for mb in microbatch.Split(args, num_mb,
+                                                       p.batch_dim)]
+    else:
+      # Each replica's share goes from where the input is straight to the
+      # replica's first device, not through replica 0's.
+      with _DeviceOf(args):
+        shards = microbatch.Split(args, num_rep, p.batch_dim)
+      states = []
+      for r, shard in enumerate(shards):
+        with self._Device(0, r):
+          states.extend(tuple(mb) for mb in microbatch.Split(
+              shard, num_mb, p.batch_dim))
     tracer = schedule.ActiveTracer()
     saved, updates = {}, []
     last_on_device = {}
@@ -722,6 +733,15 @@ def _Sum(parts):
 # to this process keeps the next trainer process (same graph, same step ids)
 # from colliding with it.
 _ACCUMULATOR_NAME = f'AccumulateGrads_{os.getpid()}_{secrets.token_hex(4)}'
+
+
+def _DeviceOf(structure):
+  """A device scope for the first tensor of `structure` that has a device."""
+  for t in tf.nest.flatten(structure):
+    device = getattr(t, 'device', '') if _IsTensor(t) else ''
+    if device:
+      return tf.device(device)
+  return contextlib.nullcontext()
 
 
 def _After(x, deps):

@@ -71,6 +71,10 @@ def testVariablesOnReplicaZeroOpsOnEveryReplica():
       matmul_devices.add(tf.DeviceSpec.from_string(op.device).device_index)
   # Forward and backward matmuls of both replicas' cells.
   assert matmul_devices == {0, 1, 2, 3}
+  # Replica 1 splits its share into micro-batches on its own first device.
+  split_devices = {tf.DeviceSpec.from_string(op.device).device_index
+                   for op in graph.get_operations() if op.type == 'Split'}
+  assert 2 in split_devices
   text = pipe.PlacementText()
   assert '2 data-parallel replicas' in text
   assert '(replica 1)' in text and 'CPU:3' in text
