@@ -242,6 +242,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._devices = None
     self._assign = None  # Set during FProp on TPU: pins to logical cores.
     self._on_tpu = False
+    self._strategy_name = None
     if base_layer.IsAbstract():
       return  # Counting or tracing: nothing is placed.
     if tpu.NumCoresPerReplica() > 1:
@@ -259,6 +260,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             'num_replicas (trainer flag --worker_replicas) for data '
             'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
             'with K cores per replica).')
+      self._strategy_name = type(tf.distribute.get_strategy()).__name__
       return
     r = self.params.num_replicas
     flat = placement.ResolveDevices(self.params.devices, num_stages * r,
@@ -346,7 +348,12 @@ class PipeliningLayer(base_layer.BaseLayer):
                    'on replica 0, gradients summed there)')
     replicas = self.replica_devices
     for k, dev, paths in self.Placement():
-      where = f'logical core {k} of each TPU replica' if self._on_tpu else dev
+      where = dev
+      if self._on_tpu:
+        where = f'logical core {k} of each TPU replica'
+      elif self._strategy_name:
+        where = f'each {self._strategy_name} replica\'s device'
+
       if self.num_replicas > 1:
         where = ', '.join(f'{d} (replica {r})'
                           for r, d in enumerate(rd[k] for rd in replicas))

@@ -45,6 +45,8 @@ def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
     dp_model = p.Instantiate()
     dp_task = dp_model.GetTask()
     dp_task.CreateOptimizerSlots()
+  assert "each MirroredStrategy replica's device" in (
+      dp_task.network.PlacementText())
 
   @tf.function(autograph=False)
   def DpStep(batch):
