@@ -215,6 +215,37 @@ class SocketBytes:
         other += s['sent']
     return between, other
 
+def MeasureTransfer(devices, num_bytes=64 * 2**20, rounds=5):
+  """Seconds to move `num_bytes` from devices[0] to devices[1] and back
+  (median over rounds), and the resulting bytes per second one way."""
+  n = num_bytes // 4
+  with tf.device(devices[0]):
+    x = tf.Variable(tf.zeros([n]))
+
+  def Ops(middle):
+    with tf.device(middle):
+      y = x + 1.0              # x crosses to `middle` unless it is devices[0]
+    with tf.device(devices[0]):
+      return tf.reduce_sum(y + 1.0)   # and y crosses back
+
+  local = tf.function(lambda: Ops(devices[0]))  # the same ops, no transfer
+  remote = tf.function(lambda: Ops(devices[1]))
+
+  def Median(fn):
+    fn().numpy()
+    times = []
+    for _ in range(rounds):
+      t0 = time.perf_counter()
+      fn().numpy()
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+  base, trip = Median(local), Median(remote)
+  one_way = max(trip - base, 1e-9) / 2
+  return dict(bytes=num_bytes, round_trip_s=trip, local_s=base,
+              one_way_s=one_way, bytes_per_s=num_bytes / one_way)
+
+
 def _MemoryDevices(devices):
   local = [d for d in devices if '/job:worker' not in d]
   return local
@@ -424,6 +455,12 @@ def main(argv=None):
       result['records'] = RunBenchmark(
           args, devices, local.pids if local is not None else ())
       print(Table(result['records']))
+      if local is not None and len(devices) > 1:
+        result['transfer'] = MeasureTransfer(devices)
+        t = result['transfer']
+        print(f'Transfer between workers 0 and 1 over gRPC: '
+              f'{t["bytes"] / 2**20:.0f} MB one way in {t["one_way_s"]:.3f} s '
+              f'({t["bytes_per_s"] / 2**20:.0f} MB/s).')
     if args.trace:
       trace = RunTrace(args, devices)
       result['trace'] = {k: v for k, v in trace.items() if k != 'events'}
