@@ -49,19 +49,15 @@ Two ways to describe the cells:
     split: a checkpoint of K=8 restores into K=1.
 """
 
-import contextlib
-import os
-import secrets
-
 import tensorflow as tf
 # The tape API tf.custom_gradient is built on; see _PipelineWithGrad.
 from tensorflow.python.eager import record as tape_record
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import tpu
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.pipeline import graph_ops
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -238,36 +234,10 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _SetDevices(self, num_stages):
     """Resolves the devices of every (replica, cell)."""
-    self._replica_devices = None
-    self._devices = None
-    self._assign = None  # Set during FProp on TPU: pins to logical cores.
-    self._on_tpu = False
-    self._strategy_name = None
-    if base_layer.IsAbstract():
-      return  # Counting or tracing: nothing is placed.
-    if tpu.NumCoresPerReplica() > 1:
-      self._on_tpu = True  # TPUStrategy: cell k on logical core k.
-      return
-    if tf.distribute.has_strategy():
-      # MirroredStrategy, or TPUStrategy with one core per replica: each
-      # replica is one device, which the strategy chooses.
-      if num_stages > 1 or self.params.num_replicas > 1:
-        raise ValueError(
-            f'Pipeline {self.path!r} has {num_stages} cells x '
-            f'{self.params.num_replicas} replicas but is built under '
-            f'{type(tf.distribute.get_strategy()).__name__}, whose replicas '
-            'are one device each. Use num_stages=1 there, or no strategy and '
-            'num_replicas (trainer flag --worker_replicas) for data '
-            'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
-            'with K cores per replica).')
-      self._strategy_name = type(tf.distribute.get_strategy()).__name__
-      return
-    r = self.params.num_replicas
-    flat = placement.ResolveDevices(self.params.devices, num_stages * r,
-                                    num_replicas=r)
-    self._replica_devices = [flat[i * num_stages:(i + 1) * num_stages]
-                             for i in range(r)]
-    self._devices = self._replica_devices[0]  # Where the variables live.
+    self._placement = placement.StagePlacement(
+        self.params.devices, num_stages, self.params.num_replicas, self.path,
+        abstract=base_layer.IsAbstract())
+    self._devices = self._placement.devices  # Where the variables live.
 
   def _DeviceList(self):
     return list(self._devices) if self._devices else None
@@ -313,9 +283,9 @@ class PipeliningLayer(base_layer.BaseLayer):
   @property
   def replica_devices(self):
     """[[device of each cell] for each replica]."""
-    if self._replica_devices is None:
+    if self._placement.replica_devices is None:
       return [[None] * self._num_stages] * self.num_replicas
-    return [list(d) for d in self._replica_devices]
+    return [list(d) for d in self._placement.replica_devices]
 
   @property
   def splits(self):
@@ -346,18 +316,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     if self.num_replicas > 1:
       lines[0] += (f', {self.num_replicas} data-parallel replicas (variables '
                    'on replica 0, gradients summed there)')
-    replicas = self.replica_devices
-    for k, dev, paths in self.Placement():
-      where = dev
-      if self._on_tpu:
-        where = f'logical core {k} of each TPU replica'
-      elif self._strategy_name:
-        where = f'each {self._strategy_name} replica\'s device'
-
-      if self.num_replicas > 1:
-        where = ', '.join(f'{d} (replica {r})'
-                          for r, d in enumerate(rd[k] for rd in replicas))
-      lines.append(f'  cell {k} on {where}: {", ".join(paths)}')
+    for k, _, paths in self.Placement():
+      lines.append(f'  cell {k} on {self._placement.Describe(k)}: '
+                   f'{", ".join(paths)}')
     return '\n'.join(lines)
 
   @classmethod
@@ -401,15 +362,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     return False
 
   def _Device(self, k, r=0):
-    if self._replica_devices is None or self._assign is not None:
-      return contextlib.nullcontext()
-    return tf.device(self._replica_devices[r][k])
+    return self._placement.Scope(k, r)
 
   def _Place(self, structure, k):
-    """On TPU, pins the tensors of `structure` to logical core k."""
-    if self._assign is None:
-      return structure
-    return self._assign(structure, k)
+    return self._placement.Place(structure, k)
 
   def FProp(self, theta, *args):
     """Runs the pipeline. See `_FProp`.
@@ -418,17 +374,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     replica's logical core k (`tpu.LogicalDeviceAssigner`); the strategy's
     replicas are the data parallelism, so num_replicas must then be 1.
     """
-    assign = tpu.LogicalDeviceAssigner()
-    if assign is not None and self.num_replicas != 1:
-      raise ValueError(
-          f'Pipeline {self.path!r} runs in a TPUStrategy replica, whose '
-          'replicas are the data parallelism; set num_replicas=1 (got '
-          f'{self.num_replicas}).')
-    self._assign = assign
-    try:
+    with self._placement.Call():
       return self._FProp(theta, *args)
-    finally:
-      self._assign = None
 
   @tf.autograph.experimental.do_not_convert
   def _FProp(self, theta, *args):
@@ -514,7 +461,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     else:
       # Each replica's share goes from where the input is straight to the
       # replica's first device, not through replica 0's.
-      with _DeviceOf(args):
+      with graph_ops.DeviceOf(args):
         shards = microbatch.Split(args, num_rep, p.batch_dim)
       states = []
       for r, shard in enumerate(shards):
@@ -530,10 +477,10 @@ class PipeliningLayer(base_layer.BaseLayer):
         with self._Device(k, r):
           x = self._Place(states[j], k)
           if p.strict_order and (r, k) in last_on_device:
-            x = _After(x, last_on_device[(r, k)])
+            x = graph_ops.After(x, last_on_device[(r, k)])
           start = None
           if tracer is not None:
-            start, x = _Stamp(x)
+            start, x = graph_ops.Stamp(x)
           seed_m = py_utils.MixSeed(seed, j)
           tape = None
           if train and not self._Recompute(k, m, num_mb):
@@ -546,7 +493,7 @@ class PipeliningLayer(base_layer.BaseLayer):
             y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
           y = self._Place(y, k)
           if tracer is not None:
-            end, y = _Stamp(y)
+            end, y = graph_ops.Stamp(y)
             tracer.Record(('forward', r * num_cells + k, j), start, end)
           saved[(k, j)] = (x, tape, y, seed_m)
           updates.extend(upd)
@@ -653,7 +600,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         partial = []
         for r in range(num_rep):
           with self._Device(k, r):
-            g = _Sum(theta_acc[r][k][i])
+            g = graph_ops.SumGradients(theta_acc[r][k][i])
           if g is not None:
             partial.append(g)
         if len(partial) > 1:
@@ -673,10 +620,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = self.params
     x, tape, y, seed_m = saved
     if p.strict_order and after is not None:
-      dy = _After(dy, after)
+      dy = graph_ops.After(dy, after)
     start = None
     if tracer is not None:
-      start, (dy, x_after) = _Stamp((dy, x))
+      start, (dy, x_after) = graph_ops.Stamp((dy, x))
       if tape is None:
         x = x_after
     if tape is None:  # Re-materialize: same inputs, same seed.
@@ -686,7 +633,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       # optimizer would merge the recomputation with the forward ops (common
       # subexpression elimination), keeping every forward activation alive
       # until the backward pass.
-      x, seed_m = _FreshCopies((x, seed_m), dy)
+      x, seed_m = graph_ops.FreshCopies((x, seed_m), dy)
       tape = tf.GradientTape(watch_accessed_variables=False)
       with tape:
         tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
@@ -714,85 +661,6 @@ class PipeliningLayer(base_layer.BaseLayer):
         dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
     new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
     if tracer is not None:
-      end, new_dy = _Stamp(new_dy)
+      end, new_dy = graph_ops.Stamp(new_dy)
       tracer.Record(trace_key, start, end)
     return new_dy
-
-
-def _Sum(parts):
-  """The sum of a list of gradients (None for None)."""
-  if parts is None:
-    return None
-  if len(parts) == 1:
-    return parts[0]
-  if tf.executing_eagerly():
-    return tf.add_n(parts)
-  # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
-  # AddN, which keeps the gradients of all micro-batches alive at once.
-  # AccumulateNV2 adds each as soon as it is ready.
-  return tf.raw_ops.AccumulateNV2(inputs=parts, shape=parts[0].shape,
-                                  name=_ACCUMULATOR_NAME)
-
-
-# AccumulateNV2 keeps its running sum in a temporary variable named after the
-# op, in a per-step container on the op's device. A step aborted by a lost
-# worker leaves that container behind on the surviving workers; a name unique
-# to this process keeps the next trainer process (same graph, same step ids)
-# from colliding with it.
-_ACCUMULATOR_NAME = f'AccumulateGrads_{os.getpid()}_{secrets.token_hex(4)}'
-
-
-def _DeviceOf(structure):
-  """A device scope for the first tensor of `structure` that has a device."""
-  for t in tf.nest.flatten(structure):
-    device = getattr(t, 'device', '') if _IsTensor(t) else ''
-    if device:
-      return tf.device(device)
-  return contextlib.nullcontext()
-
-
-def _After(x, deps):
-  """`x` (a structure) with control dependencies on the tensors of `deps`."""
-  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
-  if not dep_tensors or tf.executing_eagerly():
-    return x
-  with tf.control_dependencies(dep_tensors):
-    return tf.nest.map_structure(
-        lambda t: tf.identity(t) if _IsTensor(t) else t, x)
-
-
-def _RunIndependently(op):
-  """Exempts a stateful op from tf.function's program-order chaining."""
-  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
-                None)
-  if acd is not None and not tf.executing_eagerly():
-    acd.run_independently(op)
-
-
-def _FreshCopies(x, deps):
-  """Copies of the tensors of `x` that run after `deps` and that graph
-  optimizations cannot merge with other ops (DeepCopy is stateful)."""
-  if tf.executing_eagerly():
-    return x
-  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
-
-  def Copy(t):
-    if not _IsTensor(t):
-      return t
-    with tf.control_dependencies(dep_tensors):
-      c = tf.raw_ops.DeepCopy(x=t)
-    _RunIndependently(c.op)
-    return c
-
-  return tf.nest.map_structure(Copy, x)
-
-
-def _Stamp(x):
-  """Returns (timestamp taken when `x` is ready, `x` ordered after it)."""
-  tensors = [t for t in tf.nest.flatten(x) if _IsTensor(t)]
-  with tf.control_dependencies(tensors):
-    stamp = tf.timestamp()
-  # tf.function orders stateful ops (like Timestamp) in program order, which
-  # would serialize the cells; a timestamp has no side effect to order.
-  _RunIndependently(stamp.op)
-  return stamp, _After(x, [stamp])

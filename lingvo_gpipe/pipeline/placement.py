@@ -1,9 +1,13 @@
 """Which device runs which pipeline cell: resolution and validation."""
 
+import contextlib
+
 import tensorflow as tf
 
+from lingvo_gpipe.core import tpu
+
 __all__ = ['AvailableDevices', 'DefaultDevices', 'ResolveDevices',
-           'CanonicalDevice']
+           'CanonicalDevice', 'StagePlacement']
 
 
 def AvailableDevices():
@@ -99,3 +103,94 @@ def ResolveDevices(devices, num_devices, num_replicas=1):
         f'The devices of {num_replicas} replicas must be distinct; got '
         f'{out}. Give each (replica, cell) its own device.')
   return out
+
+
+class StagePlacement:
+  """Where each (replica, cell) of a pipeline runs.
+
+  Three cases:
+    * devices: cell k of replica r on `replica_devices[r][k]` (tf.device);
+    * TPU: built under a TPUStrategy whose replicas have several cores, cell
+      k runs on each replica's logical core k: nothing is placed with
+      tf.device, tensors are pinned with `Place` during a call;
+    * another tf.distribute strategy (one device per replica): the strategy
+      places everything; only K = 1, R = 1 pipelines make sense there.
+  Abstract builds (counting, tracing) place nothing.
+  """
+
+  def __init__(self, devices, num_stages, num_replicas, path, abstract=False):
+    self.num_stages = num_stages
+    self.num_replicas = num_replicas
+    self._path = path
+    self.replica_devices = None
+    self.on_tpu = False
+    self.strategy_name = None
+    self._assign = None  # set during a call on TPU
+    if abstract:
+      return
+    if tpu.NumCoresPerReplica() > 1:
+      self.on_tpu = True
+      return
+    if tf.distribute.has_strategy():
+      name = type(tf.distribute.get_strategy()).__name__
+      if num_stages > 1 or num_replicas > 1:
+        raise ValueError(
+            f'Pipeline {path!r} has {num_stages} cells x {num_replicas} '
+            f'replicas but is built under {name}, whose replicas are one '
+            'device each. Use num_stages=1 there, or no strategy and '
+            'num_replicas (trainer flag --worker_replicas) for data '
+            'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
+            'with K cores per replica).')
+      self.strategy_name = name
+      return
+    flat = ResolveDevices(devices, num_stages * num_replicas,
+                          num_replicas=num_replicas)
+    self.replica_devices = [flat[i * num_stages:(i + 1) * num_stages]
+                            for i in range(num_replicas)]
+
+  @property
+  def devices(self):
+    """Replica 0's devices (where the variables live), or None."""
+    return self.replica_devices[0] if self.replica_devices else None
+
+  def Scope(self, k, r=0):
+    """The device scope of cell k of replica r."""
+    if self.replica_devices is None or self._assign is not None:
+      return contextlib.nullcontext()
+    return tf.device(self.replica_devices[r][k])
+
+  def Place(self, structure, k):
+    """On TPU (during a call), pins the tensors of `structure` to logical
+    core k; elsewhere returns `structure`."""
+    if self._assign is None:
+      return structure
+    return self._assign(structure, k)
+
+  @contextlib.contextmanager
+  def Call(self):
+    """Wraps one FProp: inside a TPUStrategy replica of several cores, cell
+    k's tensors go to logical core k (`tpu.LogicalDeviceAssigner`)."""
+    assign = tpu.LogicalDeviceAssigner()
+    if assign is not None and self.num_replicas != 1:
+      raise ValueError(
+          f'Pipeline {self._path!r} runs in a TPUStrategy replica, whose '
+          'replicas are the data parallelism; set num_replicas=1 (got '
+          f'{self.num_replicas}).')
+    self._assign = assign
+    try:
+      yield
+    finally:
+      self._assign = None
+
+  def Describe(self, k):
+    """Where cell k runs, as text."""
+    if self.on_tpu:
+      return f'logical core {k} of each TPU replica'
+    if self.strategy_name:
+      return f"each {self.strategy_name} replica's device"
+    if self.replica_devices is None:
+      return 'None'
+    if self.num_replicas == 1:
+      return self.replica_devices[0][k]
+    return ', '.join(f'{d[k]} (replica {r})'
+                     for r, d in enumerate(self.replica_devices))
