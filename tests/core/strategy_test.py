@@ -12,7 +12,6 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import trainer
-from lingvo_gpipe.pipeline import pipelining_layer
 
 MODEL = 'image.digits.MlpDigitsTinyBN'
 
@@ -24,7 +23,6 @@ def _Params(num_micro_batches):
 
 
 def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
-  batches = None
   # Reference: one model, the whole batch of 64 in 4 micro-batches of 16.
   p = _Params(4)
   p.task.network.devices = None
@@ -80,4 +78,3 @@ def testMultiCellPipelineUnderMirroredStrategyIsRefused():
     with pytest.raises(ValueError, match=r'2 cells x 1 replicas but is built '
                        r'under MirroredStrategy.*--worker_replicas'):
       p.Instantiate()
-  assert pipelining_layer.PipeliningLayer  # the layer under test
