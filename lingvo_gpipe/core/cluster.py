@@ -26,6 +26,9 @@ import tensorflow as tf
 
 from absl import logging
 
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.pipeline import placement
+
 __all__ = ['Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts', 'LocalCluster',
            'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
            'ParseClusterSpec', 'ClusterSpecFromTfConfig',
@@ -328,7 +331,6 @@ def StageDevices(num_stages, num_replicas=1, devices=None):
   Raises:
     ValueError: if R * K exceeds the devices found.
   """
-  from lingvo_gpipe.pipeline import placement  # pylint: disable=g-import-not-at-top
   devices = list(devices) if devices else placement.DefaultDevices()
   need = num_stages * num_replicas
   if need > len(devices):
@@ -351,7 +353,6 @@ class Cluster:
 
   @classmethod
   def Params(cls):
-    from lingvo_gpipe.core import hyperparams  # pylint: disable=g-import-not-at-top
     p = hyperparams.InstantiableParams(cls)
     p.Define('run_locally', None, 'cpu: hide GPUs; gpu: require one; None.')
     p.Define('num_cpu_devices', None,
@@ -428,7 +429,6 @@ class Cluster:
     Remote: the worker job's devices, task by task (GPUs of a task if it has
     any, else its CPUs). Local: TPUs, else GPUs, else CPUs.
     """
-    from lingvo_gpipe.pipeline import placement  # pylint: disable=g-import-not-at-top
     if not self.is_remote:
       return placement.DefaultDevices()
     job = self.params.worker_job

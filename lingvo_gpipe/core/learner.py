@@ -75,11 +75,8 @@ def _AllReduceInReplica(pairs):
   replicas: the gradients averaged over the replicas (each replica's loss is
   the mean over its share of the batch), so every replica applies the update
   of the whole batch. Elsewhere: `pairs` unchanged."""
-  ctx = tf.distribute.get_replica_context()
-  if (ctx is None or not tf.distribute.has_strategy() or
-      ctx.num_replicas_in_sync == 1):
-    return pairs
-  grads = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, [g for g, _ in pairs])
+  grads = py_utils.CrossReplicaReduce([g for g, _ in pairs],
+                                      tf.distribute.ReduceOp.MEAN)
   return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 

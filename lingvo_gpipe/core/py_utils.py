@@ -22,7 +22,7 @@ __all__ = [
     'NestedMap', 'WeightInit', 'WeightParams', 'StableHash', 'EvalMode',
     'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
     'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
-    'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaSum',
+    'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaReduce',
 ]
 
 Flatten = tf.nest.flatten
@@ -331,14 +331,14 @@ class UpdateCollector:
 REPLICATED_AGGREGATION = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
-def CrossReplicaSum(tensors):
-  """The sum over tf.distribute replicas of `tensors` (a list), inside a
-  replica of several; `tensors` unchanged elsewhere."""
+def CrossReplicaReduce(tensors, reduce_op):
+  """`tensors` (a list) reduced (SUM or MEAN) over the tf.distribute
+  replicas, inside a replica of several; unchanged elsewhere."""
   ctx = tf.distribute.get_replica_context()
   if (ctx is None or not tf.distribute.has_strategy() or
       ctx.num_replicas_in_sync == 1):
     return tensors
-  return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+  return ctx.all_reduce(reduce_op, list(tensors))
 
 
 def AddDeferredUpdate(layer, stats):

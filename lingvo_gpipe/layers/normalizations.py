@@ -49,7 +49,8 @@ def MergeMoments(stats_list):
   sum_xx = tf.add_n([n * (s.variance + tf.square(s.mean))
                      for n, s in zip(counts, stats_list)])
   # Under a tf.distribute strategy: the moments of every replica's batch.
-  sum_x, sum_xx, total = py_utils.CrossReplicaSum([sum_x, sum_xx, total])
+  sum_x, sum_xx, total = py_utils.CrossReplicaReduce(
+      [sum_x, sum_xx, total], tf.distribute.ReduceOp.SUM)
   mean = tf.math.divide_no_nan(sum_x, total)
   variance = tf.maximum(
       tf.math.divide_no_nan(sum_xx, total) - tf.square(mean), 0.)

@@ -97,9 +97,7 @@ def testBatchNormStatsOverAllReplicas():
   """Each micro-batch normalizes by its own statistics; the moving averages
   take the statistics of the whole mini-batch, across replicas."""
   dim = 6
-  layers = [plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
-            pft.NormStats.Params().Set(name='bn', dim=dim),
-            plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim)]
+  layers = pft.NormLayers(dim)
   x = tf.random.normal([16, dim], seed=5)
 
   def Train(pipe):

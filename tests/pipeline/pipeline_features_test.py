@@ -242,11 +242,16 @@ class NormStats(base_layer.BaseLayer):
         d * self.vars.moving_variance + (1 - d) * var)
 
 
+def NormLayers(dim):
+  """fc_0, bn (NormStats), fc_1: a batch-norm layer between two others."""
+  return [plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
+          NormStats.Params().Set(name='bn', dim=dim),
+          plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim)]
+
+
 def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   num_mb, batch, dim = 4, 16, 6
-  layers = [plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
-            NormStats.Params().Set(name='bn', dim=dim),
-            plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim)]
+  layers = NormLayers(dim)
   pipe = PipeliningLayer.Params().Set(
       name='pipe', layers=layers, num_stages=2, num_micro_batches=num_mb,
       devices=DEVICES[:2], splits=[2, 3]).Instantiate()

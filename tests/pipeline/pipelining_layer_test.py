@@ -14,7 +14,6 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import pipelining_layer
-from lingvo_gpipe.pipeline import schedule
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
 
