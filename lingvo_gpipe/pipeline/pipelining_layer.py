@@ -454,20 +454,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     p = self.params
     num_cells = self.num_stages
     num_rep = len(thetas)
-    if num_rep == 1:
-      with self._Device(0):
-        states = [tuple(mb) for mb in microbatch.Split(args, num_mb,
-                                                       p.batch_dim)]
-    else:
-      # Each replica's share goes from where the input is straight to the
-      # replica's first device, not through replica 0's.
-      with graph_ops.DeviceOf(args):
-        shards = microbatch.Split(args, num_rep, p.batch_dim)
-      states = []
-      for r, shard in enumerate(shards):
-        with self._Device(0, r):
-          states.extend(tuple(mb) for mb in microbatch.Split(
-              shard, num_mb, p.batch_dim))
+    # Each replica's share goes from where the input is straight to the
+    # replica's first device, not through replica 0's (one replica: no op).
+    with graph_ops.DeviceOf(args):
+      shards = microbatch.Split(args, num_rep, p.batch_dim)
+    states = []
+    for r, shard in enumerate(shards):
+      with self._Device(0, r):
+        states.extend(tuple(mb) for mb in microbatch.Split(
+            shard, num_mb, p.batch_dim))
     tracer = schedule.ActiveTracer()
     saved, updates = {}, []
     last_on_device = {}
