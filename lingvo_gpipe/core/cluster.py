@@ -192,7 +192,8 @@ class LocalCluster:
   """
 
   def __init__(self, num_workers, intra_op_threads=1, inter_op_threads=1,
-               startup_timeout_s=120, job='worker', pin_cpus=False):
+               startup_timeout_s=120, job='worker', pin_cpus=False,
+               memory_stats=False, memory_limit_mb=None):
     """Args:
       num_workers: number of server processes.
       intra_op_threads: threads one op may use in a worker.
@@ -202,6 +203,10 @@ class LocalCluster:
       job: job name.
       pin_cpus: pin worker i to CPU core i mod cores, so that a worker
         computes on one core like one accelerator, whatever its threads.
+      memory_stats: each worker counts its allocations and serves its memory
+        figures on `status_addresses[i]` (lingvo_gpipe.runners.device_memory).
+      memory_limit_mb: with memory_stats, each worker refuses allocations
+        beyond this many MiB, like an accelerator of that memory.
     """
     self.num_workers = num_workers
     self._pin = pin_cpus
@@ -209,8 +214,11 @@ class LocalCluster:
     self._threads = (intra_op_threads, inter_op_threads)
     self._timeout = startup_timeout_s
     self._procs = []
-    ports = FreePorts(num_workers)
-    self.addresses = [f'127.0.0.1:{p}' for p in ports]
+    self._memory = (memory_stats or bool(memory_limit_mb), memory_limit_mb)
+    ports = FreePorts(num_workers * (2 if self._memory[0] else 1))
+    self.addresses = [f'127.0.0.1:{p}' for p in ports[:num_workers]]
+    # The HTTP memory-status endpoint of each worker (empty without stats).
+    self.status_addresses = [f'127.0.0.1:{p}' for p in ports[num_workers:]]
     self.cluster_spec = {job: list(self.addresses)}
 
   @property
@@ -235,6 +243,11 @@ class LocalCluster:
            f'--job_name={self.job}', f'--task_index={task}',
            f'--intra_op_threads={self._threads[0]}',
            f'--inter_op_threads={self._threads[1]}']
+    if self._memory[0]:
+      port = self.status_addresses[task].rsplit(':', 1)[1]
+      cmd += ['--allocator_stats', f'--status_port={port}']
+      if self._memory[1]:
+        cmd.append(f'--memory_limit_mb={int(self._memory[1])}')
     if self._pin:
       cores = sorted(os.sched_getaffinity(0))
       cmd.append(f'--cpus={cores[task % len(cores)]}')
