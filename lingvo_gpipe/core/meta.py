@@ -8,8 +8,8 @@ traces its `FProp` into a graph whose per-op flop statistics are summed.
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops  # flop statistics
 
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.nested_map import NestedMap
 
@@ -57,9 +57,9 @@ def GraphFlops(graph):
   total = 0
   for op in graph.get_operations():
     try:
-      stats = tf_ops.get_stats_for_node_def(graph, op.node_def, 'flops')
-      if stats.value:
-        total += int(stats.value)
+      flops = _tf_internal.OpFlops(graph, op.node_def)
+      if flops:
+        total += int(flops)
         continue
     except (ValueError, TypeError):
       pass

@@ -23,6 +23,7 @@ __all__ = [
     'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
     'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
     'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaReduce',
+    'AsTuple', 'Unwrap', 'IsTensor',
 ]
 
 Flatten = tf.nest.flatten
@@ -361,6 +362,24 @@ def NoUpdateCollection():
 # ---------------------------------------------------------------------------
 # Shapes and small tensor helpers.
 # ---------------------------------------------------------------------------
+
+
+def AsTuple(x):
+  """`x` as a tuple of layer outputs: a plain tuple stays, anything else
+  (a tensor, a NestedMap, a namedtuple) becomes a 1-tuple."""
+  if isinstance(x, tuple) and not hasattr(x, '_fields'):
+    return x
+  return (x,)
+
+
+def Unwrap(xs):
+  """The inverse of `AsTuple` for FProp results: one output is returned bare."""
+  return xs[0] if len(xs) == 1 else xs
+
+
+def IsTensor(x):
+  """True for a tf.Tensor or tf.Variable."""
+  return isinstance(x, (tf.Tensor, tf.Variable))
 
 
 def GetShape(tensor, ndims=None):
