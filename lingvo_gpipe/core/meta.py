@@ -10,7 +10,6 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core.nested_map import NestedMap
 
 __all__ = ['ToSpec', 'ToShape', 'Meta', 'TraceFPropMeta', 'GraphFlops']
@@ -87,8 +86,7 @@ def TraceFPropMeta(p, *args):
   p = p.Copy()
   if not p.name:
     p.name = 'meta'
-  with base_layer.AbstractBuild(), base_layer.DetachedBuild():
-    layer = p.Instantiate()
+  layer = p.cls.AbstractInstance(p)
   theta_spec = layer.vars.Transform(lambda v: v.ToSpec())
   specs = [ToSpec(a) for a in args]
 

@@ -54,81 +54,27 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
+from lingvo_gpipe.pipeline import schedule
 
 __all__ = ['FeatureExtractionLayer', 'PipeliningLayer', 'RECOMPUTE_POLICIES']
 
 RECOMPUTE_POLICIES = engine.RECOMPUTE_POLICIES
 
 
-def _RejectUnsupported(p, defaults):
-  """Raises for a Lingvo-compatibility param set to a non-default value.
-
-  Args:
-    p: the layer's Params.
-    defaults: {name: (default, what to do instead)}.
-  """
-  for name, (default, instead) in defaults.items():
-    value = p.Get(name)
-    if value != default:
-      raise ValueError(f'{p.cls.__name__} '
-                       f'{p.name!r}: {name}={value!r} is not supported '
-                       f'(only {default!r}); {instead}')
-
-
-class FeatureExtractionLayer(base_layer.BaseLayer):
-  """A pipeline cell: runs its `sub` layers in sequence (Lingvo's name).
-
-  Each sub layer's outputs (a tensor, a tuple, or a NestedMap) are the next
-  one's inputs.
-  """
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('sub', [], 'List of layer Params run in sequence.')
-    p.Define('num_act_inputs', 0,
-             'Lingvo compatibility; only 0: FProp takes every input.')
-    p.Define('num_act_outputs', 0,
-             'Lingvo compatibility; only 0: FProp returns every output.')
-    p.Define('act_fetch_layers', [],
-             'Lingvo compatibility; only []: the cell returns only its last '
-             'layer\'s outputs.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    _RejectUnsupported(self.params, {
-        'num_act_inputs': (0, 'remove it: FProp takes every input.'),
-        'num_act_outputs': (0, 'remove it: FProp returns every output.'),
-        'act_fetch_layers': ([], 'remove it and return the activations you '
-                             'need from the last sub layer (e.g. a NestedMap).'),
-    })
-    if not self.params.sub:
-      raise ValueError(f'FeatureExtractionLayer {self.path!r} has no sub '
-                       'layers; an empty cell does nothing: give it layers or '
-                       'remove it.')
-    self.CreateChildren('sub', list(self.params.sub))
-
-  def FProp(self, theta, *args):
-    for i, layer in enumerate(self.sub):
-      args = py_utils.AsTuple(layer.FProp(theta.sub[i], *args))
-    return py_utils.Unwrap(args)
-
-  @classmethod
-  def FPropMeta(cls, p, *args):
-    metas = partition.LayerMetas(list(p.sub), *args)
-    return NestedMap(flops=sum(m[0] for m in metas),
-                     out_shapes=tuple(metas[-1][2]) if metas else args)
+FeatureExtractionLayer = sequential.FeatureExtractionLayer
 
 
 class PipeliningLayer(base_layer.BaseLayer):
   """Pipelines cells over devices with micro-batches. See module docstring."""
+
+  # fn(num_cells, num_micro_batches) -> [schedule.WorkItem] the engine runs.
+  _schedule = staticmethod(schedule.FillDrain)
 
   @classmethod
   def Params(cls):
@@ -183,7 +129,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    _RejectUnsupported(p, {
+    base_layer.RejectUnsupportedParams(p, {
         'state_dtype': (None, 'remove it and cast in the cells (activations '
                         'keep the dtype each cell returns).'),
         'nested_map_fprop': (False, 'remove it: NestedMap inputs and outputs '
@@ -265,7 +211,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     for k, cell in enumerate(cells):
       names = ', '.join(c.name for c in cell)
       try:
-        metas = partition.LayerMetas(cell, *shapes)
+        metas = sequential.LayerMetas(cell, *shapes)
       except ValueError as e:
         if k == 0:
           raise ValueError(f'Pipeline cell 0 ({names}) cannot take the '
@@ -274,7 +220,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         raise ValueError(
             f'Pipeline cell {k} ({names}) cannot take the output of cell '
             f'{k - 1} ({prev}), of shapes '
-            f'{partition.FormatShapes(shapes)}: {e}. Make '
+            f'{sequential.FormatShapes(shapes)}: {e}. Make '
             f'the first layer of cell {k} accept what the last layer of cell '
             f'{k - 1} returns.') from e
       shapes = tuple(metas[-1][2])
@@ -338,9 +284,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, *args):
     layers = list(p.layers) if p.layers else list(p.cell_tpl)
-    metas = partition.LayerMetas(layers, *args)
-    return NestedMap(flops=sum(m[0] for m in metas),
-                     out_shapes=tuple(metas[-1][2]))
+    return sequential.ChainFPropMeta(layers, *args)
 
   # -- Computation ---------------------------------------------------------------
 
@@ -371,7 +315,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     return engine.PipelineEngine(
         self._CellFProp, self._placement, self.num_stages,
         batch_dim=p.batch_dim, recompute=p.recompute,
-        strict_order=p.strict_order, name=self.path)
+        strict_order=p.strict_order, name=self.path, schedule=self._schedule)
 
   def FProp(self, theta, *args):
     """Runs the pipeline. See `_FProp`.
