@@ -18,10 +18,6 @@ from lingvo_gpipe.layers import _shapes
 __all__ = ['SequentialLayer', 'RepeatLayer', 'FeatureExtractionLayer',
            'ChainFPropMeta', 'LayerMetas', 'FormatShapes']
 
-_AsTuple = py_utils.AsTuple
-_Unwrap = py_utils.Unwrap
-
-
 def FormatShapes(shapes):
   """Shapes (TensorShapes, nested) as plain lists, for error messages."""
   return tf.nest.map_structure(
@@ -53,7 +49,7 @@ def LayerMetas(layer_params, *input_shapes):
           f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
           f'shapes {FormatShapes(shapes)}: {e}') from e
     out.append((m.flops, shapes, m.out_shapes))
-    shapes = _AsTuple(m.out_shapes)
+    shapes = py_utils.AsTuple(m.out_shapes)
   return out
 
 
@@ -68,7 +64,7 @@ def ChainFPropMeta(params_list, *input_shapes):
     ValueError: naming the first layer that cannot take its inputs.
   """
   metas = LayerMetas(list(params_list), *input_shapes)
-  shapes = _AsTuple(metas[-1][2]) if metas else tuple(input_shapes)
+  shapes = py_utils.AsTuple(metas[-1][2]) if metas else tuple(input_shapes)
   return meta.Meta(sum(m[0] for m in metas), *shapes)
 
 
@@ -101,8 +97,8 @@ class SequentialLayer(base_layer.BaseLayer):
   def FProp(self, theta, *args):
     """Runs sub[0](args) -> sub[1](...) -> ...; returns the last outputs."""
     for i, layer in enumerate(self.sub):
-      args = _AsTuple(layer.FProp(theta.sub[i], *args))
-    return _Unwrap(args)
+      args = py_utils.AsTuple(layer.FProp(theta.sub[i], *args))
+    return py_utils.Unwrap(args)
 
   @classmethod
   def FPropMeta(cls, p, *args):
@@ -148,8 +144,8 @@ class RepeatLayer(base_layer.BaseLayer):
   def FProp(self, theta, *args):
     """Runs body_0(args) -> body_1(...) -> ...; returns the last outputs."""
     for i, layer in enumerate(self.body):
-      args = _AsTuple(layer.FProp(theta.body[i], *args))
-    return _Unwrap(args)
+      args = py_utils.AsTuple(layer.FProp(theta.body[i], *args))
+    return py_utils.Unwrap(args)
 
   @classmethod
   def FPropMeta(cls, p, *args):
