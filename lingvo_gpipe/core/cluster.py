@@ -28,8 +28,8 @@ from absl import logging
 
 from lingvo_gpipe.core import hyperparams
 
-__all__ = ['PreferredDevices', 'Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts', 'LocalCluster',
-           'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
+__all__ = ['PreferredDevices', 'Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts',
+           'LocalCluster', 'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
            'ParseClusterSpec', 'ClusterSpecFromTfConfig',
            'UnreachableWorkers', 'WorkerName']
 

@@ -11,7 +11,12 @@ import numpy as np
 import tensorflow as tf
 
 # Shape conversion and checks live in core (py_utils.HasShape uses them too).
-from lingvo_gpipe.core.meta import CheckShape, Dims, LayerName, ToShape  # pylint: disable=g-importing-member,unused-import
+from lingvo_gpipe.core import meta
+
+ToShape = meta.ToShape
+Dims = meta.Dims
+LayerName = meta.LayerName
+CheckShape = meta.CheckShape
 
 __all__ = ['ToShape', 'Dims', 'NumElements', 'CheckShape', 'LayerName',
            'CastFloat', 'CheckPositive']

@@ -41,7 +41,8 @@ def CheckSchedule(work, num_cells, num_micro_batches):
   for i, w in enumerate(work):
     if w.kind not in (schedule_lib.FORWARD, schedule_lib.BACKWARD):
       raise ValueError(f'Schedule item {i} {w} has kind {w.kind!r}; use '
-                       f'{schedule_lib.FORWARD!r} or {schedule_lib.BACKWARD!r}.')
+                       f'{schedule_lib.FORWARD!r} or '
+                       f'{schedule_lib.BACKWARD!r}.')
     if not (0 <= w.cell < num_cells and 0 <= w.micro_batch < num_micro_batches):
       raise ValueError(f'Schedule item {i} {w} is outside {num_cells} cells '
                        f'and {num_micro_batches} micro-batches.')

@@ -10,8 +10,10 @@ fill-drain schedule (see `schedule.py` for the clock-cycle table):
 
 This module holds the layer (Params, construction, introspection);
 `engine.py` builds the schedule. The whole pipeline is one differentiable op
-(recorded on the gradient tape like `tf.custom_gradient`) whose backward pass is built explicitly, cell by cell and micro-batch by
-micro-batch, on each cell's device:
+(recorded on the gradient tape like `tf.custom_gradient`) whose backward
+pass is built explicitly, cell by cell and micro-batch by micro-batch, on
+each cell's device (`engine.PipelineEngine` runs any schedule of such work
+items; this is `schedule.FillDrain`):
 
   def Forward(inputs, theta):                 # inside one tf.function
     xs = split(inputs, M)                     # on device 0
