@@ -1,11 +1,22 @@
-"""BUILD and setup.py describe the same project as the source tree."""
+"""BUILD and setup.py describe the same project as the source tree, and the
+library's imports form no cycle."""
 
 import ast
 import glob
+import importlib.util
 import os
 import re
+import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _GenBuild():
+  spec = importlib.util.spec_from_file_location(
+      'gen_build', os.path.join(ROOT, 'tools', 'gen_build.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def _Read(name):
@@ -76,3 +87,60 @@ def testEveryPackageIsInstalled():
   missing = sorted(d for d in dirs if d not in found)
   assert not missing, (f'Folders with modules but no __init__.py, so setup.py '
                        f'would not install them: {missing}')
+
+
+def testBuildDepsAreTheImports():
+  build = _Read('BUILD')
+  assert _GenBuild().Generate(build) == build, (
+      'BUILD deps differ from the sources\' imports: run '
+      'python tools/gen_build.py')
+
+
+def testLibraryHasNoImportCycle():
+  gen = _GenBuild()
+  cycle = gen.FindCycle(gen.LibraryGraph(gen.ImportGraph()))
+  assert cycle is None, (
+      'Import cycle among library modules (deferred imports count): '
+      + ' -> '.join(cycle) + '. Move the shared code into a module both '
+      'can import.')
+
+
+def testFindCycleSeesDeferredImports(tmp_path):
+  gen = _GenBuild()
+  pkg = tmp_path / 'lingvo_gpipe'
+  pkg.mkdir()
+  (pkg / '__init__.py').write_text('')
+  (pkg / 'a.py').write_text('from lingvo_gpipe import b\n')
+  (pkg / 'b.py').write_text(textwrap.dedent("""\
+      def F():
+        from lingvo_gpipe import c
+        return c
+      """))
+  (pkg / 'c.py').write_text('import lingvo_gpipe.a\n')
+  (pkg / 'd.py').write_text('import lingvo_gpipe.c\n')
+  graph = gen.LibraryGraph(gen.ImportGraph(str(tmp_path)))
+  assert graph['lingvo_gpipe/d.py'] == {'lingvo_gpipe/c.py'}
+  cycle = gen.FindCycle(graph)
+  assert cycle == ['lingvo_gpipe/a.py', 'lingvo_gpipe/b.py',
+                   'lingvo_gpipe/c.py', 'lingvo_gpipe/a.py']
+  (pkg / 'c.py').write_text('import os\n')
+  assert gen.FindCycle(gen.LibraryGraph(gen.ImportGraph(str(tmp_path)))) is None
+
+
+def testCoreAndModelsDoNotImportUpward():
+  graph = _GenBuild().LibraryGraph(_GenBuild().ImportGraph())
+  # The Lingvo import-path facades re-export the pipeline and the layers.
+  facades = {'lingvo_gpipe/core/gpipe.py', 'lingvo_gpipe/core/layers.py'}
+  upward = []
+  for f, deps in sorted(graph.items()):
+    if f.startswith('lingvo_gpipe/core/') and f not in facades:
+      upward += [(f, d) for d in deps
+                 if not d.startswith('lingvo_gpipe/core/')]
+    if f.startswith('lingvo_gpipe/models/'):
+      upward += [(f, d) for d in deps
+                 if d.startswith('lingvo_gpipe/runners/') or
+                 d == 'lingvo_gpipe/trainer.py']
+  assert not upward, (
+      f'Library modules importing a higher layer: {upward}. core/ imports '
+      'only core/ (except the facades core/gpipe.py, core/layers.py); '
+      'models/ import no runners/ or trainer.')

@@ -41,11 +41,11 @@ def main(argv=None):
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
   if args.num_cpu_devices:
     cluster.SplitCpu(args.num_cpu_devices)
-  from lingvo_gpipe.models.mt import evaluation  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import evaler  # pylint: disable=g-import-not-at-top
   overrides = (args.model_params_override.replace(';', '\n')
                if args.model_params_override else None)
   try:
-    step, report = evaluation.EvaluateCheckpoint(
+    step, report = evaler.EvaluateBleuCheckpoint(
         args.model, args.logdir, args.dataset, args.beam_size,
         args.max_batches, args.checkpoint, overrides)
   except (ValueError, KeyError, FileNotFoundError) as e:

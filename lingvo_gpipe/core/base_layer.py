@@ -43,6 +43,7 @@ import threading
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
@@ -413,8 +414,13 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     layer abstractly (no weights) and traces `FProp` into a graph, counting
     flops with TensorFlow's per-op statistics.
     """
-    from lingvo_gpipe.core import meta  # pylint: disable=g-import-not-at-top
     return meta.TraceFPropMeta(p, *args)
+
+  @classmethod
+  def AbstractInstance(cls, p):
+    """The layer of `p` built abstractly (no weights), outside any parent."""
+    with AbstractBuild(), DetachedBuild():
+      return p.Instantiate()
 
   def ApplyDeferredUpdates(self, stats_list):
     """Applies statistics collected by `py_utils.AddDeferredUpdate`."""
@@ -424,6 +430,20 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
 
   def __repr__(self):
     return f'{type(self).__name__}({self.path!r})'
+
+
+def RejectUnsupportedParams(p, unsupported):
+  """Raises for a compatibility param of `p` set to a non-default value.
+
+  Args:
+    p: a layer's Params.
+    unsupported: {name: (the only supported value, what to do instead)}.
+  """
+  for name, (default, instead) in unsupported.items():
+    value = p.Get(name)
+    if value != default:
+      raise ValueError(f'{p.cls.__name__} {p.name!r}: {name}={value!r} is not '
+                       f'supported (only {default!r}); {instead}')
 
 
 def LayerParams(p):

@@ -27,12 +27,30 @@ import tensorflow as tf
 from absl import logging
 
 from lingvo_gpipe.core import hyperparams
-from lingvo_gpipe.pipeline import placement
 
-__all__ = ['Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts', 'LocalCluster',
-           'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
+__all__ = ['PreferredDevices', 'Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts',
+           'LocalCluster', 'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
            'ParseClusterSpec', 'ClusterSpecFromTfConfig',
            'UnreachableWorkers', 'WorkerName']
+
+
+def PreferredDevices(devices=None):
+  """The names of the TPUs among `devices`, else of the GPUs, else the CPUs.
+
+  Args:
+    devices: logical devices (`tf.config.LogicalDevice`s), in the order to
+      keep; None: every device TensorFlow lists.
+
+  Returns:
+    A list of device names; [] if there is none.
+  """
+  if devices is None:
+    devices = tf.config.list_logical_devices()
+  for kind in ('TPU', 'GPU', 'CPU'):
+    found = [d.name for d in devices if d.device_type == kind]
+    if found:
+      return found
+  return []
 
 
 def SplitCpu(num_devices):
@@ -344,7 +362,7 @@ def StageDevices(num_stages, num_replicas=1, devices=None):
   Raises:
     ValueError: if R * K exceeds the devices found.
   """
-  devices = list(devices) if devices else placement.DefaultDevices()
+  devices = list(devices) if devices else PreferredDevices()
   need = num_stages * num_replicas
   if need > len(devices):
     raise ValueError(
@@ -443,22 +461,17 @@ class Cluster:
     any, else its CPUs). Local: TPUs, else GPUs, else CPUs.
     """
     if not self.is_remote:
-      return placement.DefaultDevices()
+      return PreferredDevices()
     job = self.params.worker_job
     by_task = {}
     for d in tf.config.list_logical_devices():
       spec = tf.DeviceSpec.from_string(d.name)
       if spec.job == job:
-        by_task.setdefault(spec.task, []).append((spec, d.name))
+        by_task.setdefault(spec.task, []).append((spec.device_index, d))
     out = []
     for task in sorted(by_task):
-      devs = by_task[task]
-      for kind in ('TPU', 'GPU', 'CPU'):
-        found = sorted((s.device_index, n) for s, n in devs
-                       if s.device_type == kind)
-        if found:
-          out.extend(n for _, n in found)
-          break
+      devs = [d for _, d in sorted(by_task[task], key=lambda x: x[0])]
+      out.extend(PreferredDevices(devs))
     if not out:
       raise RuntimeError(f'No device of job {job!r} is visible; is this '
                          'process connected to the cluster (Configure())?')

@@ -8,12 +8,12 @@ traces its `FProp` into a graph whose per-op flop statistics are summed.
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops  # flop statistics
 
-from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['ToSpec', 'ToShape', 'Meta', 'TraceFPropMeta', 'GraphFlops']
+__all__ = ['ToSpec', 'ToShape', 'Dims', 'LayerName', 'CheckShape', 'Meta',
+           'TraceFPropMeta', 'GraphFlops']
 
 
 def ToSpec(x, dtype=tf.float32):
@@ -35,12 +35,79 @@ def ToSpec(x, dtype=tf.float32):
     return type(x)(ToSpec(v, dtype) for v in x)
   if hasattr(x, 'shape') and hasattr(x, 'dtype'):
     return tf.TensorSpec(x.shape, x.dtype)
-  raise TypeError(f'Cannot interpret {x!r} as a shape.')
+  raise TypeError(f'Cannot interpret {x!r} as a shape: pass a tf.TensorShape, '
+                  'a list of ints, a tf.TensorSpec or a tensor.')
 
 
 def ToShape(x):
   """The TensorShape(s) of a spec-like structure."""
   return tf.nest.map_structure(lambda s: tf.TensorShape(s.shape), ToSpec(x))
+
+
+def Dims(shape):
+  """The dims of `shape` as a list of ints (None where unknown)."""
+  shape = ToShape(shape)
+  if shape.rank is None:
+    raise ValueError(f'Shape {shape} has unknown rank; FPropMeta needs at '
+                     'least the rank of every input.')
+  return shape.as_list()
+
+
+def LayerName(layer_or_params):
+  """'ClassName 'path'' for a layer, 'ClassName 'name'' for its Params,
+  'Layer 'name'' for a name."""
+  if isinstance(layer_or_params, str):
+    return f'Layer {layer_or_params!r}'
+  if hasattr(layer_or_params, 'path'):
+    return f'{type(layer_or_params).__name__} {layer_or_params.path!r}'
+  p = layer_or_params
+  cls = getattr(p.cls, '__name__', str(p.cls))
+  return f'{cls} {p.name!r}'
+
+
+def _Fmt(dims):
+  return '[' + ', '.join('?' if d is None else str(d) for d in dims) + ']'
+
+
+def CheckShape(who, what, actual, expected, fix):
+  """Raises ValueError unless `actual` matches `expected`.
+
+  Args:
+    who: the layer, its Params, or its name (named in the message).
+    what: what the tensor is, e.g. 'inputs'.
+    actual: the tensor's shape (anything `ToShape` takes).
+    expected: list of ints / None (any); a leading `...` allows any number of
+      leading dims, e.g. [..., 8] for "[..., input_dim]".
+    fix: a sentence telling how to fix the mismatch.
+
+  Returns:
+    `actual` as a list of dims (None in FProp for a tensor of unknown rank).
+  """
+  actual = ToShape(actual)
+  if actual.rank is None:
+    if hasattr(who, 'path') or isinstance(who, str):
+      # A built layer's FProp: nothing to check.
+      return None
+    Dims(actual)  # FPropMeta needs the rank: raises.
+  dims = actual.as_list()
+  exp = list(expected)
+  any_leading = bool(exp) and exp[0] is Ellipsis
+  tail = exp[1:] if any_leading else exp
+  if any_leading:
+    ok = len(dims) >= len(tail)
+  else:
+    ok = len(dims) == len(tail)
+  if ok and tail:
+    ok = all(e is None or a is None or int(a) == int(e)
+             for a, e in zip(dims[len(dims) - len(tail):], tail))
+  if not ok:
+    shown = _Fmt(tail)
+    if any_leading:
+      shown = '[..., ' + shown[1:] if tail else '[...]'
+    raise ValueError(
+        f'{LayerName(who)}: {what} has shape {_Fmt(dims)} but {shown} is '
+        f'expected (? = any). {fix}')
+  return dims
 
 
 def Meta(flops, *out_shapes):
@@ -57,9 +124,9 @@ def GraphFlops(graph):
   total = 0
   for op in graph.get_operations():
     try:
-      stats = tf_ops.get_stats_for_node_def(graph, op.node_def, 'flops')
-      if stats.value:
-        total += int(stats.value)
+      flops = _tf_internal.OpFlops(graph, op.node_def)
+      if flops:
+        total += int(flops)
         continue
     except (ValueError, TypeError):
       pass
@@ -87,8 +154,7 @@ def TraceFPropMeta(p, *args):
   p = p.Copy()
   if not p.name:
     p.name = 'meta'
-  with base_layer.AbstractBuild(), base_layer.DetachedBuild():
-    layer = p.Instantiate()
+  layer = p.cls.AbstractInstance(p)
   theta_spec = layer.vars.Transform(lambda v: v.ToSpec())
   specs = [ToSpec(a) for a in args]
 

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import meta
 from lingvo_gpipe.core.nested_map import NestedMap
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
     'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
     'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaReduce',
+    'AsTuple', 'Unwrap', 'IsTensor',
 ]
 
 Flatten = tf.nest.flatten
@@ -363,6 +365,24 @@ def NoUpdateCollection():
 # ---------------------------------------------------------------------------
 
 
+def AsTuple(x):
+  """`x` as a tuple of layer outputs: a plain tuple stays, anything else
+  (a tensor, a NestedMap, a namedtuple) becomes a 1-tuple."""
+  if isinstance(x, tuple) and not hasattr(x, '_fields'):
+    return x
+  return (x,)
+
+
+def Unwrap(xs):
+  """The inverse of `AsTuple` for FProp results: one output is returned bare."""
+  return xs[0] if len(xs) == 1 else xs
+
+
+def IsTensor(x):
+  """True for a tf.Tensor or tf.Variable."""
+  return isinstance(x, (tf.Tensor, tf.Variable))
+
+
 def GetShape(tensor, ndims=None):
   """Static dims where known, dynamic scalars elsewhere (Lingvo's GetShape)."""
   tensor = tf.convert_to_tensor(tensor)
@@ -381,18 +401,10 @@ def HasShape(tensor, expected, layer_name='', what='input'):
 
   `expected` may contain -1 or None for "any". Checks static shapes only.
   """
-  actual = tf.TensorShape(tensor.shape)
-  if actual.rank is None:
-    return tensor
   exp = [None if (d is None or d == -1) else int(d) for d in expected]
-  ok = actual.rank == len(exp) and all(
-      e is None or a is None or a == e for a, e in zip(actual.as_list(), exp))
-  if not ok:
-    shown = ['?' if e is None else e for e in exp]
-    raise ValueError(
-        f'Layer {layer_name!r}: {what} has shape {actual.as_list()} but '
-        f'{shown} is expected (? = any). Check the layer\'s Params '
-        f'(e.g. input_dim) against the tensor you pass.')
+  meta.CheckShape(str(layer_name), what, tensor.shape, exp,
+                  'Check the layer\'s Params (e.g. input_dim) against the '
+                  'tensor you pass.')
   return tensor
 
 

@@ -52,6 +52,8 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.core import _tf_internal
+
 __all__ = ['TOPOLOGIES', 'MakeTopology', 'ComputationShape',
            'BuildDeviceAssignment', 'DescribeAssignment', 'CreateTPUStrategy',
            'IsTPUStrategy', 'NumCoresPerReplica', 'LogicalDeviceAssigner']
@@ -490,10 +492,10 @@ def NumCoresPerReplica(strategy=None):
   if not IsTPUStrategy(strategy):
     return 1
   extended = strategy.extended
-  da = getattr(extended, '_device_assignment', None)
+  da = _tf_internal.TPUDeviceAssignment(extended)
   if da is not None:
     return int(da.num_cores_per_replica)
-  devices = getattr(extended, '_tpu_devices', None)
+  devices = _tf_internal.TPUDevices(extended)
   if devices is not None and np.ndim(devices) == 2:
     return int(np.shape(devices)[1])
   return 1

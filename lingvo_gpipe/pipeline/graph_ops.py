@@ -12,11 +12,10 @@ import secrets
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import _tf_internal
+from lingvo_gpipe.core import py_utils
+
 __all__ = ['SumGradients', 'DeviceOf', 'After', 'FreshCopies', 'Stamp']
-
-
-def _IsTensor(x):
-  return isinstance(x, (tf.Tensor, tf.Variable))
 
 
 def SumGradients(parts):
@@ -45,7 +44,7 @@ _ACCUMULATOR_NAME = f'AccumulateGrads_{os.getpid()}_{secrets.token_hex(4)}'
 def DeviceOf(structure):
   """A device scope for the first tensor of `structure` that has a device."""
   for t in tf.nest.flatten(structure):
-    device = getattr(t, 'device', '') if _IsTensor(t) else ''
+    device = getattr(t, 'device', '') if py_utils.IsTensor(t) else ''
     if device:
       return tf.device(device)
   return contextlib.nullcontext()
@@ -53,20 +52,12 @@ def DeviceOf(structure):
 
 def After(x, deps):
   """`x` (a structure) with control dependencies on the tensors of `deps`."""
-  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
+  dep_tensors = [t for t in tf.nest.flatten(deps) if py_utils.IsTensor(t)]
   if not dep_tensors or tf.executing_eagerly():
     return x
   with tf.control_dependencies(dep_tensors):
     return tf.nest.map_structure(
-        lambda t: tf.identity(t) if _IsTensor(t) else t, x)
-
-
-def _RunIndependently(op):
-  """Exempts a stateful op from tf.function's program-order chaining."""
-  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
-                None)
-  if acd is not None and not tf.executing_eagerly():
-    acd.run_independently(op)
+        lambda t: tf.identity(t) if py_utils.IsTensor(t) else t, x)
 
 
 def FreshCopies(x, deps):
@@ -74,14 +65,14 @@ def FreshCopies(x, deps):
   optimizations cannot merge with other ops (DeepCopy is stateful)."""
   if tf.executing_eagerly():
     return x
-  dep_tensors = [t for t in tf.nest.flatten(deps) if _IsTensor(t)]
+  dep_tensors = [t for t in tf.nest.flatten(deps) if py_utils.IsTensor(t)]
 
   def Copy(t):
-    if not _IsTensor(t):
+    if not py_utils.IsTensor(t):
       return t
     with tf.control_dependencies(dep_tensors):
       c = tf.raw_ops.DeepCopy(x=t)
-    _RunIndependently(c.op)
+    _tf_internal.RunIndependently(c.op)
     return c
 
   return tf.nest.map_structure(Copy, x)
@@ -89,10 +80,10 @@ def FreshCopies(x, deps):
 
 def Stamp(x):
   """Returns (timestamp taken when `x` is ready, `x` ordered after it)."""
-  tensors = [t for t in tf.nest.flatten(x) if _IsTensor(t)]
+  tensors = [t for t in tf.nest.flatten(x) if py_utils.IsTensor(t)]
   with tf.control_dependencies(tensors):
     stamp = tf.timestamp()
   # tf.function orders stateful ops (like Timestamp) in program order, which
   # would serialize the cells; a timestamp has no side effect to order.
-  _RunIndependently(stamp.op)
+  _tf_internal.RunIndependently(stamp.op)
   return stamp, After(x, [stamp])

@@ -18,18 +18,14 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
 
 __all__ = ['LayerMetas', 'LayerCosts', 'ComputeSplits', 'FormatShapes',
            'PartitionSequentialLayers', 'MeasureLayerTimes', 'Report']
 
 BALANCE_BY = ('flops', 'params', 'time', 'uniform')
-
-
-def _AsTuple(x):
-  if isinstance(x, tuple) and not hasattr(x, '_fields'):
-    return x
-  return (x,)
 
 
 def _Named(p, i):
@@ -39,38 +35,9 @@ def _Named(p, i):
   return p
 
 
-def LayerMetas(layer_params, *input_shapes):
-  """FPropMeta of each layer in sequence, feeding shapes forward.
-
-  Returns:
-    A list of (flops, in_shapes, out_shapes) per layer.
-
-  Raises:
-    ValueError: naming the first layer that cannot take its input.
-  """
-  shapes = tuple(input_shapes)
-  out = []
-  for i, p in enumerate(layer_params):
-    p = _Named(p, i)
-    try:
-      m = p.cls.FPropMeta(p, *shapes)
-    except (ValueError, TypeError) as e:
-      prev = (f'the output of layer {i - 1} ({layer_params[i - 1].name or "?"})'
-              if i else 'the pipeline input')
-      raise ValueError(
-          f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
-          f'shapes {FormatShapes(shapes)}: {e}') from e
-    out.append((m.flops, shapes, m.out_shapes))
-    shapes = _AsTuple(m.out_shapes) if not isinstance(
-        m.out_shapes, tuple) else m.out_shapes
-  return out
-
-
-def FormatShapes(shapes):
-  """Shapes (TensorShapes, nested) as plain lists, for error messages."""
-  return tf.nest.map_structure(
-      lambda s: tf.TensorShape(s).as_list() if s is not None else None,
-      shapes)
+# The one chained FPropMeta, under the names this module always had.
+LayerMetas = sequential.LayerMetas
+FormatShapes = sequential.FormatShapes
 
 
 def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
@@ -95,7 +62,7 @@ def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
       def Step(xs, layer=layer):
         with tf.GradientTape() as tape:
           tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
-          ys = _AsTuple(layer.FProp(layer.theta, *xs))
+          ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
           total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
                             for y in tf.nest.flatten(ys)
                             if y.dtype.is_floating] or [tf.constant(0.)])
@@ -170,12 +137,11 @@ def PartitionSequentialLayers(params, num_partitions, *shapes):
     A list of K `FeatureExtractionLayer` Params, usable as
     `PipeliningLayer.Params().cell_tpl`.
   """
-  from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
   layers = list(params.sub) if hasattr(params, 'sub') else list(params)
   splits = ComputeSplits(layers, num_partitions, None, 'flops', shapes)
   cells = []
   for k, (a, b) in enumerate(balance.SplitsToRanges(splits)):
-    cells.append(pipelining_layer.FeatureExtractionLayer.Params().Set(
+    cells.append(sequential.FeatureExtractionLayer.Params().Set(
         name=f'cell_{k}', sub=[_Named(p, i) for i, p in
                                enumerate(layers[a:b], a)]))
   return cells

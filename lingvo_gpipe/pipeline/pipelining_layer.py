@@ -8,9 +8,12 @@ fill-drain schedule (see `schedule.py` for the clock-cycle table):
   backward: the mirror image, starting from the last cell's last micro-batch
   update:   gradients of all micro-batches are summed, then applied once
 
-The whole pipeline is one differentiable op (`tf.custom_gradient`) whose
-backward pass is built explicitly, cell by cell and micro-batch by
-micro-batch, on each cell's device:
+This module holds the layer (Params, construction, introspection);
+`engine.py` builds the schedule. The whole pipeline is one differentiable op
+(recorded on the gradient tape like `tf.custom_gradient`) whose backward
+pass is built explicitly, cell by cell and micro-batch by micro-batch, on
+each cell's device (`engine.PipelineEngine` runs any schedule of such work
+items; this is `schedule.FillDrain`):
 
   def Forward(inputs, theta):                 # inside one tf.function
     xs = split(inputs, M)                     # on device 0
@@ -50,14 +53,12 @@ Two ways to describe the cells:
 """
 
 import tensorflow as tf
-# The tape API tf.custom_gradient is built on; see _PipelineWithGrad.
-from tensorflow.python.eager import record as tape_record
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
-from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -65,66 +66,17 @@ from lingvo_gpipe.pipeline import schedule
 
 __all__ = ['FeatureExtractionLayer', 'PipeliningLayer', 'RECOMPUTE_POLICIES']
 
-RECOMPUTE_POLICIES = ('always', 'except_last_cell', 'except_last_micro_batch',
-                      'never')
+RECOMPUTE_POLICIES = engine.RECOMPUTE_POLICIES
 
 
-def _AsTuple(x):
-  if isinstance(x, tuple) and not hasattr(x, '_fields'):
-    return x
-  return (x,)
-
-
-def _Unwrap(xs):
-  return xs[0] if len(xs) == 1 else xs
-
-
-def _IsTensor(x):
-  return isinstance(x, (tf.Tensor, tf.Variable))
-
-
-def _IsFloat(x):
-  return _IsTensor(x) and x.dtype.is_floating
-
-
-class FeatureExtractionLayer(base_layer.BaseLayer):
-  """A pipeline cell: runs its `sub` layers in sequence (Lingvo's name).
-
-  Each sub layer's outputs (a tensor, a tuple, or a NestedMap) are the next
-  one's inputs.
-  """
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('sub', [], 'List of layer Params run in sequence.')
-    p.Define('num_act_inputs', 0, 'Lingvo compatibility; unused.')
-    p.Define('num_act_outputs', 0, 'Lingvo compatibility; unused.')
-    p.Define('act_fetch_layers', [], 'Lingvo compatibility; unused.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    if not self.params.sub:
-      raise ValueError(f'FeatureExtractionLayer {self.path!r} has no sub '
-                       'layers; an empty cell does nothing: give it layers or '
-                       'remove it.')
-    self.CreateChildren('sub', list(self.params.sub))
-
-  def FProp(self, theta, *args):
-    for i, layer in enumerate(self.sub):
-      args = _AsTuple(layer.FProp(theta.sub[i], *args))
-    return _Unwrap(args)
-
-  @classmethod
-  def FPropMeta(cls, p, *args):
-    metas = partition.LayerMetas(list(p.sub), *args)
-    return NestedMap(flops=sum(m[0] for m in metas),
-                     out_shapes=tuple(metas[-1][2]) if metas else args)
+FeatureExtractionLayer = sequential.FeatureExtractionLayer
 
 
 class PipeliningLayer(base_layer.BaseLayer):
   """Pipelines cells over devices with micro-batches. See module docstring."""
+
+  # fn(num_cells, num_micro_batches) -> [schedule.WorkItem] the engine runs.
+  _schedule = staticmethod(schedule.FillDrain)
 
   @classmethod
   def Params(cls):
@@ -168,13 +120,23 @@ class PipeliningLayer(base_layer.BaseLayer):
              'Run each device\'s micro-batches in schedule order (control '
              'dependencies), so an accelerator that runs one op at a time '
              'feeds the next cell as early as possible.')
-    p.Define('state_dtype', None, 'Lingvo compatibility; unused.')
-    p.Define('nested_map_fprop', False, 'Lingvo compatibility; unused.')
+    p.Define('state_dtype', None,
+             'Lingvo compatibility; only None: activations keep the dtype '
+             'each cell returns.')
+    p.Define('nested_map_fprop', False,
+             'Lingvo compatibility; only False: NestedMap inputs and outputs '
+             'need no flag, they pass between cells as they are.')
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
+    base_layer.RejectUnsupportedParams(p, {
+        'state_dtype': (None, 'remove it and cast in the cells (activations '
+                        'keep the dtype each cell returns).'),
+        'nested_map_fprop': (False, 'remove it: NestedMap inputs and outputs '
+                             'pass between cells without it.'),
+    })
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(f'recompute={p.recompute!r}; use one of '
                        f'{RECOMPUTE_POLICIES}.')
@@ -251,7 +213,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     for k, cell in enumerate(cells):
       names = ', '.join(c.name for c in cell)
       try:
-        metas = partition.LayerMetas(cell, *shapes)
+        metas = sequential.LayerMetas(cell, *shapes)
       except ValueError as e:
         if k == 0:
           raise ValueError(f'Pipeline cell 0 ({names}) cannot take the '
@@ -260,7 +222,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         raise ValueError(
             f'Pipeline cell {k} ({names}) cannot take the output of cell '
             f'{k - 1} ({prev}), of shapes '
-            f'{partition.FormatShapes(shapes)}: {e}. Make '
+            f'{sequential.FormatShapes(shapes)}: {e}. Make '
             f'the first layer of cell {k} accept what the last layer of cell '
             f'{k - 1} returns.') from e
       shapes = tuple(metas[-1][2])
@@ -324,9 +286,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, *args):
     layers = list(p.layers) if p.layers else list(p.cell_tpl)
-    metas = partition.LayerMetas(layers, *args)
-    return NestedMap(flops=sum(m[0] for m in metas),
-                     out_shapes=tuple(metas[-1][2]))
+    return sequential.ChainFPropMeta(layers, *args)
 
   # -- Computation ---------------------------------------------------------------
 
@@ -338,34 +298,26 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _CellFProp(self, k, theta_k, args):
     if self._ranges is None:
-      return _AsTuple(self.cell[k].FProp(theta_k, *args))
+      return py_utils.AsTuple(self.cell[k].FProp(theta_k, *args))
     a, _ = self._ranges[k]
     for i, th in enumerate(theta_k):
-      args = _AsTuple(self.body[a + i].FProp(th, *args))
+      args = py_utils.AsTuple(self.body[a + i].FProp(th, *args))
     return args
-
-  def _RunCell(self, k, theta_k, args, seed, collect=True):
-    """Runs cell k; returns (outputs tuple, [(layer, stats)])."""
-    collector = py_utils.UpdateCollector()
-    with py_utils.StepSeed(seed), collector:
-      out = self._CellFProp(k, theta_k, args)
-    return out, (collector.updates if collect else [])
-
-  def _Recompute(self, k, m, num_micro_batches):
-    policy = self.params.recompute
-    if policy == 'always':
-      return True
-    if policy == 'except_last_cell':
-      return k != self.num_stages - 1
-    if policy == 'except_last_micro_batch':
-      return m != num_micro_batches - 1
-    return False
 
   def _Device(self, k, r=0):
     return self._placement.Scope(k, r)
 
   def _Place(self, structure, k):
     return self._placement.Place(structure, k)
+
+  @property
+  def engine(self):
+    """The `engine.PipelineEngine` that builds this pipeline's schedule."""
+    p = self.params
+    return engine.PipelineEngine(
+        self._CellFProp, self._placement, self.num_stages,
+        batch_dim=p.batch_dim, recompute=p.recompute,
+        strict_order=p.strict_order, name=self.path, schedule=self._schedule)
 
   def FProp(self, theta, *args):
     """Runs the pipeline. See `_FProp`.
@@ -417,9 +369,9 @@ class PipeliningLayer(base_layer.BaseLayer):
           thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
     seed = py_utils.CurrentStepSeed()
     if self.do_eval:
-      outs, _, _ = self._Forward(thetas, args, num_mb, seed, train=False)
+      outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
       return outs
-    return self._PipelineWithGrad(thetas, args, num_mb, seed)
+    return self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
 
   def _NumSplits(self, batch):
     """(replicas R, micro-batches per replica M) for a batch of `batch`."""
@@ -440,222 +392,3 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'{e} (The batch of {batch} is split over {r} '
                        f'replicas: {per_replica} each.)') from e
     return r, m
-
-  def _Forward(self, thetas, args, num_mb, seed, train):
-    """The forward schedule of every replica.
-
-    Replica r runs micro-batches r*M .. r*M+M-1 of the mini-batch on its own
-    devices; micro-batch j's random values come from seed (step, j), so R
-    replicas of M micro-batches compute what one pipeline of R*M does.
-
-    Returns:
-      (outputs, updates, saved contexts keyed by (cell, micro-batch)).
-    """
-    p = self.params
-    num_cells = self.num_stages
-    num_rep = len(thetas)
-    # Each replica's share goes from where the input is straight to the
-    # replica's first device, not through replica 0's (one replica: no op).
-    with graph_ops.DeviceOf(args):
-      shards = microbatch.Split(args, num_rep, p.batch_dim)
-    states = []
-    for r, shard in enumerate(shards):
-      with self._Device(0, r):
-        states.extend(tuple(mb) for mb in microbatch.Split(
-            shard, num_mb, p.batch_dim))
-    tracer = schedule.ActiveTracer()
-    saved, updates = {}, []
-    last_on_device = {}
-    for _, k, m in schedule.ForwardOrder(num_cells, num_mb):
-      for r in range(num_rep):
-        j = r * num_mb + m
-        with self._Device(k, r):
-          x = self._Place(states[j], k)
-          if p.strict_order and (r, k) in last_on_device:
-            x = graph_ops.After(x, last_on_device[(r, k)])
-          start = None
-          if tracer is not None:
-            start, x = graph_ops.Stamp(x)
-          seed_m = py_utils.MixSeed(seed, j)
-          tape = None
-          if train and not self._Recompute(k, m, num_mb):
-            tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape:
-              tape.watch([t for t in tf.nest.flatten((thetas[r][k], x))
-                          if _IsFloat(t)])
-              y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
-          else:
-            y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
-          y = self._Place(y, k)
-          if tracer is not None:
-            end, y = graph_ops.Stamp(y)
-            tracer.Record(('forward', r * num_cells + k, j), start, end)
-          saved[(k, j)] = (x, tape, y, seed_m)
-          updates.extend(upd)
-          states[j] = y
-          last_on_device[(r, k)] = y
-    with self._Device(num_cells - 1):
-      outs = microbatch.Concat([_Unwrap(s) for s in states], p.batch_dim)
-    return outs, updates, saved
-
-  def _PipelineWithGrad(self, thetas, args, num_mb, seed):
-    """Runs the forward schedule and records it on the gradient tape as one
-    operation whose gradient is the explicit backward schedule.
-
-    `tf.custom_gradient` would pass every input, output and weight through
-    one IdentityN op: a barrier with no device of its own, which in a
-    multi-host pipeline drags all weights and activations through the host
-    that builds the graph. Recording the operation on the tape directly
-    (what tf.custom_gradient does inside) keeps every tensor on its cell's
-    device.
-    """
-    flat_args = tf.nest.flatten(args)
-    inputs = [x for x in flat_args if _IsTensor(x)]
-    # Replica 0's weights: the other replicas' copies are made from them, and
-    # their gradients are summed into replica 0's.
-    flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
-    keep_tapes = tape_record.could_possibly_record()
-    with tape_record.VariableWatcher() as watcher:
-      outs, updates, saved = self._Forward(thetas, args, num_mb, seed,
-                                           train=keep_tapes)
-    direct = [v.name for v in watcher.watched_variables() if v.trainable]
-    if direct:
-      raise ValueError(
-          f'A layer inside pipeline {self.path!r} read variables directly in '
-          f'FProp ({direct}); layers must compute with the `theta` passed to '
-          'FProp, or their gradients would be lost.')
-    flat_out = tf.nest.flatten(outs)
-    for x in flat_out:
-      if not _IsTensor(x):
-        raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
-    # New tensors whose producer on the tape is the pipeline operation.
-    with self._Device(self.num_stages - 1):
-      results = [tf.identity(t) for t in flat_out]
-    if keep_tapes:
-
-      def Backward(*dys):
-        return self._Backward(thetas, args, outs, saved, dys, num_mb)
-
-      tape_record.record_operation('GPipe', results, inputs + flat_thetas,
-                                   Backward)
-    for layer, stats in updates:
-      py_utils.AddDeferredUpdate(
-          layer, tf.nest.map_structure(tf.stop_gradient, stats))
-    return tf.nest.pack_sequence_as(outs, results)
-
-  def _Backward(self, thetas, inputs, outs, saved, dys, num_mb):
-    """The backward schedule; returns grads of (input tensors, thetas[0])."""
-    p = self.params
-    num_cells = self.num_stages
-    num_rep = len(thetas)
-    tracer = schedule.ActiveTracer()
-    flat_outs = tf.nest.flatten(outs)
-    dys = [tf.zeros_like(y) if dy is None else dy
-           for y, dy in zip(flat_outs, dys)]
-    with self._Device(num_cells - 1):
-      dy_mbs = [_AsTuple(d) for d in microbatch.Split(
-          tf.nest.pack_sequence_as(outs, dys), num_rep * num_mb, p.batch_dim)]
-    grads_state = dict(enumerate(dy_mbs))
-    # theta_acc[r][k][i]: the gradients of replica r's micro-batches for the
-    # i-th weight of cell k.
-    theta_acc = [[[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
-                 for r in range(num_rep)]
-    last_on_device = {}
-    for _, k, m in schedule.BackwardOrder(num_cells, num_mb):
-      for r in range(num_rep):
-        j = r * num_mb + m
-        with self._Device(k, r):
-          new_dy = self._CellBackward(
-              k, thetas[r][k], saved[(k, j)], grads_state[j],
-              last_on_device.get((r, k)), theta_acc[r][k], tracer,
-              ('backward', r * num_cells + k, j))
-          grads_state[j] = new_dy
-          last_on_device[(r, k)] = new_dy
-    # Gradients of the pipeline's inputs, joined on device 0.
-    with self._Device(0):
-      per_mb = [tf.nest.flatten(grads_state[j])
-                for j in range(num_rep * num_mb)]
-      flat_in = tf.nest.flatten(inputs)
-      in_grads = []
-      for i, x in enumerate(flat_in):
-        if not _IsTensor(x):
-          continue
-        parts = [mb[i] for mb in per_mb]
-        if not x.dtype.is_floating or any(t is None for t in parts):
-          in_grads.append(None)
-        elif len(parts) == 1:
-          in_grads.append(parts[0])
-        elif x.shape.rank == 0:
-          in_grads.append(tf.add_n(parts))
-        else:
-          in_grads.append(tf.concat(parts, axis=p.batch_dim))
-    theta_grads = []
-    for k in range(num_cells):
-      for i in range(len(theta_acc[0][k])):
-        partial = []
-        for r in range(num_rep):
-          with self._Device(k, r):
-            g = graph_ops.SumGradients(theta_acc[r][k][i])
-          if g is not None:
-            partial.append(g)
-        if len(partial) > 1:
-          # The cross-replica sum, on the device of the variables.
-          with self._Device(k):
-            partial = [tf.add_n(partial)]
-        theta_grads.append(partial[0] if partial else None)
-    return in_grads + theta_grads
-
-  def _CellBackward(self, k, theta_k, saved, dy, after, theta_acc, tracer,
-                    trace_key):
-    """Back-propagates one micro-batch through cell k.
-
-    Adds the weight gradients to the lists in `theta_acc`; returns the
-    gradient of the cell's input.
-    """
-    p = self.params
-    x, tape, y, seed_m = saved
-    if p.strict_order and after is not None:
-      dy = graph_ops.After(dy, after)
-    start = None
-    if tracer is not None:
-      start, (dy, x_after) = graph_ops.Stamp((dy, x))
-      if tape is None:
-        x = x_after
-    if tape is None:  # Re-materialize: same inputs, same seed.
-      # Fresh copies of the inputs and the seed, made once the output
-      # gradient has arrived: otherwise the executor would recompute every
-      # micro-batch right after the forward pass, and TensorFlow's graph
-      # optimizer would merge the recomputation with the forward ops (common
-      # subexpression elimination), keeping every forward activation alive
-      # until the backward pass.
-      x, seed_m = graph_ops.FreshCopies((x, seed_m), dy)
-      tape = tf.GradientTape(watch_accessed_variables=False)
-      with tape:
-        tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
-        y, _ = self._RunCell(k, theta_k, x, seed_m, collect=False)
-    flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
-    pairs = [(a, b) for a, b in zip(flat_y, flat_dy)
-             if _IsFloat(a) and b is not None]
-    flat_th = tf.nest.flatten(theta_k)
-    flat_x = tf.nest.flatten(x)
-    sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
-    sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
-    sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
-    if pairs and sources:
-      g = tape.gradient([a for a, _ in pairs], sources,
-                        output_gradients=[b for _, b in pairs])
-    else:
-      g = [None] * len(sources)
-    dx = [None] * len(flat_x)
-    for (w, i), gi in zip(sources_idx, g):
-      if w == 't':
-        if gi is not None:
-          acc = theta_acc[i]
-          theta_acc[i] = [gi] if acc is None else acc + [gi]
-      else:
-        dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
-    new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
-    if tracer is not None:
-      end, new_dy = graph_ops.Stamp(new_dy)
-      tracer.Record(trace_key, start, end)
-    return new_dy

@@ -4,6 +4,7 @@ import contextlib
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import cluster
 from lingvo_gpipe.core import tpu
 
 __all__ = ['AvailableDevices', 'DefaultDevices', 'ResolveDevices',
@@ -63,12 +64,7 @@ def CanonicalDevice(name, available=None):
 
 def DefaultDevices():
   """Accelerators if there are any (TPU, then GPU), else the CPU devices."""
-  available = tf.config.list_logical_devices()
-  for kind in ('TPU', 'GPU', 'CPU'):
-    found = [d.name for d in available if d.device_type == kind]
-    if found:
-      return found
-  return []
+  return cluster.PreferredDevices()
 
 
 def ResolveDevices(devices, num_devices, num_replicas=1):

@@ -18,12 +18,23 @@ cell's first op and right after its last one, so a trace shows the real
 overlap of the cells, not the intended one.
 """
 
+import collections
 import threading
 
 import tensorflow as tf
 
 __all__ = ['ForwardOrder', 'BackwardOrder', 'BubbleFraction', 'IdealSpeedup',
-           'ScheduleTracer', 'ActiveTracer', 'ScheduleText']
+           'ScheduleTracer', 'ActiveTracer', 'ScheduleText', 'WorkItem',
+           'FORWARD', 'BACKWARD', 'FillDrain']
+
+FORWARD = 'forward'
+BACKWARD = 'backward'
+
+# One unit of pipeline work: `cell` runs pass `kind` (FORWARD or BACKWARD) of
+# `micro_batch` at `clock`. A schedule is the list of a step's work items in
+# the order their ops are built (`engine.PipelineEngine` runs any such list).
+WorkItem = collections.namedtuple('WorkItem',
+                                  ['clock', 'cell', 'micro_batch', 'kind'])
 
 
 def ForwardOrder(num_cells, num_micro_batches):
@@ -50,6 +61,19 @@ def BackwardOrder(num_cells, num_micro_batches):
       if 0 <= m < num_micro_batches:
         out.append((clock, k, m))
   return out
+
+
+def FillDrain(num_cells, num_micro_batches):
+  """GPipe's schedule as [WorkItem]: every forward, then every backward.
+
+  Backward clocks continue after the forward ones (as in `ScheduleText`).
+  """
+  n = num_micro_batches + num_cells - 1
+  fwd = [WorkItem(c, k, m, FORWARD)
+         for c, k, m in ForwardOrder(num_cells, num_micro_batches)]
+  bwd = [WorkItem(n + c, k, m, BACKWARD)
+         for c, k, m in BackwardOrder(num_cells, num_micro_batches)]
+  return fwd + bwd
 
 
 def BubbleFraction(num_cells, num_micro_batches):

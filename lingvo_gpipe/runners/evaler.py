@@ -32,11 +32,14 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.models.mt import evaluation
 from lingvo_gpipe.runners import checkpointer as ckpt_lib
 from lingvo_gpipe.runners import train_loop
 
-__all__ = ['Evaler', 'Decoder', 'EvalDir', 'ReadResults', 'RESULTS_FILE']
+__all__ = ['Evaler', 'Decoder', 'EvalDir', 'ReadResults', 'RESULTS_FILE',
+           'EvaluateBleuCheckpoint']
 
 RESULTS_FILE = 'metrics.jsonl'
 
@@ -298,3 +301,42 @@ class Decoder(Evaler):
 
 def BatchRows(batch):
   return train_loop.BatchSize(batch) or 0
+
+
+def EvaluateBleuCheckpoint(model, logdir, dataset='Test', beam_size=None,
+                           max_batches=None, checkpoint=None, overrides=None):
+  """Restores a checkpoint of an MT `model` and scores BLEU on `dataset`.
+
+    step, report = EvaluateBleuCheckpoint('mt.multilingual.TransformerTiny',
+                                          '/tmp/mt', dataset='Test')
+    print(report)          # BLEU per language, average, corpus
+
+
+  Args:
+    model: registry key, e.g. 'mt.multilingual.TransformerTiny'.
+    logdir: the training logdir (its train/ holds the checkpoints).
+    dataset: 'Dev' or 'Test'.
+    beam_size: overrides the task's beam_size (1: greedy).
+    max_batches: decode at most this many batches.
+    checkpoint: a checkpoint prefix; None: the latest in <logdir>/train.
+    overrides: Params text ("a.b : value" lines) applied to the model Params.
+
+  Returns:
+    (the checkpoint's step, bleu.BleuReport).
+  """
+  p = model_registry.GetParams(model, dataset)
+  if overrides:
+    p.FromText(overrides)
+  if beam_size is not None:
+    p.task.beam_size = beam_size
+  train_dir = os.path.join(logdir, 'train')
+  prefix = checkpoint or ckpt_lib.LatestCheckpoint(train_dir)
+  if prefix is None:
+    raise ValueError(f'No checkpoint in {train_dir}; train the model first '
+                     f'(python -m lingvo_gpipe.trainer --model={model} '
+                     f'--logdir={logdir}).')
+  built = p.Instantiate()
+  ckpt_lib.Checkpointer(train_dir, built.VariablesByName(),
+                            writable=False).RestoreFrom(prefix, strict=False)
+  report = evaluation.EvaluateBleu(built.GetTask(), max_batches)
+  return ckpt_lib.StepOf(prefix), report

@@ -102,3 +102,15 @@ def testRemoteClusterDevicesAndDeadWorker():
                        env=dict(os.environ, PYTHONPATH=ROOT,
                                 TF_CPP_MIN_LOG_LEVEL='2'))
   assert 'REMOTE_OK' in out.stdout, out.stderr[-4000:]
+
+
+def testPreferredDevicesTakesTpusThenGpusThenCpus():
+  D = tf.config.LogicalDevice
+  cpu, gpu, tpu = (D('/device:CPU:0', 'CPU'), D('/device:GPU:1', 'GPU'),
+                   D('/device:TPU:0', 'TPU'))
+  assert cluster.PreferredDevices([cpu, gpu, tpu]) == ['/device:TPU:0']
+  assert cluster.PreferredDevices([cpu, gpu]) == ['/device:GPU:1']
+  assert cluster.PreferredDevices([cpu]) == ['/device:CPU:0']
+  assert cluster.PreferredDevices([]) == []
+  # This process: the 4 virtual CPUs of tests/conftest.py.
+  assert len(cluster.PreferredDevices()) == 4

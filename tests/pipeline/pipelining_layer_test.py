@@ -348,3 +348,21 @@ def testEvalRunsBatchesThatMDoesNotDivide(reference):
   np.testing.assert_allclose(five.numpy()[:3], unknown.numpy(), rtol=1e-6)
   with pytest.raises(ValueError, match='does not divide the batch size 5'):
     pipe(x[:5])
+
+
+def testLingvoCompatibilityParamsRejectNonDefaults():
+  P = pipelining_layer.PipeliningLayer.Params
+  cell = pipelining_layer.FeatureExtractionLayer.Params().Set(
+      sub=DenseLayers(1))
+  for name, value in [('num_act_inputs', 1), ('num_act_outputs', 2),
+                      ('act_fetch_layers', ['fc_0'])]:
+    with pytest.raises(ValueError, match=f'{name}=.* is not supported.*remove '
+                       'it'):
+      cell.Copy().Set(name='c', **{name: value}).Instantiate()
+  for name, value in [('state_dtype', tf.bfloat16), ('nested_map_fprop', True)]:
+    with pytest.raises(ValueError, match=f'PipeliningLayer .p.: {name}=.* is '
+                       'not supported.*remove it'):
+      P().Set(name='p', layers=DenseLayers(2), num_stages=1,
+              devices=DEVICES[:1], **{name: value}).Instantiate()
+  # The defaults still build.
+  P().Set(name='p', cell_tpl=[cell.Copy()], devices=DEVICES[:1]).Instantiate()

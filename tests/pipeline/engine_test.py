@@ -1,0 +1,98 @@
+"""The pipeline engine: any valid schedule of work items, checked first."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.layers import linears
+from lingvo_gpipe.pipeline import engine
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import schedule
+
+DEVICES = [f'/device:CPU:{i}' for i in range(2)]
+F, B = schedule.FORWARD, schedule.BACKWARD
+
+
+def testFillDrainIsForwardOrderThenBackwardOrder():
+  work = schedule.FillDrain(3, 4)
+  n = 4 + 3 - 1
+  assert [tuple(w[:3]) for w in work if w.kind == F] == (
+      schedule.ForwardOrder(3, 4))
+  assert [(c - n, k, m) for c, k, m, kind in work if kind == B] == (
+      schedule.BackwardOrder(3, 4))
+  engine.CheckSchedule(work, 3, 4)
+
+
+def testCheckScheduleNamesTheBadItem():
+  good = schedule.FillDrain(2, 2)
+  with pytest.raises(ValueError, match='leaves out 1 of the 8'):
+    engine.CheckSchedule(good[:-1], 2, 2)
+  with pytest.raises(ValueError, match='repeats item 0'):
+    engine.CheckSchedule(good[:1] + good, 2, 2)
+  with pytest.raises(ValueError, match=r'comes before the forward of cell 0 '
+                     'on micro-batch 0'):
+    engine.CheckSchedule([schedule.WorkItem(0, 1, 0, F)] + good, 2, 2)
+  with pytest.raises(ValueError, match=r'comes before the backward of cell 1'):
+    fwd = [w for w in good if w.kind == F]
+    engine.CheckSchedule(fwd + [schedule.WorkItem(9, 0, 0, B)], 2, 2)
+  with pytest.raises(ValueError, match="kind 'sideways'"):
+    engine.CheckSchedule([schedule.WorkItem(0, 0, 0, 'sideways')], 2, 2)
+  with pytest.raises(ValueError, match='outside 2 cells'):
+    engine.CheckSchedule([schedule.WorkItem(0, 2, 0, F)], 2, 2)
+  with pytest.raises(ValueError, match='recompute=.sometimes.'):
+    engine.PipelineEngine(None, None, 2, recompute='sometimes')
+
+
+def _DepthFirst(num_cells, num_micro_batches):
+  """Each micro-batch through every cell before the next one starts."""
+  fwd = [schedule.WorkItem(0, k, m, F) for m in range(num_micro_batches)
+         for k in range(num_cells)]
+  bwd = [schedule.WorkItem(0, k, m, B) for m in range(num_micro_batches)
+         for k in reversed(range(num_cells))]
+  return fwd + bwd
+
+
+class _DepthFirstPipeline(pipelining_layer.PipeliningLayer):
+  _schedule = staticmethod(_DepthFirst)
+
+
+def _LossAndGrads(cls, x):
+  layers = [linears.FCLayer.Params().Set(
+      name=f'fc_{i}', input_dim=4, output_dim=4, activation='TANH')
+            for i in range(4)]
+  pipe = cls.Params().Set(name='pipe', layers=layers, num_stages=2,
+                          num_micro_batches=4, devices=DEVICES,
+                          recompute='except_last_micro_batch').Instantiate()
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      loss = tf.reduce_sum(tf.square(pipe(x)))
+    return loss, tape.gradient(loss, (pipe.trainable_variables, x))
+
+  loss, (var_grads, x_grad) = Step(x)
+  return loss, var_grads, x_grad, pipe
+
+
+def testAnotherScheduleGivesTheSameLossAndGradients():
+  x = tf.constant(np.random.RandomState(0).randn(8, 4).astype(np.float32))
+  loss, grads, x_grad, pipe = _LossAndGrads(pipelining_layer.PipeliningLayer,
+                                            x)
+  assert pipe.engine.Work(4) == schedule.FillDrain(2, 4)
+  loss2, grads2, x_grad2, pipe2 = _LossAndGrads(_DepthFirstPipeline, x)
+  assert pipe2.engine.Work(4) == _DepthFirst(2, 4)
+  np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+  np.testing.assert_allclose(x_grad2, x_grad, rtol=1e-5, atol=1e-7)
+  for g2, g in zip(grads2, grads):
+    np.testing.assert_allclose(g2, g, rtol=1e-5, atol=1e-7)
+
+
+def testAnInvalidScheduleFailsBeforeBuildingOps():
+
+  class _Broken(pipelining_layer.PipeliningLayer):
+    _schedule = staticmethod(lambda k, m: schedule.FillDrain(k, m)[::-1])
+
+  x = tf.zeros([8, 4])
+  with pytest.raises(ValueError, match='comes before the'):
+    _LossAndGrads(_Broken, x)
