@@ -342,13 +342,21 @@ class PipelineEngine:
     else:
       g = [None] * len(sources)
     dx = [None] * len(flat_x)
+    computed = [gi for gi in g if gi is not None]
     for (w, i), gi in zip(sources_idx, g):
       if w == 't':
         if gi is not None:
           acc = theta_acc[i]
           theta_acc[i] = [gi] if acc is None else acc + [gi]
       else:
-        dx[i] = gi if gi is not None else tf.zeros_like(flat_x[i])
+        dx[i] = gi
+    # An input without a gradient (integer ids, labels) gets a zero made
+    # after this micro-batch's gradients: with strict_order the next
+    # micro-batch on this device waits for it, so its re-materialization
+    # cannot start while this one's activations are alive.
+    for i, t in enumerate(flat_x):
+      if dx[i] is None and py_utils.IsTensor(t):
+        dx[i] = graph_ops.After(tf.zeros_like(t), computed)
     new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
     if tracer is not None:
       end, new_dy = graph_ops.Stamp(new_dy)
