@@ -160,12 +160,14 @@ def RunTrial(spec):
   """Measures one (family, config, size); returns a JSON-able dict."""
   family, config, size = spec['family'], spec['config'], spec['size']
   k = config['num_stages']
-  from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.runners import device_memory  # pylint: disable=g-import-not-at-top
+  device_memory.EnableCpuStats()   # this driver's own, to check it holds nothing
+  from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
   limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
   with cluster.LocalCluster(k, memory_stats=True, memory_limit_mb=limit,
-                            intra_op_threads=spec.get('threads', 0),
-                            inter_op_threads=spec.get('threads', 0)) as c:
+                            intra_op_threads=spec.get('intra_op_threads', 0),
+                            inter_op_threads=spec.get('inter_op_threads', 1)
+                           ) as c:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -205,7 +207,8 @@ def RunTrial(spec):
                 loss = tf.reduce_mean(
                     tf.nn.sparse_softmax_cross_entropy_with_logits(
                         labels=labels, logits=out))
-          grads = tape.gradient(loss, variables)
+          with tf.device(last):   # the loss gradient next to the loss
+            grads = tape.gradient(loss, variables)
         with tf.device(last):
           opt.Apply(tf.constant(spec.get('learning_rate', 1e-3)),
                     list(zip(grads, variables)))
@@ -219,13 +222,18 @@ def RunTrial(spec):
       losses.append(float(Step().numpy()))   # traces; slots already exist
       record['first_step_s'] = time.time() - start
       before = device_memory.DeviceMemory(devices, status)
+      here = '/job:localhost/replica:0/task:0/device:CPU:0'
       for _ in range(max(1, spec.get('steps', 1))):
-        device_memory.ResetPeaks(devices, status)
+        device_memory.ResetPeaks(devices + [here], status)
         t0 = time.time()
         losses.append(float(Step().numpy()))
         record['step_s'] = time.time() - t0
         peaks.append([p for _, p in device_memory.DeviceMemory(
             devices, status).values()])
+      # What ran in this driving process instead of on a device (should be
+      # nothing but the step's scalars).
+      record['driver_peak_bytes'] = device_memory.DeviceMemory(
+          [here])[here][1]
       details = device_memory.DeviceDetails(devices, status)
       record['losses'] = losses
       record['peak_bytes_per_step'] = peaks
@@ -283,7 +291,8 @@ class Searcher:
       out = os.path.join(tmp, 'trial.json')
       spec = dict(family=family, config=config, size=size,
                   budget_mb=self.args.budget_mb, steps=steps, out=out,
-                  threads=self.args.threads)
+                  intra_op_threads=self.args.intra_op_threads,
+                  inter_op_threads=self.args.inter_op_threads)
       cmd = [sys.executable, os.path.abspath(__file__),
              f'--trial={json.dumps(spec)}']
       env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
@@ -438,8 +447,13 @@ def main(argv=None):
                       help='Search no further than this size (0: no cap); '
                       'a result at the cap is a lower bound.')
   parser.add_argument('--trial_timeout_s', type=float, default=900)
-  parser.add_argument('--threads', type=int, default=0,
-                      help='Intra- and inter-op threads per worker (0: TF).')
+  parser.add_argument('--inter_op_threads', type=int, default=1,
+                      help='Ops a worker runs at once. 1, like an '
+                      'accelerator\'s stream, makes the order of the ops, and '
+                      'so the peak, the same from run to run.')
+  parser.add_argument('--intra_op_threads', type=int, default=0,
+                      help='Threads one op may use (0: TensorFlow\'s '
+                      'default).')
   parser.add_argument('--train_steps', type=int, default=0,
                       help='Train --train_config at --size for this many '
                       'steps instead of searching.')
@@ -489,6 +503,7 @@ def _Train(searcher, args):
           ' '.join(f'{max(p) / MIB:.0f}' for p in peaks))
     print(Breakdown(r))
   ok = bool(r.get('losses')) and r['losses'][-1] < r['losses'][0] and r['fits']
+  print(f'  driving process peak: {r.get("driver_peak_bytes", 0) / MIB:.1f} MiB')
   print(f'  loss {"went down" if ok else "did NOT go down or did not fit"};'
         f' every peak within {args.budget_mb:g} MiB: {r["fits"]}')
   if args.json:
