@@ -38,6 +38,22 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+from lingvo_gpipe.runners import device_memory  # pylint: disable=g-import-not-at-top
+
+
+def _WantsCpuStats(argv):
+  """in_process always measures memory; multi_process with --memory=1."""
+  pre = argparse.ArgumentParser(add_help=False)
+  pre.add_argument('--mode', default='multi_process')
+  pre.add_argument('--memory', type=int, default=0)
+  known, _ = pre.parse_known_args(argv)
+  return known.mode == 'in_process' or bool(known.memory)
+
+
+if __name__ == '__main__' and _WantsCpuStats(sys.argv[1:]):
+  # CPU allocator statistics must be switched on before the first op.
+  device_memory.EnableCpuStats()
+
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
@@ -272,6 +288,20 @@ def MeasureMemory(bench):
   return peak, peak - before
 
 
+def MeasureWorkerMemory(bench, status):
+  """({device: peak bytes during one step}, {device: peak minus held}).
+
+  Each worker process reports its own allocator (multi_process --memory=1).
+  """
+  devs = bench.devices
+  before = device_memory.DeviceMemory(devs, status)
+  device_memory.ResetPeaks(devs, status)
+  bench.Run()
+  after = device_memory.DeviceMemory(devs, status)
+  peak = {d: after[d][1] for d in devs}
+  return peak, {d: after[d][1] - before[d][0] for d in devs}
+
+
 def Table(records):
   cols = ['model', 'mode', 'replicas', 'num_stages', 'num_micro_batches',
           'recompute', 'batch_size', 'step_time_s', 'examples_per_s',
@@ -311,7 +341,7 @@ def ParseConfigs(text):
   return out
 
 
-def RunBenchmark(args, devices, worker_pids=()):
+def RunBenchmark(args, devices, worker_pids=(), status=None):
   records = []
   for model_name in args.model.split(','):
     configs = [c for c in DEFAULT_CONFIGS
@@ -355,6 +385,13 @@ def RunBenchmark(args, devices, worker_pids=()):
         plain = rec
       if args.mode == 'in_process':
         rec['peak_bytes'], rec['activation_bytes'] = MeasureMemory(b)
+        note = device_memory.SharedAllocatorNote(b.devices)
+        if note:
+          rec['memory_note'] = note
+      elif args.memory and status:
+        rec['peak_bytes'], rec['activation_bytes'] = MeasureWorkerMemory(
+            b, status)
+        rec['memory_note'] = 'per device: each worker process\'s allocator'
       records.append(rec)
     k2m1 = [r for r in records if r['model'] == model_name and
             r['num_stages'] == 2 and r['num_micro_batches'] == 1 and
@@ -426,6 +463,10 @@ def main(argv=None):
                       'worker computes on one core whatever its threads.')
   parser.add_argument('--strict_order', type=int, default=1,
                       help='PipeliningLayer.strict_order.')
+  parser.add_argument('--memory', type=int, default=0,
+                      help='multi_process: each worker counts its allocations '
+                      '(TensorFlow\'s BFC allocator) and reports its own peak '
+                      'bytes per step (peak_bytes per device).')
   parser.add_argument('--no_benchmark', action='store_true',
                       help='Only write the trace.')
   args = parser.parse_args(argv)
@@ -446,15 +487,22 @@ def main(argv=None):
     local = cluster.LocalCluster(
         args.num_devices, intra_op_threads=1,
         inter_op_threads=args.worker_inter_op_threads,
-        pin_cpus=bool(args.pin_workers)).Start()
+        pin_cpus=bool(args.pin_workers),
+        memory_stats=bool(args.memory)).Start()
     cluster.Connect(local.cluster_spec)
     devices = local.devices
   try:
     result = {'records': [], 'trace': None}
     if not args.no_benchmark:
+      status = (device_memory.StatusMap(devices, local.status_addresses)
+                if local is not None and args.memory else None)
       result['records'] = RunBenchmark(
-          args, devices, local.pids if local is not None else ())
+          args, devices, local.pids if local is not None else (), status)
       print(Table(result['records']))
+      notes = sorted({r['memory_note'] for r in result['records']
+                      if r.get('memory_note')})
+      for note in notes:
+        print(f'Memory: {note}.')
       if local is not None and len(devices) > 1:
         result['transfer'] = MeasureTransfer(devices)
         t = result['transfer']

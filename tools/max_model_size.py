@@ -171,6 +171,12 @@ def RunTrial(spec):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
+    # The workers run this process's functions with the thread pools its
+    # config asks for (the config travels with the connection).
+    tf.config.threading.set_inter_op_parallelism_threads(
+        spec.get('inter_op_threads', 1))
+    tf.config.threading.set_intra_op_parallelism_threads(
+        spec.get('intra_op_threads', 0))
     cluster.Connect(c.cluster_spec)
     devices = c.devices
     status = device_memory.StatusMap(devices, c.status_addresses)

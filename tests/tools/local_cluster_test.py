@@ -73,3 +73,23 @@ def testBenchmarkDataParallelRowsReportBytesBetweenWorkers(tmp_path):
   assert by[(1, 2)]['bytes_between_workers_per_step'] >= 2 * weights
   assert by[(2, 1)]['bytes_between_workers_per_step'] > 0
   assert 'bytes_between_workers_per_step' in res.stdout
+
+
+def testBenchmarkReportsPeakBytesPerWorker(tmp_path):
+  out_json = tmp_path / 'bench.json'
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
+  res = subprocess.run(
+      [sys.executable, str(ROOT / 'tools' / 'benchmark_pipeline.py'),
+       '--mode=multi_process', '--model=mlp', '--configs=0x1x0,2x2x1',
+       '--batch_size=64', '--dim=64', '--num_blocks=4', '--steps=1',
+       '--warmup=1', '--memory=1', f'--json={out_json}'],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr[-3000:]
+  records = json.loads(out_json.read_text())['records']
+  by = {r['num_stages']: r for r in records}
+  plain, piped = by[0]['peak_bytes'], by[2]['peak_bytes']
+  # The plain model lives on worker 0 alone; the pipeline on both workers.
+  assert len(plain) == 1 and len(piped) == 2
+  assert all(v > 0 for v in piped.values())
+  assert min(by[2]['activation_bytes'].values()) > 0
+  assert "each worker process's allocator" in res.stdout
