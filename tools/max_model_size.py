@@ -30,10 +30,10 @@ bisection down to --precision. Every size reported was run.
 
 Families (the paper's settings scaled down to a CPU host):
   transformer  Transformer-L (lingvo_gpipe.models.transformer_lm): token
-               embedding, L Transformer layers, softmax; model dim 128, FFN
-               512, 2 heads, vocabulary 2048, 32 sequences of 64 tokens. The
+               embedding, L Transformer layers, softmax; model dim 64, FFN
+               256, 1 head, vocabulary 1024, 32 sequences of 32 tokens. The
                knob is L. (Paper: 2048, 8192, 32 heads, 32k, 32 x 1024.)
-  amoebanet    AmoebaNet-D(L, D) on 32x32 images (CIFAR stem), batch 32. The
+  amoebanet    AmoebaNet-D(L, D) on 16x16 images (CIFAR stem), batch 32. The
                knob is the filters D; L normal cells is 6 for K <= 2 and
                6 * K / 2 beyond, as the paper grew L (18, 36, 72) beyond
                K = 2.
@@ -58,14 +58,14 @@ MIB = 2**20
 FAMILIES = {
     'transformer': dict(
         knob='num_layers', min_size=1, step=1, start=2,
-        fixed=dict(model_dim=128, hidden_dim=512, num_heads=2,
-                   vocab_size=2048, seq_len=64, batch_size=32)),
+        fixed=dict(model_dim=64, hidden_dim=256, num_heads=1,
+                   vocab_size=1024, seq_len=32, batch_size=32)),
     'amoebanet': dict(
         knob='num_filters', min_size=8, step=8, start=32,
-        fixed=dict(image_size=32, batch_size=32, num_classes=10,
+        fixed=dict(image_size=16, batch_size=32, num_classes=10,
                    base_cells=6)),
 }
-DEFAULT_BUDGET_MB = {'transformer': 256, 'amoebanet': 256}
+DEFAULT_BUDGET_MB = {'transformer': 40, 'amoebanet': 64}
 DEFAULT_CONFIGS = 'naive-1,pipeline-1,pipeline-2,pipeline-4,pipeline-8'
 
 
@@ -342,7 +342,7 @@ class Searcher:
       with contextlib.suppress(ProcessLookupError):
         os.killpg(self._child.pid, signal.SIGKILL)
 
-  def Search(self, family, config, guess):
+  def Search(self, family, config, guess, check_smallest=True):
     """The largest fitting record for `config` (None if the smallest fails)."""
     fam = FAMILIES[family]
     step, lo_size = fam['step'], fam['min_size']
@@ -353,10 +353,26 @@ class Searcher:
       x = max(lo_size, int(round(x / step)) * step)
       return min(x, cap) if cap else x
 
-    smallest = self.Trial(family, config, lo_size)
-    if not smallest['fits']:
-      return None, smallest
-    best, fail = smallest, None
+    best, fail = None, None
+    if check_smallest or guess <= lo_size:
+      smallest = self.Trial(family, config, lo_size)
+      if not smallest['fits']:
+        return None, smallest
+      best = smallest
+    else:
+      # Start at the guess; shrink until a size fits.
+      size = Size(guess)
+      while best is None:
+        r = self.Trial(family, config, size)
+        if r['fits']:
+          best = r
+        else:
+          fail = r
+          if size <= lo_size:
+            return None, r
+          size = Size(min(size - step, size / self.args.growth))
+      guess = ((best['size'] + fail['size']) / 2 if fail is not None
+               else best['size'] * self.args.growth)
     size = Size(max(guess, lo_size))
     factor = self.args.growth
     while True:
@@ -445,7 +461,7 @@ def main(argv=None):
                       f'{DEFAULT_BUDGET_MB}.')
   parser.add_argument('--configs', default=DEFAULT_CONFIGS)
   parser.add_argument('--json', default='', help='Write the records here.')
-  parser.add_argument('--precision', type=float, default=0.05,
+  parser.add_argument('--precision', type=float, default=0.08,
                       help='Stop bisecting when the bracket is this tight.')
   parser.add_argument('--growth', type=float, default=1.5,
                       help='Growth factor of the size before bisection.')
@@ -539,7 +555,8 @@ def _SearchAll(searcher, args, configs):
     print(f'{config["name"]}: K={config["num_stages"]}, '
           f'M={config["num_micro_batches"]}, re-materialization '
           f'{"on" if config["recompute"] else "off"}', flush=True)
-    best, fail = searcher.Search(args.family, config, guess)
+    best, fail = searcher.Search(args.family, config, guess,
+                                 check_smallest=prev is None)
     if best is None:
       print(f'max_model_size: the smallest {args.family} '
             f'({fam["knob"]}={fam["min_size"]}) does not fit '
