@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.pipeline import pipelining_layer_test as plt
@@ -72,3 +73,12 @@ def testJitCompiledBatchNorm(num_stages, policy):
   layers.insert(2, normalizations.BatchNormLayer.Params().Set(name='bn', dim=6))
   _AssertSameStep(layers, x, w, num_stages, policy)
 
+
+@pytest.mark.parametrize('num_stages', [1, 2])
+@pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
+def testJitCompiledDropout(num_stages, policy):
+  x, w = plt._Inputs()
+  layers = plt.DenseLayers(4)
+  layers.insert(1, dropout.DropoutLayer.Params().Set(
+      name='drop', keep_prob=0.5))
+  _AssertSameStep(layers, x, w, num_stages, policy)
