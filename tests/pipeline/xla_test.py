@@ -4,6 +4,7 @@ K=1 and K=2 cells on one device, every recompute policy: the compiled step
 gives the outputs and gradients of the uncompiled one. The pipeline's own
 scheduling ops (AccumulateNV2, DeepCopy) have no XLA kernel; under XLA the
 gradients are summed with AddN and the copies are identities.
+NestedMap states, batch norm and dropout (32 compilations in all) are slow.
 """
 
 import numpy as np
@@ -53,6 +54,7 @@ def testJitCompiledStepMatches(num_stages, policy):
   _AssertSameStep(plt.DenseLayers(4), x, w, num_stages, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledNestedMapState(num_stages, policy):
@@ -65,6 +67,7 @@ def testJitCompiledNestedMapState(num_stages, policy):
   _AssertSameStep(layers, state, w, num_stages, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledBatchNorm(num_stages, policy):
@@ -74,6 +77,7 @@ def testJitCompiledBatchNorm(num_stages, policy):
   _AssertSameStep(layers, x, w, num_stages, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledDropout(num_stages, policy):
