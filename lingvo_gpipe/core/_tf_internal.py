@@ -15,10 +15,14 @@ from tensorflow.python.eager import record as _record
 # Per-op statistics ('flops') that TensorFlow registers for its kernels; the
 # public profiler only reports them for a whole graph, not per op.
 from tensorflow.python.framework import ops as _ops
+# Whether the graph being built is compiled by XLA (tf.function(jit_compile=
+# True) enters an XLA context): the pipeline's scheduling ops (AccumulateNV2,
+# DeepCopy) have no XLA kernel, and XLA orders the computation itself.
+from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 __all__ = ['CouldPossiblyRecord', 'VariableWatcher', 'RecordOperation',
            'OpFlops', 'RunIndependently', 'TPUDeviceAssignment',
-           'TPUDevices']
+           'TPUDevices', 'InXlaContext']
 
 
 def CouldPossiblyRecord():
@@ -73,3 +77,10 @@ def TPUDevices(extended):
   which `experimental_assign_to_logical_device` checks core ids against
   (tensorflow/python/distribute/tpu_strategy.py); None if absent."""
   return getattr(extended, '_tpu_devices', None)
+
+
+def InXlaContext():
+  """Whether ops built now are compiled by XLA (tf.function(jit_compile=True)
+  or an XLA-compiled TPU computation)."""
+  return _control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())

@@ -36,8 +36,10 @@ def StatelessDropout(inputs, keep_prob, seed_pair, noise_shape=None):
     return inputs
   if noise_shape is None:
     noise_shape = tf.shape(inputs)
+  # Philox explicitly: the default algorithm differs under XLA, which would
+  # give a compiled step other masks than an uncompiled one.
   u = tf.random.stateless_uniform(noise_shape, seed=seed_pair,
-                                  dtype=tf.float32)
+                                  dtype=tf.float32, alg='philox')
   keep = tf.cast(u < keep_prob, inputs.dtype)
   return inputs * keep * tf.cast(1.0 / keep_prob, inputs.dtype)
 

@@ -24,7 +24,8 @@ def SumGradients(parts):
     return None
   if len(parts) == 1:
     return parts[0]
-  if tf.executing_eagerly():
+  if tf.executing_eagerly() or _tf_internal.InXlaContext():
+    # XLA has no AccumulateNV2 kernel; it schedules the adds itself.
     return tf.add_n(parts)
   # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
   # AddN, which keeps the gradients of all micro-batches alive at once.
@@ -62,9 +63,12 @@ def After(x, deps):
 
 def FreshCopies(x, deps):
   """Copies of the tensors of `x` that run after `deps` and that graph
-  optimizations cannot merge with other ops (DeepCopy is stateful)."""
+  optimizations cannot merge with other ops (DeepCopy is stateful). Under
+  XLA (no DeepCopy kernel), identities after `deps`."""
   if tf.executing_eagerly():
     return x
+  if _tf_internal.InXlaContext():
+    return After(x, deps)
   dep_tensors = [t for t in tf.nest.flatten(deps) if py_utils.IsTensor(t)]
 
   def Copy(t):

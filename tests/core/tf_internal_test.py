@@ -72,3 +72,16 @@ def testTPUStrategyAttributes():
   assert _tf_internal.TPUDeviceAssignment(FakeExtended()) == 'da'
   assert _tf_internal.TPUDevices(FakeExtended()).shape == (2, 4)
   assert _tf_internal.TPUDeviceAssignment(object()) is None
+
+
+def testInXlaContext():
+  seen = []
+
+  def F(x):
+    seen.append(_tf_internal.InXlaContext())
+    return x + 1
+
+  tf.function(F, jit_compile=True)(tf.constant(1.0))
+  tf.function(F)(tf.constant(1.0))
+  assert seen == [True, False]
+  assert not _tf_internal.InXlaContext()
