@@ -166,7 +166,7 @@ def RunTrial(spec):
   limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
   with cluster.LocalCluster(k, memory_stats=True, memory_limit_mb=limit,
                             intra_op_threads=spec.get('intra_op_threads', 0),
-                            inter_op_threads=spec.get('inter_op_threads', 1)
+                            inter_op_threads=spec.get('inter_op_threads', 2)
                            ) as c:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
@@ -174,7 +174,7 @@ def RunTrial(spec):
     # The workers run this process's functions with the thread pools its
     # config asks for (the config travels with the connection).
     tf.config.threading.set_inter_op_parallelism_threads(
-        spec.get('inter_op_threads', 1))
+        spec.get('inter_op_threads', 2))
     tf.config.threading.set_intra_op_parallelism_threads(
         spec.get('intra_op_threads', 0))
     cluster.Connect(c.cluster_spec)
@@ -469,10 +469,11 @@ def main(argv=None):
                       help='Search no further than this size (0: no cap); '
                       'a result at the cap is a lower bound.')
   parser.add_argument('--trial_timeout_s', type=float, default=900)
-  parser.add_argument('--inter_op_threads', type=int, default=1,
-                      help='Ops a worker runs at once. 1, like an '
-                      'accelerator\'s stream, makes the order of the ops, and '
-                      'so the peak, the same from run to run.')
+  parser.add_argument('--inter_op_threads', type=int, default=2,
+                      help='Ops a worker runs at once. With 1, TensorFlow\'s '
+                      'executor runs ready ops in an order that keeps more '
+                      'alive (pipeline-1: 2.2x the activations of 2 '
+                      'threads); see docs/capacity.md.')
   parser.add_argument('--intra_op_threads', type=int, default=0,
                       help='Threads one op may use (0: TensorFlow\'s '
                       'default).')
