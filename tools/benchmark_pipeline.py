@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from lingvo_gpipe.runners import device_memory  # pylint: disable=g-import-not-at-top

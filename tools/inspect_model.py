@@ -27,7 +27,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 # pylint: disable=g-import-not-at-top
@@ -81,7 +80,7 @@ def _SlotElements(optimizer, var):
   """Number of optimizer-slot elements for variable `var`."""
   if optimizer is None or not var.trainable:
     return 0
-  specs = optimizer._SlotSpecs(var)  # pylint: disable=protected-access
+  specs = optimizer.SlotSpecs(var)
   total = 0
   for spec in specs:
     n = 1

@@ -18,14 +18,11 @@ i to CPU core i, so that each worker computes like one accelerator.
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.core import cluster
 
 
 def main(argv=None):

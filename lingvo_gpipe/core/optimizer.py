@@ -88,8 +88,15 @@ class Base:
 
   # -- Slots -----------------------------------------------------------------
 
+  def SlotSpecs(self, var):
+    """[(slot name, shape, initial value)] of the slots `var` will get.
+
+    Public so that tools can size optimizer state without creating slots.
+    """
+    return self._SlotSpecs(var)
+
   def _SlotSpecs(self, var):
-    """[(slot name, shape, initial value)] for `var`."""
+    """[(slot name, shape, initial value)] for `var` (subclasses override)."""
     shape = var.shape.as_list()
     return [(name, shape, init) for name, init in self._SLOTS.items()]
 

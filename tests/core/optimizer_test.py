@@ -244,3 +244,24 @@ def test_errors():
     opt.CreateSlots([v2])
   with pytest.raises(KeyError, match='CreateSlots'):
     opt.GetSlot(tf.Variable([1.0], name='other'), 'm')
+
+
+@pytest.mark.parametrize('params', [
+    optimizer.SGD.Params(),
+    optimizer.Momentum.Params(),
+    optimizer.RMSProp.Params().Set(centered=True),
+    optimizer.Adam.Params(),
+    optimizer.Adafactor.Params().Set(beta1=0.9),
+])
+def test_slot_specs_predict_created_slots(params):
+  opt = params.Instantiate()
+  var = tf.Variable(tf.zeros([4, 3]), name='spec/w')
+  specs = opt.SlotSpecs(var)
+  assert not opt.slots()  # SlotSpecs creates nothing.
+  opt.CreateSlots([var])
+  for slot, shape, init in specs:
+    got = opt.GetSlot(var, slot).numpy()
+    assert list(got.shape) == shape, slot
+    np.testing.assert_array_equal(got, np.full(shape, init, np.float32))
+  assert {f'spec/w/{s}' for s, _, _ in specs} == {
+      k for k in opt.slots() if k.startswith('spec/w/')}
