@@ -17,6 +17,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +202,23 @@ def WorkerDevices(num_tasks, job='worker', device='CPU'):
           for i in range(num_tasks)]
 
 
+def _DieWithParent():
+  """In a child before exec: SIGKILL it when the parent dies (Linux).
+
+  A local worker outliving the process that started it (killed, or crashed
+  before `Stop`) would hold its memory and ports forever. (The kernel ties
+  this to the starting thread: start a LocalCluster from a thread that lives
+  as long as the cluster, e.g. the main thread.)
+  """
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+  except (OSError, AttributeError):
+    pass
+
+
 class LocalCluster:
   """n TensorFlow server processes on 127.0.0.1.
 
@@ -274,7 +292,8 @@ class LocalCluster:
   def _Launch(self, task):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
     return subprocess.Popen(self.Command(task), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_DieWithParent)
 
   def _WaitReady(self, task):
     address = self.addresses[task]

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import tensorflow as tf
@@ -114,3 +115,28 @@ def testPreferredDevicesTakesTpusThenGpusThenCpus():
   assert cluster.PreferredDevices([]) == []
   # This process: the 4 virtual CPUs of tests/conftest.py.
   assert len(cluster.PreferredDevices()) == 4
+
+
+def testLocalWorkersDieWithTheProcessThatStartedThem():
+  code = ('import os\n'
+          'from lingvo_gpipe.core import cluster\n'
+          'c = cluster.LocalCluster(1).Start()\n'
+          'print(c.pids[0], flush=True)\n'
+          'os._exit(0)  # no Stop(): as if killed\n')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  pid = int(out.stdout.split()[-1])
+  deadline = time.time() + 20
+  while time.time() < deadline:
+    try:
+      with open(f'/proc/{pid}/stat') as f:
+        state = f.read().split(')')[-1].split()[0]
+      if state == 'Z':
+        break
+    except FileNotFoundError:
+      break
+    time.sleep(0.2)
+  else:
+    os.kill(pid, 9)
+    raise AssertionError(f'worker {pid} outlived the process that started it')
