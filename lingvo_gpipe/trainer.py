@@ -409,6 +409,12 @@ def _RunTrainer(p, logdir, stop):
   except tf.errors.OpError as e:
     _RaiseIfWorkerLost(e, train_dir)
     raise
+  except checkpointer.CheckpointError as e:
+    # A save that failed because a worker died names the worker, not the
+    # disk.
+    if isinstance(e.__cause__, tf.errors.OpError):
+      _RaiseIfWorkerLost(e.__cause__, train_dir)
+    raise
   finally:
     if watchdog is not None:
       watchdog.Stop()
