@@ -1,4 +1,4 @@
-"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2, in Lingvo's style."""
+"""lingvo_gpipe: GPipe pipeline parallelism for TensorFlow 2, Lingvo style."""
 
 import setuptools
 
@@ -7,33 +7,36 @@ import setuptools
 TF_VERSION = '2.21.0'
 
 setuptools.setup(
-    name='lingvo_gpipe',
-    version='0.1.0',
-    description=('GPipe pipeline parallelism for TensorFlow 2 with Lingvo-style '
-                 'Params, layers, model registry and trainer.'),
-    long_description=open('README.md', encoding='utf-8').read(),
-    long_description_content_type='text/markdown',
-    python_requires='>=3.11',
-    packages=setuptools.find_packages(include=['lingvo_gpipe', 'lingvo_gpipe.*',
-                                               'params', 'params.*']),
-    install_requires=[
-        'numpy>=1.26',
-        'absl-py>=2.1',
-        'scikit-learn>=1.4',   # ships the handwritten digits used offline
-        'matplotlib>=3.8',     # pipeline timeline charts
-        'sentencepiece>=0.2',  # shared multilingual subword vocabulary
-        'sacrebleu>=2.4',      # BLEU
-        'num2words>=0.5.13',   # the offline multilingual demo corpus
+  name='lingvo_gpipe',
+  version='0.1.0',
+  description=(
+    'GPipe pipeline parallelism for TensorFlow 2 with Lingvo-style '
+    'Params, layers, model registry and trainer.'
+  ),
+  long_description=open('README.md', encoding='utf-8').read(),
+  long_description_content_type='text/markdown',
+  python_requires='>=3.11',
+  packages=setuptools.find_packages(
+    include=['lingvo_gpipe', 'lingvo_gpipe.*', 'params', 'params.*']
+  ),
+  install_requires=[
+    'numpy>=1.26',
+    'absl-py>=2.1',
+    'scikit-learn>=1.4',  # ships the handwritten digits used offline
+    'matplotlib>=3.8',  # pipeline timeline charts
+    'sentencepiece>=0.2',  # shared multilingual subword vocabulary
+    'sacrebleu>=2.4',  # BLEU
+    'num2words>=0.5.13',  # the offline multilingual demo corpus
+  ],
+  extras_require={
+    'cpu': [f'tensorflow-cpu=={TF_VERSION}'],
+    'gpu': [f'tensorflow[and-cuda]=={TF_VERSION}'],
+    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'],
+  },
+  entry_points={
+    'console_scripts': [
+      'gpipe_trainer=lingvo_gpipe.trainer:main',
+      'gpipe_tf_server=lingvo_gpipe.runners.tf_server:main',
     ],
-    extras_require={
-        'cpu': [f'tensorflow-cpu=={TF_VERSION}'],
-        'gpu': [f'tensorflow[and-cuda]=={TF_VERSION}'],
-        'test': ['pytest>=8', 'sympy>=1.12'],
-    },
-    entry_points={
-        'console_scripts': [
-            'gpipe_trainer=lingvo_gpipe.trainer:main',
-            'gpipe_tf_server=lingvo_gpipe.runners.tf_server:main',
-        ],
-    },
+  },
 )

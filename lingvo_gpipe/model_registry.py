@@ -34,9 +34,16 @@ from absl import logging
 
 from lingvo_gpipe.core import base_model_params
 
-__all__ = ['RegisterSingleTaskModel', 'GetClass', 'GetParams',
-           'GetAllRegisteredClasses', 'GetRegisteredKeys', 'ImportAllParams',
-           'ModelKey', 'PARAMS_PACKAGE']
+__all__ = [
+  'RegisterSingleTaskModel',
+  'GetClass',
+  'GetParams',
+  'GetAllRegisteredClasses',
+  'GetRegisteredKeys',
+  'ImportAllParams',
+  'ModelKey',
+  'PARAMS_PACKAGE',
+]
 
 PARAMS_PACKAGE = 'params'
 
@@ -49,7 +56,7 @@ def ModelKey(cls):
   module = cls.__module__
   prefix = PARAMS_PACKAGE + '.'
   if module.startswith(prefix):
-    module = module[len(prefix):]
+    module = module[len(prefix) :]
   return f'{module}.{cls.__name__}'
 
 
@@ -59,20 +66,24 @@ def RegisterSingleTaskModel(cls):
   Returns the class unchanged. Raises TypeError for other classes and
   ValueError if another class already has the same key.
   """
-  if not (isinstance(cls, type) and
-          issubclass(cls, base_model_params.SingleTaskModelParams)):
+  if not (
+    isinstance(cls, type)
+    and issubclass(cls, base_model_params.SingleTaskModelParams)
+  ):
     raise TypeError(
-        f'RegisterSingleTaskModel: {cls!r} is not a subclass of '
-        'base_model_params.SingleTaskModelParams; derive the experiment '
-        'from it.')
+      f'RegisterSingleTaskModel: {cls!r} is not a subclass of '
+      'base_model_params.SingleTaskModelParams; derive the experiment '
+      'from it.'
+    )
   key = ModelKey(cls)
   with _lock:
     old = _registry.get(key)
     if old is not None and old is not cls:
       raise ValueError(
-          f'Duplicate model key {key!r}: {old.__module__}.{old.__qualname__} '
-          f'is already registered under it; rename {cls.__qualname__} or '
-          'move it to another module.')
+        f'Duplicate model key {key!r}: {old.__module__}.{old.__qualname__} '
+        f'is already registered under it; rename {cls.__qualname__} or '
+        'move it to another module.'
+      )
     _registry[key] = cls
   logging.debug('Registered model %s', key)
   return cls
@@ -116,8 +127,8 @@ def ImportAllParams(ignore_errors=False):
     package = importlib.import_module(PARAMS_PACKAGE)
   except ModuleNotFoundError as e:
     raise ImportError(
-        f'Cannot import the {PARAMS_PACKAGE!r} package of experiment configs '
-        f'({e}); run from the repository root or put it on PYTHONPATH.'
+      f'Cannot import the {PARAMS_PACKAGE!r} package of experiment configs '
+      f'({e}); run from the repository root or put it on PYTHONPATH.'
     ) from e
   names = []
   for info in pkgutil.walk_packages(package.__path__, PARAMS_PACKAGE + '.'):
@@ -128,8 +139,10 @@ def ImportAllParams(ignore_errors=False):
       names.append(info.name)
     except Exception as e:  # pylint: disable=broad-except
       if not ignore_errors:
-        raise ImportError(f'Importing experiment module {info.name!r} failed: '
-                          f'{type(e).__name__}: {e}') from e
+        raise ImportError(
+          f'Importing experiment module {info.name!r} failed: '
+          f'{type(e).__name__}: {e}'
+        ) from e
       logging.warning('Skipping %s: %s', info.name, e)
   return names
 
@@ -152,8 +165,10 @@ def GetClass(key):
     KeyError: listing the closest registered keys.
   """
   if not isinstance(key, str) or not key:
-    raise KeyError(f'Model key {key!r} must be a non-empty string such as '
-                   '"image.digits.MlpDigitsTiny".')
+    raise KeyError(
+      f'Model key {key!r} must be a non-empty string such as '
+      '"image.digits.MlpDigitsTiny".'
+    )
   with _lock:
     cls = _registry.get(key)
   if cls is not None:
@@ -176,9 +191,10 @@ def GetClass(key):
   close = difflib.get_close_matches(key, known, n=5, cutoff=0.5)
   hint = f' Closest registered keys: {close}.' if close else ''
   raise KeyError(
-      f'No model registered under {key!r}.{hint}{note} List all with '
-      '`python -c "from lingvo_gpipe import model_registry as m; '
-      'm.ImportAllParams(); print(*m.GetRegisteredKeys(), sep=chr(10))"`.')
+    f'No model registered under {key!r}.{hint}{note} List all with '
+    '`python -c "from lingvo_gpipe import model_registry as m; '
+    'm.ImportAllParams(); print(*m.GetRegisteredKeys(), sep=chr(10))"`.'
+  )
 
 
 def GetParams(key, dataset):

@@ -55,99 +55,176 @@ from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
 from lingvo_gpipe.runners import train_loop
 
-__all__ = ['main', 'BuildParams', 'ApplyWorkerSplit', 'ConfigureDevices',
-           'PipelineLayers', 'ParseJobs', 'PlacementText', 'InspectModel',
-           'UserError']
+__all__ = [
+  'main',
+  'BuildParams',
+  'ApplyWorkerSplit',
+  'ConfigureDevices',
+  'PipelineLayers',
+  'ParseJobs',
+  'PlacementText',
+  'InspectModel',
+  'UserError',
+]
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string('model', None, 'Registered model key, e.g. '
-                    'image.digits.MlpDigitsTiny.')
-flags.DEFINE_string('logdir', None, 'Directory of params.txt, checkpoints, '
-                    'summaries and eval results.')
-flags.DEFINE_enum('mode', 'sync',
-                  ['sync', 'async', 'inspect_params', 'inspect_model',
-                   'export'],
-                  'sync/async: run the --job list (one process either way); '
-                  'inspect_params: print the Params; inspect_model: print '
-                  'variables, parameter count and pipeline placement; export: '
-                  'SavedModel of the latest checkpoint to --export_dir.')
-flags.DEFINE_enum('run_locally', None, ['cpu', 'gpu'],
-                  'cpu: hide GPUs; gpu: require one.')
-flags.DEFINE_string('job', 'trainer',
-                    'Comma list of trainer | trainer_client | '
-                    'evaler_<dataset> | decoder_<dataset>, e.g. '
-                    '"trainer,evaler_dev".')
-flags.DEFINE_multi_string('model_params_override', [],
-                          'Lingvo text-format lines "a.b.c : value" applied '
-                          'to the model Params (repeat the flag, or separate '
-                          'lines with newlines or ";").')
-flags.DEFINE_string('model_params_file_override', None,
-                    'A file of "a.b.c : value" lines applied to the model '
-                    'Params (before --model_params_override).')
-flags.DEFINE_integer('worker_split_size', None,
-                     'Devices per model split: sets num_stages (and the '
-                     'first N devices) of every PipeliningLayer.',
-                     lower_bound=1)
-flags.DEFINE_integer('worker_replicas', 1,
-                     'Data-parallel replicas R of every PipeliningLayer: the '
-                     'pipelines use R * worker_split_size devices; each '
-                     'replica runs 1/R of the batch and the gradients are '
-                     'summed.', lower_bound=1)
-flags.DEFINE_integer('num_cpu_devices', None,
-                     'Split the host CPU into N virtual devices (before any '
-                     'TensorFlow op).', lower_bound=1)
-flags.DEFINE_integer('num_gpu_devices', None,
-                     'Split the first GPU into N logical GPUs (tests of '
-                     'multi-GPU pipelines on one GPU); needs '
-                     '--gpu_memory_limit_mb.', lower_bound=1)
-flags.DEFINE_integer('gpu_memory_limit_mb', None,
-                     'Memory of each logical GPU (--num_gpu_devices).',
-                     lower_bound=1)
-flags.DEFINE_string('cluster_spec', None,
-                    'Remote TensorFlow workers that run the model: '
-                    '"worker=host:port,host:port" (Lingvo\'s form) or JSON '
-                    '{"worker": [...]}. Default: TF_CONFIG if set, else this '
-                    'host\'s devices.')
-flags.DEFINE_string('worker_job', 'worker',
-                    'The job of --cluster_spec whose devices run the model.')
-flags.DEFINE_float('connect_timeout_s', 30.0,
-                   'Bound on reaching each remote worker at start.')
-flags.DEFINE_float('step_timeout_s', None,
-                   'Exit with status 1, naming the unreachable workers, if '
-                   'one training step (with its checkpoint) takes longer '
-                   '(the first step: 4 times longer). Default: 900 with '
-                   '--cluster_spec/TF_CONFIG, off on one host; 0: off.')
-flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.',
-                     lower_bound=0)
+flags.DEFINE_string(
+  'model', None, 'Registered model key, e.g. image.digits.MlpDigitsTiny.'
+)
+flags.DEFINE_string(
+  'logdir',
+  None,
+  'Directory of params.txt, checkpoints, summaries and eval results.',
+)
+flags.DEFINE_enum(
+  'mode',
+  'sync',
+  ['sync', 'async', 'inspect_params', 'inspect_model', 'export'],
+  'sync/async: run the --job list (one process either way); '
+  'inspect_params: print the Params; inspect_model: print '
+  'variables, parameter count and pipeline placement; export: '
+  'SavedModel of the latest checkpoint to --export_dir.',
+)
+flags.DEFINE_enum(
+  'run_locally', None, ['cpu', 'gpu'], 'cpu: hide GPUs; gpu: require one.'
+)
+flags.DEFINE_string(
+  'job',
+  'trainer',
+  'Comma list of trainer | trainer_client | '
+  'evaler_<dataset> | decoder_<dataset>, e.g. '
+  '"trainer,evaler_dev".',
+)
+flags.DEFINE_multi_string(
+  'model_params_override',
+  [],
+  'Lingvo text-format lines "a.b.c : value" applied '
+  'to the model Params (repeat the flag, or separate '
+  'lines with newlines or ";").',
+)
+flags.DEFINE_string(
+  'model_params_file_override',
+  None,
+  'A file of "a.b.c : value" lines applied to the model '
+  'Params (before --model_params_override).',
+)
+flags.DEFINE_integer(
+  'worker_split_size',
+  None,
+  'Devices per model split: sets num_stages (and the '
+  'first N devices) of every PipeliningLayer.',
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  'worker_replicas',
+  1,
+  'Data-parallel replicas R of every PipeliningLayer: the '
+  'pipelines use R * worker_split_size devices; each '
+  'replica runs 1/R of the batch and the gradients are '
+  'summed.',
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  'num_cpu_devices',
+  None,
+  'Split the host CPU into N virtual devices (before any TensorFlow op).',
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  'num_gpu_devices',
+  None,
+  'Split the first GPU into N logical GPUs (tests of '
+  'multi-GPU pipelines on one GPU); needs '
+  '--gpu_memory_limit_mb.',
+  lower_bound=1,
+)
+flags.DEFINE_integer(
+  'gpu_memory_limit_mb',
+  None,
+  'Memory of each logical GPU (--num_gpu_devices).',
+  lower_bound=1,
+)
+flags.DEFINE_string(
+  'cluster_spec',
+  None,
+  'Remote TensorFlow workers that run the model: '
+  '"worker=host:port,host:port" (Lingvo\'s form) or JSON '
+  '{"worker": [...]}. Default: TF_CONFIG if set, else this '
+  "host's devices.",
+)
+flags.DEFINE_string(
+  'worker_job',
+  'worker',
+  'The job of --cluster_spec whose devices run the model.',
+)
+flags.DEFINE_float(
+  'connect_timeout_s', 30.0, 'Bound on reaching each remote worker at start.'
+)
+flags.DEFINE_float(
+  'step_timeout_s',
+  None,
+  'Exit with status 1, naming the unreachable workers, if '
+  'one training step (with its checkpoint) takes longer '
+  '(the first step: 4 times longer). Default: 900 with '
+  '--cluster_spec/TF_CONFIG, off on one host; 0: off.',
+)
+flags.DEFINE_integer(
+  'max_steps', None, 'Overrides task.train.max_steps.', lower_bound=0
+)
 flags.DEFINE_integer('seed', None, 'Model random_seed (overrides Params).')
-flags.DEFINE_float('eval_interval_seconds', 10.0,
-                   'Evaler: seconds between polls for a new checkpoint.')
-flags.DEFINE_float('eval_timeout', 0.0,
-                   'Evaler: exit after this many seconds without a new '
-                   'checkpoint; 0: wait for the final step.')
-flags.DEFINE_integer('eval_max_batches', None,
-                     'Evaler: at most this many batches per evaluation.')
-flags.DEFINE_string('restore_from', None,
-                    'Fine-tuning: on a fresh start (no checkpoint in the '
-                    'logdir), initialize from this checkpoint (prefix or '
-                    'directory).')
+flags.DEFINE_float(
+  'eval_interval_seconds',
+  10.0,
+  'Evaler: seconds between polls for a new checkpoint.',
+)
+flags.DEFINE_float(
+  'eval_timeout',
+  0.0,
+  'Evaler: exit after this many seconds without a new '
+  'checkpoint; 0: wait for the final step.',
+)
+flags.DEFINE_integer(
+  'eval_max_batches', None, 'Evaler: at most this many batches per evaluation.'
+)
+flags.DEFINE_string(
+  'restore_from',
+  None,
+  'Fine-tuning: on a fresh start (no checkpoint in the '
+  'logdir), initialize from this checkpoint (prefix or '
+  'directory).',
+)
 flags.DEFINE_alias('checkpoint_to_restore', 'restore_from')
-flags.DEFINE_multi_string('restore_map', [],
-                          'With --restore_from: REGEX=>NAME; a model variable '
-                          'matching REGEX is read from checkpoint variable '
-                          'NAME (\\1 or %s for groups). Default: same names.')
-flags.DEFINE_integer('saver_max_to_keep', None,
-                     'Checkpoints kept; overrides task.train.save_max_to_keep.')
-flags.DEFINE_float('save_interval_seconds', None,
-                   'Also save a checkpoint after this many seconds (default: '
-                   'task.train.save_interval_seconds unless '
-                   'save_interval_steps is set).')
-flags.DEFINE_integer('log_interval_steps', 10,
-                     'A progress line every this many steps.', lower_bound=1)
-flags.DEFINE_string('export_dir', None,
-                    '--mode=export: output directory (default '
-                    '<logdir>/inference).')
+flags.DEFINE_multi_string(
+  'restore_map',
+  [],
+  'With --restore_from: REGEX=>NAME; a model variable '
+  'matching REGEX is read from checkpoint variable '
+  'NAME (\\1 or %s for groups). Default: same names.',
+)
+flags.DEFINE_integer(
+  'saver_max_to_keep',
+  None,
+  'Checkpoints kept; overrides task.train.save_max_to_keep.',
+)
+flags.DEFINE_float(
+  'save_interval_seconds',
+  None,
+  'Also save a checkpoint after this many seconds (default: '
+  'task.train.save_interval_seconds unless '
+  'save_interval_steps is set).',
+)
+flags.DEFINE_integer(
+  'log_interval_steps',
+  10,
+  'A progress line every this many steps.',
+  lower_bound=1,
+)
+flags.DEFINE_string(
+  'export_dir',
+  None,
+  '--mode=export: output directory (default <logdir>/inference).',
+)
 
 
 class UserError(Exception):
@@ -162,8 +239,11 @@ def ConfigureDevices(num_cpu_devices=None, run_locally=None, **kwargs):
   splits the CPU / a GPU, hides GPUs, connects to remote workers. Must run
   before any TensorFlow op. Returns the cluster.Cluster."""
   try:
-    c = cluster.Cluster(cluster.Cluster.Params().Set(
-        num_cpu_devices=num_cpu_devices, run_locally=run_locally, **kwargs))
+    c = cluster.Cluster(
+      cluster.Cluster.Params().Set(
+        num_cpu_devices=num_cpu_devices, run_locally=run_locally, **kwargs
+      )
+    )
     return c.Configure()
   except (RuntimeError, ValueError, TimeoutError) as e:
     raise UserError(str(e)) from e
@@ -171,13 +251,16 @@ def ConfigureDevices(num_cpu_devices=None, run_locally=None, **kwargs):
 
 def _FlagCluster():
   return ConfigureDevices(
-      FLAGS.num_cpu_devices, FLAGS.run_locally,
-      num_gpu_devices=FLAGS.num_gpu_devices,
-      gpu_memory_limit_mb=FLAGS.gpu_memory_limit_mb,
-      cluster_spec=FLAGS.cluster_spec, worker_job=FLAGS.worker_job,
-      worker_split_size=FLAGS.worker_split_size,
-      worker_replicas=FLAGS.worker_replicas,
-      connect_timeout_s=FLAGS.connect_timeout_s)
+    FLAGS.num_cpu_devices,
+    FLAGS.run_locally,
+    num_gpu_devices=FLAGS.num_gpu_devices,
+    gpu_memory_limit_mb=FLAGS.gpu_memory_limit_mb,
+    cluster_spec=FLAGS.cluster_spec,
+    worker_job=FLAGS.worker_job,
+    worker_split_size=FLAGS.worker_split_size,
+    worker_replicas=FLAGS.worker_replicas,
+    connect_timeout_s=FLAGS.connect_timeout_s,
+  )
 
 
 # The cluster of this process, set by main() before anything is built.
@@ -206,9 +289,11 @@ def PipelineLayers(p):
   found = []
 
   def Enter(key, value):
-    if (isinstance(value, hyperparams.InstantiableParams) and
-        isinstance(value.cls, type) and
-        issubclass(value.cls, pipelining_layer.PipeliningLayer)):
+    if (
+      isinstance(value, hyperparams.InstantiableParams)
+      and isinstance(value.cls, type)
+      and issubclass(value.cls, pipelining_layer.PipeliningLayer)
+    ):
       found.append((key, value))
     return True
 
@@ -232,33 +317,45 @@ def ApplyWorkerSplit(p, num_stages, devices=None, num_replicas=1):
   devices = list(devices) if devices else placement.DefaultDevices()
   keys = []
   for key, lp in PipelineLayers(p):
-    k = (num_stages or len(lp.cell_tpl) or lp.num_stages or
-         (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1))
+    k = (
+      num_stages
+      or len(lp.cell_tpl)
+      or lp.num_stages
+      or (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1)
+    )
     if k * num_replicas > len(devices):
-      what = (f'--worker_replicas={num_replicas} x --worker_split_size={k} '
-              f'need {k * num_replicas} devices' if num_replicas > 1 else
-              f'--worker_split_size={k} needs {k} devices')
+      what = (
+        f'--worker_replicas={num_replicas} x --worker_split_size={k} '
+        f'need {k * num_replicas} devices'
+        if num_replicas > 1
+        else f'--worker_split_size={k} needs {k} devices'
+      )
       raise UserError(
-          f'{what} but only {len(devices)} exist ({devices}). Use '
-          f'--num_cpu_devices={k * num_replicas} on CPU, more workers in '
-          '--cluster_spec, or fewer stages/replicas.')
+        f'{what} but only {len(devices)} exist ({devices}). Use '
+        f'--num_cpu_devices={k * num_replicas} on CPU, more workers in '
+        '--cluster_spec, or fewer stages/replicas.'
+      )
     if lp.cell_tpl:
       if len(lp.cell_tpl) != k:
         raise UserError(
-            f'--worker_split_size={k}: the pipeline at {key or "."} '
-            f'has {len(lp.cell_tpl)} fixed cells (cell_tpl); give it a flat '
-            '`layers` list to let the library re-split it.')
+          f'--worker_split_size={k}: the pipeline at {key or "."} '
+          f'has {len(lp.cell_tpl)} fixed cells (cell_tpl); give it a flat '
+          '`layers` list to let the library re-split it.'
+        )
     else:
       lp.num_stages = k
       if isinstance(lp.splits, int) or (
-          lp.splits is not None and len(lp.splits) != k):
+        lp.splits is not None and len(lp.splits) != k
+      ):
         lp.splits = None
     lp.num_replicas = num_replicas
-    lp.devices = devices[:k * num_replicas]
+    lp.devices = devices[: k * num_replicas]
     keys.append(key)
   if not keys:
-    logging.warning('--worker_split_size / --worker_replicas: the model has '
-                    'no PipeliningLayer; nothing to split.')
+    logging.warning(
+      '--worker_split_size / --worker_replicas: the model has '
+      'no PipeliningLayer; nothing to split.'
+    )
   return keys
 
 
@@ -269,21 +366,32 @@ def _GetParams(model, dataset):
     raise UserError(str(e.args[0]) if e.args else str(e)) from e
 
 
-def BuildParams(model, dataset='Train', file_override=None, overrides=(),
-                worker_split_size=None, max_steps=None, seed=None,
-                max_to_keep=None, worker_replicas=1, devices=None):
+def BuildParams(
+  model,
+  dataset='Train',
+  file_override=None,
+  overrides=(),
+  worker_split_size=None,
+  max_steps=None,
+  seed=None,
+  max_to_keep=None,
+  worker_replicas=1,
+  devices=None,
+):
   """The model Params for `dataset` with every override applied."""
   if not model:
-    raise UserError('--model is required, e.g. '
-                    '--model=image.digits.MlpDigitsTiny.')
+    raise UserError(
+      '--model is required, e.g. --model=image.digits.MlpDigitsTiny.'
+    )
   p = _GetParams(model, dataset)
   if file_override:
     try:
       with open(file_override) as f:
         text = f.read()
     except OSError as e:
-      raise UserError(f'--model_params_file_override={file_override!r}: '
-                      f'{e.strerror}.') from e
+      raise UserError(
+        f'--model_params_file_override={file_override!r}: {e.strerror}.'
+      ) from e
     _ApplyText(p, text, f'--model_params_file_override={file_override}')
   text = _OverrideText(overrides)
   if text.strip():
@@ -306,17 +414,28 @@ def _FlagParams(dataset='Train'):
   if _CLUSTER is not None and _CLUSTER.is_remote:
     devices = _CLUSTER.Devices()
   return BuildParams(
-      FLAGS.model, dataset, FLAGS.model_params_file_override,
-      FLAGS.model_params_override, FLAGS.worker_split_size, FLAGS.max_steps,
-      FLAGS.seed, FLAGS.saver_max_to_keep, FLAGS.worker_replicas, devices)
+    FLAGS.model,
+    dataset,
+    FLAGS.model_params_file_override,
+    FLAGS.model_params_override,
+    FLAGS.worker_split_size,
+    FLAGS.max_steps,
+    FLAGS.seed,
+    FLAGS.saver_max_to_keep,
+    FLAGS.worker_replicas,
+    devices,
+  )
 
 
 # -- Inspection ----------------------------------------------------------------
 
 
 def _Pipelines(model):
-  return [m for m in model.submodules
-          if isinstance(m, pipelining_layer.PipeliningLayer)]
+  return [
+    m
+    for m in model.submodules
+    if isinstance(m, pipelining_layer.PipeliningLayer)
+  ]
 
 
 def PlacementText(model):
@@ -338,10 +457,14 @@ def InspectModel(model):
     n = int(v.shape.num_elements())
     total += n
     trainable += n if v.trainable else 0
-    lines.append(f'  {name:<{width}}  {str(v.shape.as_list()):<14} '
-                 f'{v.dtype.base_dtype.name:<8} {v.device}')
-  lines.append(f'{len(variables)} variables, {total:,} parameters '
-               f'({trainable:,} trainable).')
+    lines.append(
+      f'  {name:<{width}}  {str(v.shape.as_list()):<14} '
+      f'{v.dtype.base_dtype.name:<8} {v.device}'
+    )
+  lines.append(
+    f'{len(variables)} variables, {total:,} parameters '
+    f'({trainable:,} trainable).'
+  )
   lines.append(PlacementText(model))
   return '\n'.join(lines)
 
@@ -380,18 +503,26 @@ def _RunTrainer(p, logdir, stop):
   tp = p.task.train
   iterator = iter(task.input_generator.GetDataset())
   ckpt = checkpointer.Checkpointer(
-      train_dir, model.VariablesByName(), iterator=iterator,
-      max_to_keep=tp.save_max_to_keep,
-      save_interval_steps=tp.save_interval_steps,
-      save_interval_seconds=_SaveIntervalSeconds(tp))
+    train_dir,
+    model.VariablesByName(),
+    iterator=iterator,
+    max_to_keep=tp.save_max_to_keep,
+    save_interval_steps=tp.save_interval_steps,
+    save_interval_seconds=_SaveIntervalSeconds(tp),
+  )
   if ckpt.Restore() is None and FLAGS.restore_from:
     report = checkpointer.FineTuneRestore(
-        model.VariablesByName(), FLAGS.restore_from, rules,
-        skip=(model.global_step.name.split(':')[0],))
+      model.VariablesByName(),
+      FLAGS.restore_from,
+      rules,
+      skip=(model.global_step.name.split(':')[0],),
+    )
     logging.info('Fine-tuning restore:\n%s', report)
     if not report.restored:
-      raise UserError(f'--restore_from={FLAGS.restore_from} restored no '
-                      f'variable:\n{report}\nFix --restore_map.')
+      raise UserError(
+        f'--restore_from={FLAGS.restore_from} restored no '
+        f'variable:\n{report}\nFix --restore_map.'
+      )
   # Written once the logdir is known to be this model's (not clobbering the
   # params.txt of another model whose checkpoint was refused).
   with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
@@ -400,10 +531,17 @@ def _RunTrainer(p, logdir, stop):
     f.write(text + '\n')
   watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
-      task, model.global_step, iterator, ckpt, tp.max_steps,
-      summary_dir=train_dir, log_interval_steps=FLAGS.log_interval_steps,
-      summary_interval_steps=tp.summary_interval_steps, stop=stop,
-      watchdog=watchdog)
+    task,
+    model.global_step,
+    iterator,
+    ckpt,
+    tp.max_steps,
+    summary_dir=train_dir,
+    log_interval_steps=FLAGS.log_interval_steps,
+    summary_interval_steps=tp.summary_interval_steps,
+    stop=stop,
+    watchdog=watchdog,
+  )
   try:
     return loop.Run()
   except tf.errors.OpError as e:
@@ -435,19 +573,25 @@ def _Watchdog(train_dir):
   def OnTimeout(step, elapsed):
     lost = _CLUSTER.UnreachableWorkers() if _CLUSTER is not None else []
     if lost:
-      who = (f'worker {", ".join(lost)} no longer accepts connections (the '
-             'process died or its host is down)')
+      who = (
+        f'worker {", ".join(lost)} no longer accepts connections (the '
+        'process died or its host is down)'
+      )
     elif _CLUSTER is not None and _CLUSTER.is_remote:
-      who = ('every worker still accepts connections, so one is stuck (e.g. '
-             'stopped, swapping, or deadlocked) or the step is slower than '
-             'the bound; raise --step_timeout_s if it is just slow')
+      who = (
+        'every worker still accepts connections, so one is stuck (e.g. '
+        'stopped, swapping, or deadlocked) or the step is slower than '
+        'the bound; raise --step_timeout_s if it is just slow'
+      )
     else:
       who = 'raise --step_timeout_s if the step is just slow'
     last = checkpointer.LatestCheckpoint(train_dir)
-    message = (f'Step {step} did not finish within {elapsed:.0f} s '
-               f'(--step_timeout_s={timeout:g}): {who}. The last checkpoint '
-               f'is {last or "none"}; fix the workers and rerun the trainer '
-               'to resume from it.')
+    message = (
+      f'Step {step} did not finish within {elapsed:.0f} s '
+      f'(--step_timeout_s={timeout:g}): {who}. The last checkpoint '
+      f'is {last or "none"}; fix the workers and rerun the trainer '
+      'to resume from it.'
+    )
     logging.error('%s', message)
     logging.flush()
     sys.stderr.write(f'ERROR: {message}\n')
@@ -458,16 +602,23 @@ def _Watchdog(train_dir):
 
 
 # What TensorFlow raises when a remote worker goes away during a step.
-_LOST_WORKER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                       tf.errors.CancelledError, tf.errors.InternalError,
-                       tf.errors.UnknownError)
+_LOST_WORKER_ERRORS = (
+  tf.errors.UnavailableError,
+  tf.errors.AbortedError,
+  tf.errors.CancelledError,
+  tf.errors.InternalError,
+  tf.errors.UnknownError,
+)
 
 
 def _RaiseIfWorkerLost(error, train_dir):
   """Turns the error of a step that lost a remote worker into a UserError
   naming the worker (the trainer then exits with status 1)."""
-  if (_CLUSTER is None or not _CLUSTER.is_remote or
-      not isinstance(error, _LOST_WORKER_ERRORS)):
+  if (
+    _CLUSTER is None
+    or not _CLUSTER.is_remote
+    or not isinstance(error, _LOST_WORKER_ERRORS)
+  ):
     return
   lost = _CLUSTER.UnreachableWorkers()
   if not lost:
@@ -475,11 +626,12 @@ def _RaiseIfWorkerLost(error, train_dir):
   last = checkpointer.LatestCheckpoint(train_dir)
   first_line = str(error).strip().splitlines()[0] if str(error) else ''
   raise UserError(
-      f'Lost worker {", ".join(lost)} during training: it no longer accepts '
-      f'connections (the process died or its host is down). The last '
-      f'checkpoint is {last or "none"}; restart the worker and rerun the '
-      f'trainer to resume from it. (TensorFlow: {type(error).__name__}: '
-      f'{first_line})') from error
+    f'Lost worker {", ".join(lost)} during training: it no longer accepts '
+    f'connections (the process died or its host is down). The last '
+    f'checkpoint is {last or "none"}; restart the worker and rerun the '
+    f'trainer to resume from it. (TensorFlow: {type(error).__name__}: '
+    f'{first_line})'
+  ) from error
 
 
 def _RunEvaler(kind, dataset, logdir, stop, errors):
@@ -487,12 +639,20 @@ def _RunEvaler(kind, dataset, logdir, stop, errors):
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
     with _BUILD_LOCK:
-      ev = cls(_FlagParams(dataset), logdir, dataset=dataset,
-               interval_seconds=FLAGS.eval_interval_seconds,
-               timeout_seconds=FLAGS.eval_timeout,
-               max_batches=FLAGS.eval_max_batches)
-    logging.info('%s_%s pipeline placement:\n%s', kind, dataset.lower(),
-                 PlacementText(ev.model))
+      ev = cls(
+        _FlagParams(dataset),
+        logdir,
+        dataset=dataset,
+        interval_seconds=FLAGS.eval_interval_seconds,
+        timeout_seconds=FLAGS.eval_timeout,
+        max_batches=FLAGS.eval_max_batches,
+      )
+    logging.info(
+      '%s_%s pipeline placement:\n%s',
+      kind,
+      dataset.lower(),
+      PlacementText(ev.model),
+    )
     ev.Run(stop=stop)
   except Exception as e:  # pylint: disable=broad-except
     logging.exception('%s_%s failed.', kind, dataset.lower())
@@ -510,9 +670,11 @@ def ParseJobs(text):
       kind, dataset = job.split('_')
       out.append((kind, dataset.capitalize()))
     else:
-      raise UserError(f'--job: unknown job {job!r}; use trainer, '
-                      'trainer_client, evaler_<dataset> (e.g. evaler_dev) or '
-                      'decoder_<dataset>, comma-separated.')
+      raise UserError(
+        f'--job: unknown job {job!r}; use trainer, '
+        'trainer_client, evaler_<dataset> (e.g. evaler_dev) or '
+        'decoder_<dataset>, comma-separated.'
+      )
   if not out:
     raise UserError('--job is empty; use e.g. --job=trainer.')
   return out
@@ -534,8 +696,11 @@ def _Sync():
   for kind, dataset in jobs:
     if kind != 'trainer':
       t = threading.Thread(
-          target=_RunEvaler, name=f'{kind}_{dataset.lower()}',
-          args=(kind, dataset, FLAGS.logdir, eval_stop, errors), daemon=True)
+        target=_RunEvaler,
+        name=f'{kind}_{dataset.lower()}',
+        args=(kind, dataset, FLAGS.logdir, eval_stop, errors),
+        daemon=True,
+      )
       threads.append(t)
       t.start()
   try:
@@ -550,8 +715,9 @@ def _Sync():
   if errors:
     if isinstance(errors[0], (UserError, checkpointer.CheckpointError)):
       raise errors[0]
-    raise UserError(f'{type(errors[0]).__name__}: {errors[0]} (traceback '
-                    'logged above)')
+    raise UserError(
+      f'{type(errors[0]).__name__}: {errors[0]} (traceback logged above)'
+    )
 
 
 def _Export():
@@ -562,13 +728,16 @@ def _Export():
   train_dir = os.path.join(FLAGS.logdir, 'train')
   prefix = checkpointer.LatestCheckpoint(train_dir)
   if prefix is None:
-    raise UserError(f'--mode=export: no checkpoint in {train_dir}; train '
-                    'first.')
-  checkpointer.Checkpointer(train_dir, model.VariablesByName(),
-                            writable=False).RestoreFrom(prefix, strict=False)
+    raise UserError(
+      f'--mode=export: no checkpoint in {train_dir}; train first.'
+    )
+  checkpointer.Checkpointer(
+    train_dir, model.VariablesByName(), writable=False
+  ).RestoreFrom(prefix, strict=False)
   out = FLAGS.export_dir or os.path.join(FLAGS.logdir, 'inference')
-  exporter.ExportSavedModel(model.GetTask(), out,
-                            variables=model.VariablesByName())
+  exporter.ExportSavedModel(
+    model.GetTask(), out, variables=model.VariablesByName()
+  )
   print(f'Exported {prefix} to {out}')
 
 
@@ -588,8 +757,11 @@ def _Main(unused_argv):
 def _Run(argv):
   try:
     _Main(argv)
-  except (UserError, checkpointer.CheckpointError,
-          train_loop.NonFiniteError) as e:
+  except (
+    UserError,
+    checkpointer.CheckpointError,
+    train_loop.NonFiniteError,
+  ) as e:
     logging.error('%s', e)
     sys.exit(f'ERROR: {e}')
 

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _GenBuild():
   spec = importlib.util.spec_from_file_location(
-      'gen_build', os.path.join(ROOT, 'tools', 'gen_build.py'))
+    'gen_build', os.path.join(ROOT, 'tools', 'gen_build.py')
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -25,8 +26,10 @@ def _Read(name):
 
 
 def _Files(pattern):
-  return sorted(os.path.relpath(p, ROOT) for p in glob.glob(
-      os.path.join(ROOT, pattern), recursive=True))
+  return sorted(
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+  )
 
 
 def _BuildSrcs():
@@ -35,13 +38,17 @@ def _BuildSrcs():
 
 def testEveryModuleTestAndToolIsInBuild():
   srcs = _BuildSrcs()
-  files = (_Files('lingvo_gpipe/**/*.py') + _Files('params/**/*.py') +
-           _Files('tools/*.py') +
-           [f for f in _Files('tests/**/*.py') if not f.endswith('__init__.py')])
+  files = (
+    _Files('lingvo_gpipe/**/*.py')
+    + _Files('params/**/*.py')
+    + _Files('tools/*.py')
+    + [f for f in _Files('tests/**/*.py') if not f.endswith('__init__.py')]
+  )
   missing = [f for f in files if f not in srcs]
   assert not missing, (
-      'Files not named in BUILD (add a py_library / py_test / py_binary with '
-      f'srcs = ["<file>"] for each): {missing}')
+    'Files not named in BUILD (add a py_library / py_test / py_binary with '
+    f'srcs = ["<file>"] for each): {missing}'
+  )
   stale = [s for s in srcs if not os.path.exists(os.path.join(ROOT, s))]
   assert not stale, f'BUILD names files that do not exist: {stale}'
 
@@ -49,11 +56,15 @@ def testEveryModuleTestAndToolIsInBuild():
 def testTestsArePyTestsAndToolsArePyBinaries():
   build = _Read('BUILD')
   for f in _Files('tests/**/*_test.py'):
-    assert re.search(r'py_test\(\n\s+name = "[^"]+",\n\s+srcs = \["' +
-                     re.escape(f) + '"', build), f
+    assert re.search(
+      r'py_test\(\n\s+name = "[^"]+",\n\s+srcs = \["' + re.escape(f) + '"',
+      build,
+    ), f
   for f in _Files('tools/*.py'):
-    assert re.search(r'py_binary\(\n\s+name = "[^"]+",\n\s+srcs = \["' +
-                     re.escape(f) + '"', build), f
+    assert re.search(
+      r'py_binary\(\n\s+name = "[^"]+",\n\s+srcs = \["' + re.escape(f) + '"',
+      build,
+    ), f
 
 
 def _SetupCall():
@@ -73,36 +84,51 @@ def testConsoleScriptsAreBuildBinaries():
     module = target.split(':')[0]
     path = module.replace('.', '/') + '.py'
     assert os.path.exists(os.path.join(ROOT, path)), entry
-    assert re.search(r'py_binary\(\n\s+name = "' + re.escape(name) +
-                     r'",\n\s+srcs = \["' + re.escape(path) + '"', build), (
-                         f'{name} ({path}) has no py_binary in BUILD')
+    assert re.search(
+      r'py_binary\(\n\s+name = "'
+      + re.escape(name)
+      + r'",\n\s+srcs = \["'
+      + re.escape(path)
+      + '"',
+      build,
+    ), f'{name} ({path}) has no py_binary in BUILD'
 
 
 def testEveryPackageIsInstalled():
   import setuptools  # pylint: disable=g-import-not-at-top
-  found = set(setuptools.find_packages(
-      ROOT, include=['lingvo_gpipe', 'lingvo_gpipe.*', 'params', 'params.*']))
-  dirs = {os.path.dirname(f).replace('/', '.') for f in
-          _Files('lingvo_gpipe/**/*.py') + _Files('params/**/*.py')}
+
+  found = set(
+    setuptools.find_packages(
+      ROOT, include=['lingvo_gpipe', 'lingvo_gpipe.*', 'params', 'params.*']
+    )
+  )
+  dirs = {
+    os.path.dirname(f).replace('/', '.')
+    for f in _Files('lingvo_gpipe/**/*.py') + _Files('params/**/*.py')
+  }
   missing = sorted(d for d in dirs if d not in found)
-  assert not missing, (f'Folders with modules but no __init__.py, so setup.py '
-                       f'would not install them: {missing}')
+  assert not missing, (
+    f'Folders with modules but no __init__.py, so setup.py '
+    f'would not install them: {missing}'
+  )
 
 
 def testBuildDepsAreTheImports():
   build = _Read('BUILD')
   assert _GenBuild().Generate(build) == build, (
-      'BUILD deps differ from the sources\' imports: run '
-      'python tools/gen_build.py')
+    "BUILD deps differ from the sources' imports: run python tools/gen_build.py"
+  )
 
 
 def testLibraryHasNoImportCycle():
   gen = _GenBuild()
   cycle = gen.FindCycle(gen.LibraryGraph(gen.ImportGraph()))
   assert cycle is None, (
-      'Import cycle among library modules (deferred imports count): '
-      + ' -> '.join(cycle) + '. Move the shared code into a module both '
-      'can import.')
+    'Import cycle among library modules (deferred imports count): '
+    + ' -> '.join(cycle)
+    + '. Move the shared code into a module both '
+    'can import.'
+  )
 
 
 def testFindCycleSeesDeferredImports(tmp_path):
@@ -111,18 +137,24 @@ def testFindCycleSeesDeferredImports(tmp_path):
   pkg.mkdir()
   (pkg / '__init__.py').write_text('')
   (pkg / 'a.py').write_text('from lingvo_gpipe import b\n')
-  (pkg / 'b.py').write_text(textwrap.dedent("""\
+  (pkg / 'b.py').write_text(
+    textwrap.dedent("""\
       def F():
         from lingvo_gpipe import c
         return c
-      """))
+      """)
+  )
   (pkg / 'c.py').write_text('import lingvo_gpipe.a\n')
   (pkg / 'd.py').write_text('import lingvo_gpipe.c\n')
   graph = gen.LibraryGraph(gen.ImportGraph(str(tmp_path)))
   assert graph['lingvo_gpipe/d.py'] == {'lingvo_gpipe/c.py'}
   cycle = gen.FindCycle(graph)
-  assert cycle == ['lingvo_gpipe/a.py', 'lingvo_gpipe/b.py',
-                   'lingvo_gpipe/c.py', 'lingvo_gpipe/a.py']
+  assert cycle == [
+    'lingvo_gpipe/a.py',
+    'lingvo_gpipe/b.py',
+    'lingvo_gpipe/c.py',
+    'lingvo_gpipe/a.py',
+  ]
   (pkg / 'c.py').write_text('import os\n')
   assert gen.FindCycle(gen.LibraryGraph(gen.ImportGraph(str(tmp_path)))) is None
 
@@ -134,13 +166,16 @@ def testCoreAndModelsDoNotImportUpward():
   upward = []
   for f, deps in sorted(graph.items()):
     if f.startswith('lingvo_gpipe/core/') and f not in facades:
-      upward += [(f, d) for d in deps
-                 if not d.startswith('lingvo_gpipe/core/')]
+      upward += [(f, d) for d in deps if not d.startswith('lingvo_gpipe/core/')]
     if f.startswith('lingvo_gpipe/models/'):
-      upward += [(f, d) for d in deps
-                 if d.startswith('lingvo_gpipe/runners/') or
-                 d == 'lingvo_gpipe/trainer.py']
+      upward += [
+        (f, d)
+        for d in deps
+        if d.startswith('lingvo_gpipe/runners/')
+        or d == 'lingvo_gpipe/trainer.py'
+      ]
   assert not upward, (
-      f'Library modules importing a higher layer: {upward}. core/ imports '
-      'only core/ (except the facades core/gpipe.py, core/layers.py); '
-      'models/ import no runners/ or trainer.')
+    f'Library modules importing a higher layer: {upward}. core/ imports '
+    'only core/ (except the facades core/gpipe.py, core/layers.py); '
+    'models/ import no runners/ or trainer.'
+  )

@@ -14,4 +14,5 @@ NUM_TEST_CPU_DEVICES = 4
 
 _cpus = tf.config.list_physical_devices('CPU')
 tf.config.set_logical_device_configuration(
-    _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_CPU_DEVICES)
+  _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_CPU_DEVICES
+)

@@ -12,12 +12,13 @@ from lingvo_gpipe.core import base_model_params
 from lingvo_gpipe.input import digits
 
 
-def _MakeClass(name, module, base=base_model_params.SingleTaskModelParams,
-               **attrs):
+def _MakeClass(
+  name, module, base=base_model_params.SingleTaskModelParams, **attrs
+):
   return type(name, (base,), dict(attrs, __module__=module))
 
 
-def test_keys():
+def testKeys():
   cls = _MakeClass('AmoebaNetD18x208', 'params.image.amoebanet')
   assert model_registry.ModelKey(cls) == 'image.amoebanet.AmoebaNetD18x208'
   cls = _MakeClass('Foo', 'tests.model_registry_test')
@@ -26,7 +27,7 @@ def test_keys():
   assert model_registry.ModelKey(cls) == 'mypkg.params.lm.Bar'
 
 
-def test_register_get_and_duplicates():
+def testRegisterGetAndDuplicates():
   module = f'fake_{uuid.uuid4().hex}'
   cls = _MakeClass('Exp', module, Train=lambda self: 'train-input')
   assert model_registry.RegisterSingleTaskModel(cls) is cls
@@ -41,31 +42,33 @@ def test_register_get_and_duplicates():
     model_registry.RegisterSingleTaskModel(type('NotParams', (), {}))
 
 
-def test_lazy_import_of_params_module():
+def testLazyImportOfParamsModule():
   cls = model_registry.GetClass('image.digits.MlpDigitsTiny')
   assert cls.__module__ == 'params.image.digits'
   assert 'image.digits.MlpDigitsTinyBN' in model_registry.GetRegisteredKeys()
 
 
-def test_lazy_import_of_other_module(tmp_path, monkeypatch):
+def testLazyImportOfOtherModule(tmp_path, monkeypatch):
   pkg = f'lazy_{uuid.uuid4().hex}'
   (tmp_path / pkg).mkdir()
   (tmp_path / pkg / '__init__.py').write_text('')
-  (tmp_path / pkg / 'exps.py').write_text(textwrap.dedent("""
+  (tmp_path / pkg / 'exps.py').write_text(
+    textwrap.dedent("""
       from lingvo_gpipe import model_registry
       from lingvo_gpipe.core import base_model_params
 
       @model_registry.RegisterSingleTaskModel
       class Small(base_model_params.SingleTaskModelParams):
         pass
-      """))
+      """)
+  )
   monkeypatch.syspath_prepend(str(tmp_path))
   key = f'{pkg}.exps.Small'
   assert key not in model_registry.GetRegisteredKeys()
   assert model_registry.GetClass(key).__name__ == 'Small'
 
 
-def test_unknown_key_lists_close_matches():
+def testUnknownKeyListsCloseMatches():
   with pytest.raises(KeyError) as e:
     model_registry.GetClass('image.digits.MlpDigitTiny')
   message = str(e.value)
@@ -75,13 +78,13 @@ def test_unknown_key_lists_close_matches():
     model_registry.GetClass('')
 
 
-def test_import_all_params():
+def testImportAllParams():
   names = model_registry.ImportAllParams()
   assert 'params.image.digits' in names
   assert 'image.digits.MlpDigitsTiny' in model_registry.GetRegisteredKeys()
 
 
-def test_get_params_sets_the_dataset_input():
+def testGetParamsSetsTheDatasetInput():
   key = 'image.digits.MlpDigitsTiny'
   p = model_registry.GetParams(key, 'Train')
   assert p.cls is base_model.SingleTaskModel
@@ -90,13 +93,16 @@ def test_get_params_sets_the_dataset_input():
   assert p.task.train.max_steps == 300
   dev = model_registry.GetParams(key, 'dev')  # Case-insensitive.
   assert (dev.input.split, dev.input.num_epochs, dev.input.remainder) == (
-      'dev', 1, 'pad')
+    'dev',
+    1,
+    'pad',
+  )
   assert model_registry.GetParams(key, 'TEST').input.split == 'test'
   with pytest.raises(KeyError, match='available'):
     model_registry.GetParams(key, 'Validation')
 
 
-def test_dataset_methods_on_class_or_instance():
+def testDatasetMethodsOnClassOrInstance():
   cls = model_registry.GetClass('image.digits.MlpDigitsTiny')
   assert cls.Dev() == cls().Dev()
   assert cls.Test().split == 'test'
@@ -104,13 +110,19 @@ def test_dataset_methods_on_class_or_instance():
   assert cls.Model().task.name == 'digits'
 
 
-def test_default_dev_test_from_train():
-  exp = _MakeClass('Derived', 'tests.tmp', Train=lambda self: (
-      digits.DigitsInput.Params().Set(batch_size=32)))
+def testDefaultDevTestFromTrain():
+  exp = _MakeClass(
+    'Derived',
+    'tests.tmp',
+    Train=lambda self: digits.DigitsInput.Params().Set(batch_size=32),
+  )
   dev = exp.Dev()
   assert (dev.split, dev.batch_size, dev.shuffle) == ('dev', 32, False)
-  no_eval = _MakeClass('NoEval', 'tests.tmp', Train=lambda self: (
-      base_input_generator.BaseInputGenerator.Params()))
+  no_eval = _MakeClass(
+    'NoEval',
+    'tests.tmp',
+    Train=lambda self: base_input_generator.BaseInputGenerator.Params(),
+  )
   with pytest.raises(NotImplementedError, match='define Dev'):
     no_eval().Dev()
   with pytest.raises(NotImplementedError, match='Task'):

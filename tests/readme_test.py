@@ -18,9 +18,14 @@ def testExampleRuns(tmp_path):
   assert blocks, 'README has no python example'
   script = tmp_path / 'example.py'
   script.write_text(blocks[0])
-  out = subprocess.run([sys.executable, str(script)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+  out = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'cell 1 on' in out.stdout
 
@@ -43,6 +48,7 @@ def testSetupCommandsComeFirstAndCiRunsTheTestCommand():
 
 def testMainJobModelIsRegistered():
   from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+
   first = re.findall(r'```bash\n(.*?)\n```', _Readme(), re.S)[0]
   key = re.search(r'--model=(\S+)', first).group(1)
   assert model_registry.GetClass(key) is not None

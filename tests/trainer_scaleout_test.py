@@ -29,11 +29,19 @@ def _TrainInProcess(p, batches):
 def testReplicasGiveTheUpdateOfOneReplicaWithTheWholeBatch():
   """R=2 replicas x K=2 stages (M=2 each, 4 devices) == R=1 x K=2 with M=4:
   weights, batch-norm moving averages and Adam slots after 3 steps."""
-  dp = trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
-                           worker_replicas=2,
-                           overrides=['task.network.num_micro_batches : 2'])
-  one = trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
-                            overrides=['task.network.num_micro_batches : 4'])
+  dp = trainer.BuildParams(
+    MODEL,
+    'Train',
+    worker_split_size=2,
+    worker_replicas=2,
+    overrides=['task.network.num_micro_batches : 2'],
+  )
+  one = trainer.BuildParams(
+    MODEL,
+    'Train',
+    worker_split_size=2,
+    overrides=['task.network.num_micro_batches : 4'],
+  )
   assert dp.task.network.num_replicas == 2
   assert len(dp.task.network.devices) == 4
   inputs = one.task.input.Instantiate()
@@ -44,30 +52,37 @@ def testReplicasGiveTheUpdateOfOneReplicaWithTheWholeBatch():
   assert sorted(got) == sorted(want)
   assert any('moving_mean' in n for n in got)
   for name in want:
-    np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name
+    )
   # Training moved the weights: the comparison is not of initial values.
   init = {n: v.numpy() for n, v in one.Instantiate().VariablesByName().items()}
-  assert any(not np.allclose(init[n], want[n]) for n in want
-             if n.endswith('/w'))
+  assert any(
+    not np.allclose(init[n], want[n]) for n in want if n.endswith('/w')
+  )
 
 
 def testTooManyReplicasNamesBothNumbers():
   try:
-    trainer.BuildParams(MODEL, 'Train', worker_split_size=2,
-                        worker_replicas=3)
+    trainer.BuildParams(MODEL, 'Train', worker_split_size=2, worker_replicas=3)
   except trainer.UserError as e:
-    assert ('--worker_replicas=3 x --worker_split_size=2 need 6 devices but '
-            'only 4 exist') in str(e)
+    assert (
+      '--worker_replicas=3 x --worker_split_size=2 need 6 devices but '
+      'only 4 exist'
+    ) in str(e)
   else:
     raise AssertionError('no error')
 
 
 def testTrainerWithReplicasWritesPlacement(tmp_path):
   logdir = tmp_path / 'logdir'
-  res = trainer_test._Run(f'--logdir={logdir}', '--worker_replicas=2',
-                          '--worker_split_size=1', '--max_steps=5',
-                          model=MODEL)
+  res = trainer_test._Run(
+    f'--logdir={logdir}',
+    '--worker_replicas=2',
+    '--worker_split_size=1',
+    '--max_steps=5',
+    model=MODEL,
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   text = (logdir / 'placement.txt').read_text()
   assert '2 data-parallel replicas' in text
@@ -82,11 +97,16 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
   train_dir = logdir / 'train'
   with cluster.LocalCluster(2, startup_timeout_s=60) as local:
     spec = 'worker=' + ','.join(local.addresses)
-    args = [f'--logdir={logdir}', f'--cluster_spec={spec}',
-            '--worker_split_size=2', '--log_interval_steps=1',
-            '--model_params_override=task.train.save_interval_steps : 5']
-    proc = trainer_test._Proc(str(tmp_path / 'log1.txt'), *args,
-                              '--max_steps=100000')
+    args = [
+      f'--logdir={logdir}',
+      f'--cluster_spec={spec}',
+      '--worker_split_size=2',
+      '--log_interval_steps=1',
+      '--model_params_override=task.train.save_interval_steps : 5',
+    ]
+    proc = trainer_test._Proc(
+      str(tmp_path / 'log1.txt'), *args, '--max_steps=100000'
+    )
     try:
       proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
       log = proc.Log()
@@ -99,20 +119,26 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
       proc.Close()
     log = proc.Log()
     assert proc.proc.returncode == 1, log[-3000:]
-    assert f'Lost worker /job:worker/task:1 ({local.addresses[1]})' in log, (
-        log[-3000:])
+    assert f'Lost worker /job:worker/task:1 ({local.addresses[1]})' in log, log[
+      -3000:
+    ]
     saved = trainer_test._Latest(train_dir)
     assert saved >= 5
     assert 'restart the worker and rerun the trainer' in log
     # Restart the worker; the trainer resumes from the checkpoint.
     local.Restart(1)
     res = subprocess.run(
-        trainer_test._Cmd(*args, f'--max_steps={saved + 3}'),
-        cwd=trainer_test.REPO, env=trainer_test._Env(), capture_output=True,
-        text=True, timeout=trainer_test.TIMEOUT)
+      trainer_test._Cmd(*args, f'--max_steps={saved + 3}'),
+      cwd=trainer_test.REPO,
+      env=trainer_test._Env(),
+      capture_output=True,
+      text=True,
+      timeout=trainer_test.TIMEOUT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f'Restored {checkpointer.LatestCheckpoint(str(train_dir))}' not in (
-        res.stderr)  # A new checkpoint was written after the restore ...
+      res.stderr
+    )  # A new checkpoint was written after the restore ...
     assert f'ckpt-{saved}' in res.stderr  # ... from the one left before.
     assert trainer_test._Latest(train_dir) == saved + 3
   assert not os.path.exists(logdir / 'train' / 'checkpoint.tmp')
@@ -125,10 +151,14 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
   train_dir = logdir / 'train'
   with cluster.LocalCluster(2, startup_timeout_s=60) as local:
     proc = trainer_test._Proc(
-        str(tmp_path / 'log.txt'), f'--logdir={logdir}',
-        '--cluster_spec=worker=' + ','.join(local.addresses),
-        '--worker_split_size=2', '--step_timeout_s=3', '--max_steps=100000',
-        '--model_params_override=task.train.save_interval_steps : 5')
+      str(tmp_path / 'log.txt'),
+      f'--logdir={logdir}',
+      '--cluster_spec=worker=' + ','.join(local.addresses),
+      '--worker_split_size=2',
+      '--step_timeout_s=3',
+      '--max_steps=100000',
+      '--model_params_override=task.train.save_interval_steps : 5',
+    )
     try:
       proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
       os.kill(local.pids[1], signal.SIGSTOP)
@@ -141,22 +171,29 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
   log = proc.Log()
   assert proc.proc.returncode == 1, log[-3000:]
   assert elapsed < 30, elapsed
-  assert 'did not finish within' in log and '--step_timeout_s=3' in log, (
-      log[-3000:])
+  assert 'did not finish within' in log and '--step_timeout_s=3' in log, log[
+    -3000:
+  ]
   assert 'every worker still accepts connections' in log
 
 
 def testBadDeviceFlagsFailInOneLine(tmp_path):
   port = cluster.FreePorts(1)[0]
   cases = [
-      (['--num_gpu_devices=2', '--gpu_memory_limit_mb=512'],
-       'TensorFlow finds no GPU'),
-      (['--cluster_spec=worker'], "'worker' is not \"job=host:port"),
-      ([f'--cluster_spec=worker=127.0.0.1:{port}', '--connect_timeout_s=2'],
-       f'worker:0: Worker at 127.0.0.1:{port} is not reachable'),
-      (['--worker_replicas=3', '--worker_split_size=1'],
-       '--worker_replicas=3 x --worker_split_size=1 need 3 devices but only '
-       '2 exist'),
+    (
+      ['--num_gpu_devices=2', '--gpu_memory_limit_mb=512'],
+      'TensorFlow finds no GPU',
+    ),
+    (['--cluster_spec=worker'], "'worker' is not \"job=host:port"),
+    (
+      [f'--cluster_spec=worker=127.0.0.1:{port}', '--connect_timeout_s=2'],
+      f'worker:0: Worker at 127.0.0.1:{port} is not reachable',
+    ),
+    (
+      ['--worker_replicas=3', '--worker_split_size=1'],
+      '--worker_replicas=3 x --worker_split_size=1 need 3 devices but only '
+      '2 exist',
+    ),
   ]
   for args, message in cases:
     t0 = time.time()

@@ -34,19 +34,35 @@ TIMEOUT = 120
 
 
 def _Cmd(*args, model=MODEL):
-  return [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={model}',
-          '--num_cpu_devices=2', '--run_locally=cpu', *args]
+  return [
+    sys.executable,
+    '-m',
+    'lingvo_gpipe.trainer',
+    f'--model={model}',
+    '--num_cpu_devices=2',
+    '--run_locally=cpu',
+    *args,
+  ]
 
 
 def _Env():
   path = os.environ.get('PYTHONPATH', '')
-  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
-              PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''))
+  return dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='2',
+    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
+  )
 
 
 def _Run(*args, model=MODEL, timeout=TIMEOUT):
-  return subprocess.run(_Cmd(*args, model=model), cwd=REPO, env=_Env(),
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    _Cmd(*args, model=model),
+    cwd=REPO,
+    env=_Env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 class _Proc:
@@ -55,8 +71,13 @@ class _Proc:
   def __init__(self, log_path, *args):
     self.log_path = log_path
     self._log = open(log_path, 'w')
-    self.proc = subprocess.Popen(_Cmd(*args), cwd=REPO, env=_Env(),
-                                 stdout=self._log, stderr=subprocess.STDOUT)
+    self.proc = subprocess.Popen(
+      _Cmd(*args),
+      cwd=REPO,
+      env=_Env(),
+      stdout=self._log,
+      stderr=subprocess.STDOUT,
+    )
 
   def Log(self):
     with open(self.log_path) as f:
@@ -68,8 +89,10 @@ class _Proc:
       if predicate():
         return
       if self.proc.poll() is not None:
-        raise AssertionError(f'Trainer exited early ({self.proc.returncode}):'
-                             f'\n{self.Log()[-3000:]}')
+        raise AssertionError(
+          f'Trainer exited early ({self.proc.returncode}):'
+          f'\n{self.Log()[-3000:]}'
+        )
       time.sleep(0.05)
     raise AssertionError(f'Timed out waiting; log:\n{self.Log()[-3000:]}')
 
@@ -110,22 +133,33 @@ def _Copy(src, dst):
 def trained(tmp_path_factory):
   """Trains 30 steps in K=2 cells, saving every 10 steps; evals alongside."""
   logdir = tmp_path_factory.mktemp('trained') / 'logdir'
-  res = _Run(f'--logdir={logdir}', '--max_steps=30', '--log_interval_steps=10',
-             '--job=trainer,evaler_dev', '--eval_interval_seconds=0.1',
-             '--model_params_override=task.train.save_interval_steps : 10')
+  res = _Run(
+    f'--logdir={logdir}',
+    '--max_steps=30',
+    '--log_interval_steps=10',
+    '--job=trainer,evaler_dev',
+    '--eval_interval_seconds=0.1',
+    '--model_params_override=task.train.save_interval_steps : 10',
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   return logdir, res.stderr
 
 
-def test_train_writes_params_checkpoints_events(trained):
+def testTrainWritesParamsCheckpointsEvents(trained):
   logdir, log = trained
   text = (logdir / 'params.txt').read_text()
   assert 'task.train.max_steps : 30' in text
   assert 'task.train.save_interval_steps : 10' in text
   assert _Steps(logdir / 'train') == [10, 20, 30]
   tags = _Tags(logdir / 'train')
-  for tag in ('loss', 'learning_rate', 'grad_norm', 'accuracy',
-              'examples_per_sec', 'step_time'):
+  for tag in (
+    'loss',
+    'learning_rate',
+    'grad_norm',
+    'accuracy',
+    'examples_per_sec',
+    'step_time',
+  ):
     assert 20 in tags.get(tag, []) and 30 in tags[tag], (tag, tags)
   assert 'cell 1 on /device:CPU:1' in log  # Placement logged at start.
   # The evaler thread evaluated the final checkpoint, then the process ended.
@@ -137,7 +171,7 @@ def test_train_writes_params_checkpoints_events(trained):
   assert 'ms/step' in progress and 'ETA' in progress
 
 
-def test_resume_continues_from_saved_step(trained, tmp_path):
+def testResumeContinuesFromSavedStep(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
   res = _Run(f'--logdir={logdir}', '--max_steps=40')
   assert res.returncode == 0, res.stderr[-3000:]
@@ -158,11 +192,15 @@ def test_resume_continues_from_saved_step(trained, tmp_path):
   assert any(name.endswith('/m') for name in variables)  # Adam slots.
   for name, var in variables.items():
     np.testing.assert_allclose(
-        reader.get_tensor(checkpointer.VariableKey(name)), var.numpy(),
-        rtol=1e-4, atol=1e-6, err_msg=name)
+      reader.get_tensor(checkpointer.VariableKey(name)),
+      var.numpy(),
+      rtol=1e-4,
+      atol=1e-6,
+      err_msg=name,
+    )
 
 
-def test_unknown_model_lists_close_keys():
+def testUnknownModelListsCloseKeys():
   res = _Run('--mode=inspect_params', model='image.digits.MlpDigitTiny')
   assert res.returncode == 1
   assert "No model registered under 'image.digits.MlpDigitTiny'" in res.stderr
@@ -170,37 +208,49 @@ def test_unknown_model_lists_close_keys():
   assert 'Traceback' not in res.stderr
 
 
-def test_bad_override_names_the_key(tmp_path):
-  res = _Run('--mode=inspect_params',
-             '--model_params_override=task.train.learning_rat : 0.1')
+def testBadOverrideNamesTheKey(tmp_path):
+  res = _Run(
+    '--mode=inspect_params',
+    '--model_params_override=task.train.learning_rat : 0.1',
+  )
   assert res.returncode == 1
   assert "unknown parameter 'task.train.learning_rat'" in res.stderr
   assert "did you mean 'task.train.learning_rate'" in res.stderr
   assert 'Traceback' not in res.stderr
 
 
-def test_params_overrides_in_process(tmp_path):
+def testParamsOverridesInProcess(tmp_path):
   override_file = tmp_path / 'override.txt'
-  override_file.write_text('task.train.learning_rate : 0.5\n'
-                           '# a comment\ntask.train.max_steps : 7\n')
+  override_file.write_text(
+    'task.train.learning_rate : 0.5\n# a comment\ntask.train.max_steps : 7\n'
+  )
   p = trainer.BuildParams(
-      MODEL, 'Train', str(override_file),
-      ['task.train.max_steps : 9; task.softmax.input_dim : 64'],
-      worker_split_size=1, seed=77, max_to_keep=2)
+    MODEL,
+    'Train',
+    str(override_file),
+    ['task.train.max_steps : 9; task.softmax.input_dim : 64'],
+    worker_split_size=1,
+    seed=77,
+    max_to_keep=2,
+  )
   assert p.task.train.learning_rate == 0.5
   assert p.task.train.max_steps == 9  # Flag lines win over the file.
   assert p.task.train.save_max_to_keep == 2
   assert p.random_seed == 77 and p.task.random_seed == 77
   assert p.task.network.num_stages == 1
   assert len(p.task.network.devices) == 1
-  with pytest.raises(trainer.UserError,
-                     match="Line 1: cannot parse 'abc' for parameter "
-                     "'task.train.max_steps'"):
-    trainer.BuildParams(MODEL, 'Train',
-                        overrides=['task.train.max_steps : abc'])
+  with pytest.raises(
+    trainer.UserError,
+    match="Line 1: cannot parse 'abc' for parameter 'task.train.max_steps'",
+  ):
+    trainer.BuildParams(
+      MODEL, 'Train', overrides=['task.train.max_steps : abc']
+    )
   with pytest.raises(trainer.UserError, match='No such file'):
     trainer.BuildParams(MODEL, 'Train', file_override=str(tmp_path / 'none'))
-  with pytest.raises(trainer.UserError, match='--worker_split_size=9 needs 9 devices but only'):
+  with pytest.raises(
+    trainer.UserError, match='--worker_split_size=9 needs 9 devices but only'
+  ):
     trainer.BuildParams(MODEL, 'Train', worker_split_size=9)
   with pytest.raises(trainer.UserError, match='unknown job'):
     trainer.ParseJobs('trainer,evaler')
@@ -208,7 +258,7 @@ def test_params_overrides_in_process(tmp_path):
   assert jobs == [('trainer', None), ('evaler', 'Dev')]
 
 
-def test_inspect_model_in_process():
+def testInspectModelInProcess():
   p = trainer.BuildParams(MODEL, 'Train', worker_split_size=2)
   text = trainer.InspectModel(p.Instantiate())
   assert 'digits/network/fc0/w ' in text and 'Adam/iterations' in text
@@ -216,12 +266,17 @@ def test_inspect_model_in_process():
   assert 'cell 0 on' in text and 'cell 1 on' in text
 
 
-def test_k2_checkpoint_restores_into_k1(trained, tmp_path):
+def testK2CheckpointRestoresIntoK1(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
   shutil.rmtree(logdir / 'eval_dev')
-  res = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--worker_split_size=1',
-             '--max_steps=30', '--eval_interval_seconds=0.1',
-             '--eval_timeout=60')
+  res = _Run(
+    f'--logdir={logdir}',
+    '--job=evaler_dev',
+    '--worker_split_size=1',
+    '--max_steps=30',
+    '--eval_interval_seconds=0.1',
+    '--eval_timeout=60',
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   assert "Pipeline 'digits/network': 1 cells" in res.stderr
   (k1,) = evaler.ReadResults(evaler.EvalDir(str(logdir), 'dev'))
@@ -233,7 +288,7 @@ def test_k2_checkpoint_restores_into_k1(trained, tmp_path):
   assert k1['metrics']['accuracy'] == pytest.approx(k2['metrics']['accuracy'])
 
 
-def test_incompatible_checkpoint_is_refused(trained, tmp_path):
+def testIncompatibleCheckpointIsRefused(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
   before = sorted(os.listdir(logdir / 'train'))
   params_before = (logdir / 'params.txt').read_text()
@@ -247,15 +302,19 @@ def test_incompatible_checkpoint_is_refused(trained, tmp_path):
   assert (logdir / 'params.txt').read_text() == params_before
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
-  res = _Run(f'--logdir={logdir}', '--max_steps=50',
-             '--model_params_override=task.train.learning_rate : 1e30',
-             '--model_params_override=task.train.save_interval_steps : 1')
+  res = _Run(
+    f'--logdir={logdir}',
+    '--max_steps=50',
+    '--model_params_override=task.train.learning_rate : 1e30',
+    '--model_params_override=task.train.save_interval_steps : 1',
+  )
   assert res.returncode == 1, res.stderr[-3000:]
   line = [ln for ln in res.stderr.splitlines() if ln.startswith('ERROR:')][0]
-  assert 'at step' in line and ('loss is nan' in line or 'loss is inf' in line
-                                or 'NaN or Inf' in line)
+  assert 'at step' in line and (
+    'loss is nan' in line or 'loss is inf' in line or 'NaN or Inf' in line
+  )
   bad_step = int(line.split('at step ')[1].split()[0].rstrip('.;'))
   latest = checkpointer.LatestCheckpoint(str(logdir / 'train'))
   assert latest is not None and checkpointer.StepOf(latest) < bad_step
@@ -265,12 +324,15 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
       assert np.all(np.isfinite(reader.get_tensor(key))), key
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def testSigtermSavesAndExitsZero(tmp_path):
   logdir = tmp_path / 'logdir'
-  proc = _Proc(tmp_path / 'log.txt', f'--logdir={logdir}', '--max_steps=100000',
-               '--log_interval_steps=5',
-               '--model_params_override='
-               'task.train.save_interval_steps : 100000')
+  proc = _Proc(
+    tmp_path / 'log.txt',
+    f'--logdir={logdir}',
+    '--max_steps=100000',
+    '--log_interval_steps=5',
+    '--model_params_override=task.train.save_interval_steps : 100000',
+  )
   try:
     proc.WaitFor(lambda: 'examples/s' in proc.Log())
     proc.proc.send_signal(signal.SIGTERM)
@@ -282,16 +344,19 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
   assert latest is not None and checkpointer.StepOf(latest) >= 5
 
 
-def test_sigkill_then_restart_resumes_without_corruption(tmp_path):
+def testSigkillThenRestartResumesWithoutCorruption(tmp_path):
   logdir = tmp_path / 'logdir'
   train_dir = logdir / 'train'
   rng = random.Random()
   delays, last = [], -1
   for i in range(2):
-    proc = _Proc(tmp_path / f'log{i}.txt', f'--logdir={logdir}',
-                 '--max_steps=100000',
-                 '--model_params_override=task.train.save_interval_steps : 1',
-                 '--saver_max_to_keep=2')
+    proc = _Proc(
+      tmp_path / f'log{i}.txt',
+      f'--logdir={logdir}',
+      '--max_steps=100000',
+      '--model_params_override=task.train.save_interval_steps : 1',
+      '--saver_max_to_keep=2',
+    )
     try:
       proc.WaitFor(lambda last=last: _Latest(train_dir) > last)
       delays.append(rng.uniform(0.0, 0.3))
@@ -311,21 +376,27 @@ def test_sigkill_then_restart_resumes_without_corruption(tmp_path):
     if i:
       assert 'Restored ' in proc.Log(), delays
     last = step
-  res = _Run(f'--logdir={logdir}', f'--max_steps={last + 3}',
-             '--model_params_override=task.train.save_interval_steps : 1')
+  res = _Run(
+    f'--logdir={logdir}',
+    f'--max_steps={last + 3}',
+    '--model_params_override=task.train.save_interval_steps : 1',
+  )
   assert res.returncode == 0, (delays, res.stderr[-3000:])
   assert 'Restored ' in res.stderr, delays
   assert _Steps(train_dir)[-1] == last + 3
   assert not glob.glob(str(train_dir / '*_temp'))
 
 
-def test_fine_tune_from_another_logdir(trained, tmp_path):
+def testFineTuneFromAnotherLogdir(trained, tmp_path):
   logdir = tmp_path / 'logdir'
   source = trained[0] / 'train' / 'ckpt-30'
-  res = _Run(f'--logdir={logdir}', '--max_steps=2',
-             f'--restore_from={trained[0]}',
-             r'--restore_map=digits/network/(.*)=>digits/network/\1',
-             r'--restore_map=digits/softmax/(.*)=>digits/softmax/\1')
+  res = _Run(
+    f'--logdir={logdir}',
+    '--max_steps=2',
+    f'--restore_from={trained[0]}',
+    r'--restore_map=digits/network/(.*)=>digits/network/\1',
+    r'--restore_map=digits/softmax/(.*)=>digits/softmax/\1',
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   assert f'variables from {source}:' in res.stderr
   assert 'digits/network/fc0/w <- digits/network/fc0/w' in res.stderr
@@ -334,60 +405,77 @@ def test_fine_tune_from_another_logdir(trained, tmp_path):
   new = tf.train.load_checkpoint(str(logdir / 'train' / 'ckpt-2'))
   old = tf.train.load_checkpoint(str(source))
   assert new.get_tensor(checkpointer.VariableKey('global_step')) == 2
-  names = [n for n in checkpointer.ReadCheckpointVariables(str(source))
-           if n.startswith('digits/network/') and n.endswith('/w')]
+  names = [
+    n
+    for n in checkpointer.ReadCheckpointVariables(str(source))
+    if n.startswith('digits/network/') and n.endswith('/w')
+  ]
   assert names
   for name in names:  # Two Adam steps of 1e-3 away from the source.
     key = checkpointer.VariableKey(name)
     assert np.abs(new.get_tensor(key) - old.get_tensor(key)).max() < 0.01
 
 
-def test_export_mode_writes_a_savedmodel(trained, tmp_path):
+def testExportModeWritesASavedmodel(trained, tmp_path):
   export_dir = tmp_path / 'export'
-  res = _Run(f'--logdir={trained[0]}', '--mode=export',
-             f'--export_dir={export_dir}')
+  res = _Run(
+    f'--logdir={trained[0]}', '--mode=export', f'--export_dir={export_dir}'
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   model = model_registry.GetParams(MODEL, 'Test').Instantiate()
-  checkpointer.Checkpointer(str(trained[0] / 'train'), model.VariablesByName(),
-                            writable=False).RestoreFrom(
-                                str(trained[0] / 'train' / 'ckpt-30'))
+  checkpointer.Checkpointer(
+    str(trained[0] / 'train'), model.VariablesByName(), writable=False
+  ).RestoreFrom(str(trained[0] / 'train' / 'ckpt-30'))
   task = model.GetTask()
   batch = next(iter(task.input_generator.GetDataset()))
   expected = task.Decode(batch).logits.numpy()
   loaded = tf.saved_model.load(str(export_dir))
   out = loaded.signatures['serving_default'](image=batch.image)
-  np.testing.assert_allclose(out['logits'].numpy(), expected, rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    out['logits'].numpy(), expected, rtol=1e-5, atol=1e-6
+  )
 
 
-def test_train_loop_in_process_nan_hook_and_stop(tmp_path):
+def testTrainLoopInProcessNanHookAndStop(tmp_path):
   model = model_registry.GetParams(MODEL, 'Train').Instantiate()
   task = model.GetTask()
   it = iter(task.input_generator.GetDataset())
-  ckpt = checkpointer.Checkpointer(str(tmp_path / 'train'),
-                                   model.VariablesByName(), iterator=it,
-                                   save_interval_steps=1)
+  ckpt = checkpointer.Checkpointer(
+    str(tmp_path / 'train'),
+    model.VariablesByName(),
+    iterator=it,
+    save_interval_steps=1,
+  )
 
   def NanAtStep6(batch):  # The test hook: a NaN loss from step 6 on.
     out = task.TrainStep(batch)
     out.loss = tf.where(model.global_step >= 6, float('nan'), out.loss)
     return out
 
-  loop = train_loop.TrainLoop(task, model.global_step, it, ckpt, max_steps=10,
-                              summary_dir=str(tmp_path / 'train'),
-                              train_step_fn=NanAtStep6)
-  with pytest.raises(train_loop.NonFiniteError,
-                     match='loss is nan at step 6.*last good model'):
+  loop = train_loop.TrainLoop(
+    task,
+    model.global_step,
+    it,
+    ckpt,
+    max_steps=10,
+    summary_dir=str(tmp_path / 'train'),
+    train_step_fn=NanAtStep6,
+  )
+  with pytest.raises(
+    train_loop.NonFiniteError, match='loss is nan at step 6.*last good model'
+  ):
     loop.Run()
   assert _Latest(tmp_path / 'train') == 5
   # A stop request ends the loop before the next step; nothing new to save.
   stop = train_loop.StopRequest()
   stop.Set('SIGTERM')
   model2 = model_registry.GetParams(MODEL, 'Train').Instantiate()
-  ckpt2 = checkpointer.Checkpointer(str(tmp_path / 'train'),
-                                    model2.VariablesByName())
+  ckpt2 = checkpointer.Checkpointer(
+    str(tmp_path / 'train'), model2.VariablesByName()
+  )
   ckpt2.Restore()
-  result = train_loop.TrainLoop(model2.GetTask(), model2.global_step, it,
-                                ckpt2, max_steps=10, stop=stop).Run()
+  result = train_loop.TrainLoop(
+    model2.GetTask(), model2.global_step, it, ckpt2, max_steps=10, stop=stop
+  ).Run()
   assert (result.step, result.reason) == (5, 'SIGTERM')
   assert result.checkpoint.endswith('ckpt-5')

@@ -42,8 +42,10 @@ from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 
-TRAINER_MODELS = ('image.amoebanet.AmoebaNetTiny',
-                  'mt.multilingual.TransformerTiny')
+TRAINER_MODELS = (
+  'image.amoebanet.AmoebaNetTiny',
+  'mt.multilingual.TransformerTiny',
+)
 
 
 def GpuName():
@@ -56,19 +58,42 @@ def GpuName():
 
 
 def _Layers(dim, num_layers, fprop_dtype=None):
-  return [layers.FCLayer.Params().Set(
-      name=f'fc_{i}', input_dim=dim, output_dim=dim, activation='TANH',
-      fprop_dtype=fprop_dtype) for i in range(num_layers)]
+  return [
+    layers.FCLayer.Params().Set(
+      name=f'fc_{i}',
+      input_dim=dim,
+      output_dim=dim,
+      activation='TANH',
+      fprop_dtype=fprop_dtype,
+    )
+    for i in range(num_layers)
+  ]
 
 
-def _LossAndGrads(devices, num_stages, fprop_dtype=None, loss_scale=1.0,
-                  batch=8, dim=16, num_layers=4, num_micro_batches=4):
+def _LossAndGrads(
+  devices,
+  num_stages,
+  fprop_dtype=None,
+  loss_scale=1.0,
+  batch=8,
+  dim=16,
+  num_layers=4,
+  num_micro_batches=4,
+):
   """Loss and gradients (float32 numpy) of an FC stack as a pipeline."""
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=_Layers(dim, num_layers, fprop_dtype),
-      num_stages=num_stages, num_micro_batches=num_micro_batches,
-      devices=devices[:num_stages], input_shapes=[[batch, dim]],
-      fprop_dtype=fprop_dtype).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=_Layers(dim, num_layers, fprop_dtype),
+      num_stages=num_stages,
+      num_micro_batches=num_micro_batches,
+      devices=devices[:num_stages],
+      input_shapes=[[batch, dim]],
+      fprop_dtype=fprop_dtype,
+    )
+    .Instantiate()
+  )
   rng = np.random.RandomState(0)
   x = tf.constant(rng.randn(batch, dim).astype(np.float32))
   w = tf.constant(rng.randn(batch, dim).astype(np.float32))
@@ -96,8 +121,9 @@ def CheckTransparency(devices):
   """K=2 over devices[:2] against K=1 on devices[0]; returns (ok, detail)."""
   loss1, g1 = _LossAndGrads(devices, 1)
   loss2, g2 = _LossAndGrads(devices, 2)
-  diff = max([_MaxRelDiff(loss2, loss1)] +
-             [_MaxRelDiff(g2[n], g1[n]) for n in g1])
+  diff = max(
+    [_MaxRelDiff(loss2, loss1)] + [_MaxRelDiff(g2[n], g1[n]) for n in g1]
+  )
   return diff <= 1e-4, f'max relative difference {diff:.2e} (tolerance 1e-4)'
 
 
@@ -109,23 +135,40 @@ def CheckMixedPrecision(devices, dtype, loss_scale):
   finite = all(np.all(np.isfinite(g)) for g in got.values())
   diff = max(_MaxRelDiff(got[n], ref[n]) for n in ref)
   return finite and diff <= 0.05, (
-      f'gradients finite: {finite}, max relative difference to float32 '
-      f'{diff:.2e} (tolerance 5e-2), loss scale {scale:g}')
+    f'gradients finite: {finite}, max relative difference to float32 '
+    f'{diff:.2e} (tolerance 5e-2), loss scale {scale:g}'
+  )
 
 
 def CheckTrainer(model, steps, memory_limit_mb, timeout_s):
   """Runs the trainer on the logical GPUs in a subprocess."""
   with tempfile.TemporaryDirectory() as logdir:
-    cmd = [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={model}',
-           f'--logdir={logdir}', '--run_locally=gpu', '--num_gpu_devices=2',
-           f'--gpu_memory_limit_mb={memory_limit_mb}',
-           '--worker_split_size=2', f'--max_steps={steps}']
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep +
-               os.environ.get('PYTHONPATH', ''))
+    cmd = [
+      sys.executable,
+      '-m',
+      'lingvo_gpipe.trainer',
+      f'--model={model}',
+      f'--logdir={logdir}',
+      '--run_locally=gpu',
+      '--num_gpu_devices=2',
+      f'--gpu_memory_limit_mb={memory_limit_mb}',
+      '--worker_split_size=2',
+      f'--max_steps={steps}',
+    ]
+    env = dict(
+      os.environ,
+      PYTHONPATH=_ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
+    )
     start = time.time()
     try:
-      r = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                         timeout=timeout_s, check=False)
+      r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+        check=False,
+      )
     except subprocess.TimeoutExpired:
       return False, f'no exit after {timeout_s:.0f} s'
     if r.returncode != 0:
@@ -137,13 +180,21 @@ def CheckTrainer(model, steps, memory_limit_mb, timeout_s):
 def CheckBenchmark(devices):
   """The pipeline benchmark in-process on the logical GPUs."""
   spec = importlib.util.spec_from_file_location(
-      'benchmark_pipeline', os.path.join(_ROOT, 'tools',
-                                         'benchmark_pipeline.py'))
+    'benchmark_pipeline', os.path.join(_ROOT, 'tools', 'benchmark_pipeline.py')
+  )
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   args = argparse.Namespace(
-      model='transformer', configs='0x1x0,1x1x0,2x4x0,2x4x1', num_blocks=4,
-      dim=256, seq_len=64, batch_size=32, steps=3, warmup=1, strict_order=1)
+    model='transformer',
+    configs='0x1x0,1x1x0,2x4x0,2x4x1',
+    num_blocks=4,
+    dim=256,
+    seq_len=64,
+    batch_size=32,
+    steps=3,
+    warmup=1,
+    strict_order=1,
+  )
   records = bench.RunBenchmark(args, devices)
   return True, '\n' + bench.Table(records)
 
@@ -151,17 +202,29 @@ def CheckBenchmark(devices):
 def RunChecks(args, devices):
   """Runs every check; returns [(name, ok, detail)]."""
   checks = [
-      ('transparency K=2 vs K=1', lambda: CheckTransparency(devices)),
-      ('float16 compute, loss scaling',
-       lambda: CheckMixedPrecision(devices, tf.float16, args.loss_scale)),
-      ('bfloat16 compute',
-       lambda: CheckMixedPrecision(devices, tf.bfloat16, 1.0)),
+    ('transparency K=2 vs K=1', lambda: CheckTransparency(devices)),
+    (
+      'float16 compute, loss scaling',
+      lambda: CheckMixedPrecision(devices, tf.float16, args.loss_scale),
+    ),
+    (
+      'bfloat16 compute',
+      lambda: CheckMixedPrecision(devices, tf.bfloat16, 1.0),
+    ),
   ]
   if not args.skip_trainer:
     for model in TRAINER_MODELS:
-      checks.append((f'trainer {model}', lambda m=model: CheckTrainer(
-          m, args.trainer_steps, args.gpu_memory_limit_mb,
-          args.trainer_timeout_s)))
+      checks.append(
+        (
+          f'trainer {model}',
+          lambda m=model: CheckTrainer(
+            m,
+            args.trainer_steps,
+            args.gpu_memory_limit_mb,
+            args.trainer_timeout_s,
+          ),
+        )
+      )
   if not args.skip_benchmark:
     checks.append(('benchmark in-process', lambda: CheckBenchmark(devices)))
   results = []
@@ -177,8 +240,12 @@ def RunChecks(args, devices):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--gpu_memory_limit_mb', type=int, default=4096,
-                      help='Memory of each of the 2 logical GPUs.')
+  parser.add_argument(
+    '--gpu_memory_limit_mb',
+    type=int,
+    default=4096,
+    help='Memory of each of the 2 logical GPUs.',
+  )
   parser.add_argument('--trainer_steps', type=int, default=50)
   parser.add_argument('--trainer_timeout_s', type=float, default=900.0)
   parser.add_argument('--loss_scale', type=float, default=2.0**12)
@@ -189,23 +256,38 @@ def main(argv=None):
 
   name = GpuName()
   if name is None:
-    print('No accelerator: TensorFlow finds no GPU '
-          "(tf.config.list_physical_devices('GPU') is empty); nothing run. "
-          'For a TPU, see docs/tpu.md.')
+    print(
+      'No accelerator: TensorFlow finds no GPU '
+      "(tf.config.list_physical_devices('GPU') is empty); nothing run. "
+      'For a TPU, see docs/tpu.md.'
+    )
     return 0
-  print(f'Device: {name} (TensorFlow {tf.__version__}), split into 2 logical '
-        f'GPUs of {args.gpu_memory_limit_mb} MB', flush=True)
+  print(
+    f'Device: {name} (TensorFlow {tf.__version__}), split into 2 logical '
+    f'GPUs of {args.gpu_memory_limit_mb} MB',
+    flush=True,
+  )
   cluster.SplitGpu(2, args.gpu_memory_limit_mb)
   devices = ['/device:GPU:0', '/device:GPU:1']
   results = RunChecks(args, devices)
   failed = [n for n, ok, _ in results if not ok]
-  print(f'{len(results) - len(failed)}/{len(results)} checks passed'
-        + (f'; failed: {", ".join(failed)}' if failed else ''))
+  print(
+    f'{len(results) - len(failed)}/{len(results)} checks passed'
+    + (f'; failed: {", ".join(failed)}' if failed else '')
+  )
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump({'device': name, 'tensorflow': tf.__version__,
-                 'checks': [{'name': n, 'ok': ok, 'detail': d}
-                            for n, ok, d in results]}, f, indent=1)
+      json.dump(
+        {
+          'device': name,
+          'tensorflow': tf.__version__,
+          'checks': [
+            {'name': n, 'ok': ok, 'detail': d} for n, ok, d in results
+          ],
+        },
+        f,
+        indent=1,
+      )
   return 1 if failed else 0
 
 

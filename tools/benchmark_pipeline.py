@@ -64,10 +64,18 @@ from lingvo_gpipe.pipeline import timeline  # pylint: disable=g-import-not-at-to
 
 # (K, M, recompute, R); K=0: the plain model without the pipeline; R:
 # data-parallel replicas (M micro-batches each).
-DEFAULT_CONFIGS = [(0, 1, False, 1), (1, 1, False, 1), (1, 8, True, 1),
-                   (2, 1, False, 1), (2, 2, False, 1), (2, 4, False, 1),
-                   (2, 8, False, 1), (2, 16, False, 1), (2, 8, True, 1),
-                   (1, 1, False, 2)]
+DEFAULT_CONFIGS = [
+  (0, 1, False, 1),
+  (1, 1, False, 1),
+  (1, 8, True, 1),
+  (2, 1, False, 1),
+  (2, 2, False, 1),
+  (2, 4, False, 1),
+  (2, 8, False, 1),
+  (2, 16, False, 1),
+  (2, 8, True, 1),
+  (1, 1, False, 2),
+]
 
 
 # ----------------------------------------------------------------------------
@@ -77,38 +85,63 @@ DEFAULT_CONFIGS = [(0, 1, False, 1), (1, 1, False, 1), (1, 8, True, 1),
 
 def TransformerModel(args):
   d = args.dim
-  blocks = [transformer.TransformerLayer.Params().Set(
-      name=f'block_{i}', source_dim=d, hidden_dim=4 * d,
-      num_attention_heads=max(1, d // 64)) for i in range(args.num_blocks)]
+  blocks = [
+    transformer.TransformerLayer.Params().Set(
+      name=f'block_{i}',
+      source_dim=d,
+      hidden_dim=4 * d,
+      num_attention_heads=max(1, d // 64),
+    )
+    for i in range(args.num_blocks)
+  ]
   return blocks, [args.batch_size, args.seq_len, d]
 
 
 def MlpModel(args):
   d = args.dim * 4
-  fcs = [layers.FCLayer.Params().Set(name=f'fc_{i}', input_dim=d, output_dim=d,
-                                     activation='RELU')
-         for i in range(args.num_blocks)]
+  fcs = [
+    layers.FCLayer.Params().Set(
+      name=f'fc_{i}', input_dim=d, output_dim=d, activation='RELU'
+    )
+    for i in range(args.num_blocks)
+  ]
   return fcs, [args.batch_size * args.seq_len, d]
 
 
 def ConvModel(args):
   c = max(16, args.dim // 4)
-  convs = [layers.Conv2DLayer.Params().Set(
-      name='conv_0', filter_shape=[3, 3, 3, c], filter_stride=[1, 1],
-      activation='RELU')]
-  convs += [layers.Conv2DLayer.Params().Set(
-      name=f'conv_{i}', filter_shape=[3, 3, c, c], filter_stride=[1, 1],
-      activation='RELU') for i in range(1, args.num_blocks)]
+  convs = [
+    layers.Conv2DLayer.Params().Set(
+      name='conv_0',
+      filter_shape=[3, 3, 3, c],
+      filter_stride=[1, 1],
+      activation='RELU',
+    )
+  ]
+  convs += [
+    layers.Conv2DLayer.Params().Set(
+      name=f'conv_{i}',
+      filter_shape=[3, 3, c, c],
+      filter_stride=[1, 1],
+      activation='RELU',
+    )
+    for i in range(1, args.num_blocks)
+  ]
   return convs, [args.batch_size, 32, 32, 3]
 
 
 def AmoebaNetModel(args):
   from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+
   return amoebanet.BenchmarkCells(args)
 
 
-MODELS = {'transformer': TransformerModel, 'mlp': MlpModel, 'conv': ConvModel,
-          'amoebanet': AmoebaNetModel}
+MODELS = {
+  'transformer': TransformerModel,
+  'mlp': MlpModel,
+  'conv': ConvModel,
+  'amoebanet': AmoebaNetModel,
+}
 
 
 # ----------------------------------------------------------------------------
@@ -119,26 +152,48 @@ MODELS = {'transformer': TransformerModel, 'mlp': MlpModel, 'conv': ConvModel,
 class Bench:
   """A built model plus its compiled training step."""
 
-  def __init__(self, model_name, args, num_stages, num_mb, recompute, devices,
-               tracer=None, num_replicas=1):
+  def __init__(
+    self,
+    model_name,
+    args,
+    num_stages,
+    num_mb,
+    recompute,
+    devices,
+    tracer=None,
+    num_replicas=1,
+  ):
     self.key = (model_name, num_stages, num_mb, recompute, num_replicas)
     layer_params, self.input_shape = MODELS[model_name](args)
-    self.devices = devices[:max(1, num_stages) * num_replicas]
+    self.devices = devices[: max(1, num_stages) * num_replicas]
     if num_stages == 0:
       with tf.device(devices[0]):
-        self.layer = layers.SequentialLayer.Params().Set(
-            name='model', sub=layer_params).Instantiate()
+        self.layer = (
+          layers.SequentialLayer.Params()
+          .Set(name='model', sub=layer_params)
+          .Instantiate()
+        )
     else:
-      self.layer = pipelining_layer.PipeliningLayer.Params().Set(
-          name='model', layers=layer_params, num_stages=num_stages,
-          num_micro_batches=num_mb, devices=self.devices,
+      self.layer = (
+        pipelining_layer.PipeliningLayer.Params()
+        .Set(
+          name='model',
+          layers=layer_params,
+          num_stages=num_stages,
+          num_micro_batches=num_mb,
+          devices=self.devices,
           num_replicas=num_replicas,
-          balance_by='flops', input_shapes=[self.input_shape],
+          balance_by='flops',
+          input_shapes=[self.input_shape],
           recompute='always' if recompute else 'never',
-          strict_order=bool(args.strict_order)).Instantiate()
+          strict_order=bool(args.strict_order),
+        )
+        .Instantiate()
+      )
     variables = self.layer.trainable_variables
-    self.weight_bytes = sum(v.shape.num_elements() * v.dtype.size
-                            for v in variables)
+    self.weight_bytes = sum(
+      v.shape.num_elements() * v.dtype.size for v in variables
+    )
     # Replica 0's first and last cells: the input is made on the first, the
     # loss computed on the last.
     first, last = self.devices[0], self.devices[max(1, num_stages) - 1]
@@ -165,10 +220,12 @@ class Bench:
       return loss
 
     if tracer is not None:
+
       def Traced():
         with tracer:
           loss = Step()
         return loss, tracer.Tensors()
+
       self.step = tf.function(Traced)
     else:
       self.step = tf.function(Step)
@@ -196,8 +253,12 @@ class SocketBytes:
   @staticmethod
   def _Read():
     try:
-      out = subprocess.run(['ss', '-tinpH', 'state', 'established'],
-                           capture_output=True, text=True, timeout=30).stdout
+      out = subprocess.run(
+        ['ss', '-tinpH', 'state', 'established'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+      ).stdout
     except (OSError, subprocess.SubprocessError):
       return None
     socks, current = [], None
@@ -208,8 +269,9 @@ class SocketBytes:
         if len(fields) < 4 or not pid:
           current = None
           continue
-        current = dict(local=fields[2], peer=fields[3], pid=int(pid.group(1)),
-                       sent=0)
+        current = dict(
+          local=fields[2], peer=fields[3], pid=int(pid.group(1)), sent=0
+        )
         socks.append(current)
       elif current is not None:
         sent = re.search(r'bytes_sent:(\d+)', line)
@@ -230,6 +292,7 @@ class SocketBytes:
         other += s['sent']
     return between, other
 
+
 def MeasureTransfer(devices, num_bytes=64 * 2**20, rounds=5):
   """Seconds to move `num_bytes` from devices[0] to devices[1] and back
   (median over rounds), and the resulting bytes per second one way."""
@@ -239,9 +302,9 @@ def MeasureTransfer(devices, num_bytes=64 * 2**20, rounds=5):
 
   def Ops(middle):
     with tf.device(middle):
-      y = x + 1.0              # x crosses to `middle` unless it is devices[0]
+      y = x + 1.0  # x crosses to `middle` unless it is devices[0]
     with tf.device(devices[0]):
-      return tf.reduce_sum(y + 1.0)   # and y crosses back
+      return tf.reduce_sum(y + 1.0)  # and y crosses back
 
   local = tf.function(lambda: Ops(devices[0]))  # the same ops, no transfer
   remote = tf.function(lambda: Ops(devices[1]))
@@ -257,8 +320,13 @@ def MeasureTransfer(devices, num_bytes=64 * 2**20, rounds=5):
 
   base, trip = Median(local), Median(remote)
   one_way = max(trip - base, 1e-9) / 2
-  return dict(bytes=num_bytes, round_trip_s=trip, local_s=base,
-              one_way_s=one_way, bytes_per_s=num_bytes / one_way)
+  return dict(
+    bytes=num_bytes,
+    round_trip_s=trip,
+    local_s=base,
+    one_way_s=one_way,
+    bytes_per_s=num_bytes / one_way,
+  )
 
 
 def _MemoryDevices(devices):
@@ -302,14 +370,26 @@ def MeasureWorkerMemory(bench, status):
 
 
 def Table(records):
-  cols = ['model', 'mode', 'replicas', 'num_stages', 'num_micro_batches',
-          'recompute', 'batch_size', 'step_time_s', 'examples_per_s',
-          'ideal_speedup', 'speedup_vs_plain', 'normalized_to_k2m1',
-          'bytes_between_workers_per_step', 'bytes_to_driver_per_step',
-          'peak_bytes', 'activation_bytes']
+  cols = [
+    'model',
+    'mode',
+    'replicas',
+    'num_stages',
+    'num_micro_batches',
+    'recompute',
+    'batch_size',
+    'step_time_s',
+    'examples_per_s',
+    'ideal_speedup',
+    'speedup_vs_plain',
+    'normalized_to_k2m1',
+    'bytes_between_workers_per_step',
+    'bytes_to_driver_per_step',
+    'peak_bytes',
+    'activation_bytes',
+  ]
   rows = [[_Fmt(r.get(c), c) for c in cols] for r in records]
-  widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in
-            enumerate(cols)]
+  widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
   head = '  '.join(c.rjust(w) for c, w in zip(cols, widths))
   lines = [head, '-' * len(head)]
   lines += ['  '.join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
@@ -343,12 +423,15 @@ def ParseConfigs(text):
 def RunBenchmark(args, devices, worker_pids=(), status=None):
   records = []
   for model_name in args.model.split(','):
-    configs = [c for c in DEFAULT_CONFIGS
-               if max(c[0], 1) * c[3] <= len(devices)]
+    configs = [
+      c for c in DEFAULT_CONFIGS if max(c[0], 1) * c[3] <= len(devices)
+    ]
     if args.configs:
       configs = ParseConfigs(args.configs)
-    benches = [Bench(model_name, args, k, m, r, devices, num_replicas=reps)
-               for k, m, r, reps in configs]
+    benches = [
+      Bench(model_name, args, k, m, r, devices, num_replicas=reps)
+      for k, m, r, reps in configs
+    ]
     for b in benches:  # compile and warm up
       for _ in range(args.warmup):
         b.Run()
@@ -367,17 +450,28 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
     for b in benches:
       k, m, reps = b.key[1], b.key[2], b.key[4]
       t = statistics.median(times[b.key])
-      rec = dict(model=model_name, mode=args.mode, replicas=reps,
-                 num_stages=k, num_micro_batches=m, recompute=b.key[3],
-                 batch_size=batch, step_time_s=t, step_times_s=times[b.key],
-                 examples_per_s=batch / t,
-                 ideal_speedup=reps * schedule.IdealSpeedup(max(k, 1), m),
-                 weight_bytes=b.weight_bytes, devices=b.devices)
+      rec = dict(
+        model=model_name,
+        mode=args.mode,
+        replicas=reps,
+        num_stages=k,
+        num_micro_batches=m,
+        recompute=b.key[3],
+        batch_size=batch,
+        step_time_s=t,
+        step_times_s=times[b.key],
+        examples_per_s=batch / t,
+        ideal_speedup=reps * schedule.IdealSpeedup(max(k, 1), m),
+        weight_bytes=b.weight_bytes,
+        devices=b.devices,
+      )
       if sent[b.key]:
         rec['bytes_between_workers_per_step'] = statistics.median(
-            x[0] for x in sent[b.key])
+          x[0] for x in sent[b.key]
+        )
         rec['bytes_to_driver_per_step'] = statistics.median(
-            x[1] for x in sent[b.key])
+          x[1] for x in sent[b.key]
+        )
       if model_name == 'transformer':
         rec['tokens_per_s'] = batch * args.seq_len / t
       if k == 0:
@@ -389,20 +483,27 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
           rec['memory_note'] = note
       elif args.memory and status:
         rec['peak_bytes'], rec['activation_bytes'] = MeasureWorkerMemory(
-            b, status)
-        rec['memory_note'] = 'per device: each worker process\'s allocator'
+          b, status
+        )
+        rec['memory_note'] = "per device: each worker process's allocator"
       records.append(rec)
-    k2m1 = [r for r in records if r['model'] == model_name and
-            r['num_stages'] == 2 and r['num_micro_batches'] == 1 and
-            r['replicas'] == 1]
+    k2m1 = [
+      r
+      for r in records
+      if r['model'] == model_name
+      and r['num_stages'] == 2
+      and r['num_micro_batches'] == 1
+      and r['replicas'] == 1
+    ]
     for r in records:
       if r['model'] != model_name:
         continue
       if plain:
         r['speedup_vs_plain'] = r['examples_per_s'] / plain['examples_per_s']
       if k2m1:
-        r['normalized_to_k2m1'] = (r['examples_per_s'] /
-                                   k2m1[0]['examples_per_s'])
+        r['normalized_to_k2m1'] = (
+          r['examples_per_s'] / k2m1[0]['examples_per_s']
+        )
     del benches
   return records
 
@@ -413,61 +514,100 @@ def RunTrace(args, devices):
   model_name = args.model.split(',')[0]
   k = min(args.trace_stages, len(devices))
   tracer = schedule.ScheduleTracer()
-  bench = Bench(model_name, args, k, args.trace_micro_batches, True, devices,
-                tracer=tracer)
+  bench = Bench(
+    model_name, args, k, args.trace_micro_batches, True, devices, tracer=tracer
+  )
   for _ in range(args.warmup + 1):
     _, (_, stamps) = bench.Run()
   events = tracer.Events(stamps)
-  base = os.path.join(args.trace,
-                      f'{model_name}_k{k}_m{args.trace_micro_batches}')
+  base = os.path.join(
+    args.trace, f'{model_name}_k{k}_m{args.trace_micro_batches}'
+  )
   timeline.WriteChromeTrace(events, base + '.trace.json', bench.devices)
   timeline.PlotTimeline(
-      events, base + '.png', devices=bench.devices,
-      title=(f'{model_name}: K={k}, M={args.trace_micro_batches}, {args.mode}'
-             ' (blue forward, orange backward with recompute; gaps: bubble)'))
+    events,
+    base + '.png',
+    devices=bench.devices,
+    title=(
+      f'{model_name}: K={k}, M={args.trace_micro_batches}, {args.mode}'
+      ' (blue forward, orange backward with recompute; gaps: bubble)'
+    ),
+  )
   util = timeline.Utilization(events)
-  print(f'Timeline: {base}.png, {base}.trace.json; busy fraction per cell: '
-        + ', '.join(f'cell {c}: {u:.2f}' for c, u in util.items()))
-  return dict(png=base + '.png', trace=base + '.trace.json',
-              utilization=util, events=events)
+  print(
+    f'Timeline: {base}.png, {base}.trace.json; busy fraction per cell: '
+    + ', '.join(f'cell {c}: {u:.2f}' for c, u in util.items())
+  )
+  return dict(
+    png=base + '.png',
+    trace=base + '.trace.json',
+    utilization=util,
+    events=events,
+  )
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--mode', default='multi_process',
-                      choices=['multi_process', 'in_process'])
-  parser.add_argument('--model', default='transformer',
-                      help='Comma list of: ' + ', '.join(MODELS))
-  parser.add_argument('--configs', default='',
-                      help='Comma list of KxMxC or KxMxCxR (C=1: recompute; '
-                      'R: data-parallel replicas), e.g. 0x1x0,2x8x1,1x1x0x2; '
-                      'default: the standard set.')
+  parser.add_argument(
+    '--mode', default='multi_process', choices=['multi_process', 'in_process']
+  )
+  parser.add_argument(
+    '--model', default='transformer', help='Comma list of: ' + ', '.join(MODELS)
+  )
+  parser.add_argument(
+    '--configs',
+    default='',
+    help='Comma list of KxMxC or KxMxCxR (C=1: recompute; '
+    'R: data-parallel replicas), e.g. 0x1x0,2x8x1,1x1x0x2; '
+    'default: the standard set.',
+  )
   parser.add_argument('--num_devices', type=int, default=2)
   parser.add_argument('--num_blocks', type=int, default=8)
   parser.add_argument('--dim', type=int, default=256)
   parser.add_argument('--seq_len', type=int, default=64)
   parser.add_argument('--batch_size', type=int, default=64)
-  parser.add_argument('--steps', type=int, default=5,
-                      help='Timed rounds (each runs every configuration).')
+  parser.add_argument(
+    '--steps',
+    type=int,
+    default=5,
+    help='Timed rounds (each runs every configuration).',
+  )
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--json', default='', help='Write records here.')
-  parser.add_argument('--trace', default='',
-                      help='Directory: write a timeline (PNG, Chrome trace).')
+  parser.add_argument(
+    '--trace',
+    default='',
+    help='Directory: write a timeline (PNG, Chrome trace).',
+  )
   parser.add_argument('--trace_stages', type=int, default=2)
   parser.add_argument('--trace_micro_batches', type=int, default=8)
-  parser.add_argument('--worker_inter_op_threads', type=int, default=2,
-                      help='multi_process: ops a worker may run at once.')
-  parser.add_argument('--pin_workers', type=int, default=1,
-                      help='multi_process: pin worker i to core i, so a '
-                      'worker computes on one core whatever its threads.')
-  parser.add_argument('--strict_order', type=int, default=1,
-                      help='PipeliningLayer.strict_order.')
-  parser.add_argument('--memory', type=int, default=0,
-                      help='multi_process: each worker counts its allocations '
-                      '(TensorFlow\'s BFC allocator) and reports its own peak '
-                      'bytes per step (peak_bytes per device).')
-  parser.add_argument('--no_benchmark', action='store_true',
-                      help='Only write the trace.')
+  parser.add_argument(
+    '--worker_inter_op_threads',
+    type=int,
+    default=2,
+    help='multi_process: ops a worker may run at once.',
+  )
+  parser.add_argument(
+    '--pin_workers',
+    type=int,
+    default=1,
+    help='multi_process: pin worker i to core i, so a '
+    'worker computes on one core whatever its threads.',
+  )
+  parser.add_argument(
+    '--strict_order', type=int, default=1, help='PipeliningLayer.strict_order.'
+  )
+  parser.add_argument(
+    '--memory',
+    type=int,
+    default=0,
+    help='multi_process: each worker counts its allocations '
+    "(TensorFlow's BFC allocator) and reports its own peak "
+    'bytes per step (peak_bytes per device).',
+  )
+  parser.add_argument(
+    '--no_benchmark', action='store_true', help='Only write the trace.'
+  )
   args = parser.parse_args(argv)
 
   local = None
@@ -482,32 +622,42 @@ def main(argv=None):
     # one-op-at-a-time setting must be made here as well as in the servers.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(
-        args.worker_inter_op_threads)
+      args.worker_inter_op_threads
+    )
     local = cluster.LocalCluster(
-        args.num_devices, intra_op_threads=1,
-        inter_op_threads=args.worker_inter_op_threads,
-        pin_cpus=bool(args.pin_workers),
-        memory_stats=bool(args.memory)).Start()
+      args.num_devices,
+      intra_op_threads=1,
+      inter_op_threads=args.worker_inter_op_threads,
+      pin_cpus=bool(args.pin_workers),
+      memory_stats=bool(args.memory),
+    ).Start()
     cluster.Connect(local.cluster_spec)
     devices = local.devices
   try:
     result = {'records': [], 'trace': None}
     if not args.no_benchmark:
-      status = (device_memory.StatusMap(devices, local.status_addresses)
-                if local is not None and args.memory else None)
+      status = (
+        device_memory.StatusMap(devices, local.status_addresses)
+        if local is not None and args.memory
+        else None
+      )
       result['records'] = RunBenchmark(
-          args, devices, local.pids if local is not None else (), status)
+        args, devices, local.pids if local is not None else (), status
+      )
       print(Table(result['records']))
-      notes = sorted({r['memory_note'] for r in result['records']
-                      if r.get('memory_note')})
+      notes = sorted(
+        {r['memory_note'] for r in result['records'] if r.get('memory_note')}
+      )
       for note in notes:
         print(f'Memory: {note}.')
       if local is not None and len(devices) > 1:
         result['transfer'] = MeasureTransfer(devices)
         t = result['transfer']
-        print(f'Transfer between workers 0 and 1 over gRPC: '
-              f'{t["bytes"] / 2**20:.0f} MB one way in {t["one_way_s"]:.3f} s '
-              f'({t["bytes_per_s"] / 2**20:.0f} MB/s).')
+        print(
+          f'Transfer between workers 0 and 1 over gRPC: '
+          f'{t["bytes"] / 2**20:.0f} MB one way in {t["one_way_s"]:.3f} s '
+          f'({t["bytes_per_s"] / 2**20:.0f} MB/s).'
+        )
     if args.trace:
       trace = RunTrace(args, devices)
       result['trace'] = {k: v for k, v in trace.items() if k != 'events'}

@@ -22,6 +22,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 def Sentences(specs):
   """Yields both sides of every well-formed pair of the corpora."""
   from lingvo_gpipe.input import mt_corpus  # pylint: disable=g-import-not-at-top
+
   for spec in specs:
     _, _, pattern = mt_corpus.ParseCorpusSpec(spec)
     for path in mt_corpus.ExpandPattern(pattern, spec):
@@ -33,18 +34,31 @@ def Sentences(specs):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--corpora', default='',
-                      help='Comma-separated SRC-TGT:FILE_PATTERN specs.')
-  parser.add_argument('--data_dir', default='',
-                      help='Or: a directory of <src>-<tgt>.<split>.tsv files.')
+  parser.add_argument(
+    '--corpora', default='', help='Comma-separated SRC-TGT:FILE_PATTERN specs.'
+  )
+  parser.add_argument(
+    '--data_dir',
+    default='',
+    help='Or: a directory of <src>-<tgt>.<split>.tsv files.',
+  )
   parser.add_argument('--split', default='train')
   parser.add_argument('--vocab_size', type=int, required=True)
-  parser.add_argument('--output', required=True,
-                      help='Output prefix (writes PREFIX.model/.vocab).')
-  parser.add_argument('--target_languages', default='en',
-                      help='Comma-separated codes that get a <2xx> token.')
-  parser.add_argument('--model_type', default='unigram',
-                      choices=['unigram', 'bpe', 'char', 'word'])
+  parser.add_argument(
+    '--output',
+    required=True,
+    help='Output prefix (writes PREFIX.model/.vocab).',
+  )
+  parser.add_argument(
+    '--target_languages',
+    default='en',
+    help='Comma-separated codes that get a <2xx> token.',
+  )
+  parser.add_argument(
+    '--model_type',
+    default='unigram',
+    choices=['unigram', 'bpe', 'char', 'word'],
+  )
   parser.add_argument('--character_coverage', type=float, default=1.0)
   parser.add_argument('--max_sentences', type=int, default=2_000_000)
   parser.add_argument('--seed', type=int, default=0)
@@ -52,6 +66,7 @@ def main(argv=None):
 
   from lingvo_gpipe.input import mt_corpus  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.input import mt_vocab  # pylint: disable=g-import-not-at-top
+
   try:
     if args.corpora:
       specs = [s for s in args.corpora.split(',') if s.strip()]
@@ -59,14 +74,19 @@ def main(argv=None):
       specs = mt_corpus.DiscoverCorpora(args.data_dir, args.split)
     else:
       raise ValueError('Give --corpora or --data_dir.')
-    targets = [t.strip() for t in args.target_languages.split(',')
-               if t.strip()]
+    targets = [t.strip() for t in args.target_languages.split(',') if t.strip()]
     for t in targets:
       mt_corpus.CheckLanguage(t, '--target_languages')
     path = mt_vocab.TrainVocabulary(
-        Sentences(specs), args.output, args.vocab_size, targets,
-        args.model_type, args.character_coverage, args.max_sentences,
-        args.seed)
+      Sentences(specs),
+      args.output,
+      args.vocab_size,
+      targets,
+      args.model_type,
+      args.character_coverage,
+      args.max_sentences,
+      args.seed,
+    )
   except (ValueError, FileNotFoundError) as e:
     print(f'ERROR: {e}', file=sys.stderr)
     return 1

@@ -23,42 +23,71 @@ def main(argv=None):
   parser.add_argument('--model', required=True, help='Registry key.')
   parser.add_argument('--logdir', required=True, help='Training logdir.')
   parser.add_argument('--dataset', default='Test', help='Dev or Test.')
-  parser.add_argument('--beam_size', type=int, default=None,
-                      help='Beams (1: greedy); default: the model\'s.')
+  parser.add_argument(
+    '--beam_size',
+    type=int,
+    default=None,
+    help="Beams (1: greedy); default: the model's.",
+  )
   parser.add_argument('--max_batches', type=int, default=None)
-  parser.add_argument('--checkpoint', default=None,
-                      help='Checkpoint prefix; default: the latest.')
-  parser.add_argument('--num_cpu_devices', type=int, default=None,
-                      help='Split the CPU into N devices (as in training).')
-  parser.add_argument('--model_params_override', default=None,
-                      help='"a.b : value" lines (";"-separated).')
-  parser.add_argument('--show', type=int, default=0,
-                      help='Also print this many translations.')
+  parser.add_argument(
+    '--checkpoint', default=None, help='Checkpoint prefix; default: the latest.'
+  )
+  parser.add_argument(
+    '--num_cpu_devices',
+    type=int,
+    default=None,
+    help='Split the CPU into N devices (as in training).',
+  )
+  parser.add_argument(
+    '--model_params_override',
+    default=None,
+    help='"a.b : value" lines (";"-separated).',
+  )
+  parser.add_argument(
+    '--show', type=int, default=0, help='Also print this many translations.'
+  )
   parser.add_argument('--json', default=None, help='Write the scores here.')
   args = parser.parse_args(argv)
 
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
+
   if args.num_cpu_devices:
     cluster.SplitCpu(args.num_cpu_devices)
   from lingvo_gpipe.runners import evaler  # pylint: disable=g-import-not-at-top
-  overrides = (args.model_params_override.replace(';', '\n')
-               if args.model_params_override else None)
+
+  overrides = (
+    args.model_params_override.replace(';', '\n')
+    if args.model_params_override
+    else None
+  )
   try:
     step, report = evaler.EvaluateBleuCheckpoint(
-        args.model, args.logdir, args.dataset, args.beam_size,
-        args.max_batches, args.checkpoint, overrides)
+      args.model,
+      args.logdir,
+      args.dataset,
+      args.beam_size,
+      args.max_batches,
+      args.checkpoint,
+      overrides,
+    )
   except (ValueError, KeyError, FileNotFoundError) as e:
     print(f'ERROR: {e}', file=sys.stderr)
     return 1
   print(f'{args.model} step {step}, {args.dataset}:')
   print(report)
   for h, r, lang in list(zip(report.hyps, report.refs, report.langs))[
-      :args.show]:
+    : args.show
+  ]:
     print(f'[{lang}] {h!r}  (reference {r!r})')
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(dict(step=step, dataset=args.dataset, **report.Metrics()), f,
-                indent=1, sort_keys=True)
+      json.dump(
+        dict(step=step, dataset=args.dataset, **report.Metrics()),
+        f,
+        indent=1,
+        sort_keys=True,
+      )
   return 0
 
 

@@ -21,8 +21,12 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PATTERNS = ('lingvo_gpipe/**/*.py', 'params/**/*.py', 'tools/*.py',
-             'tests/**/*.py')
+_PATTERNS = (
+  'lingvo_gpipe/**/*.py',
+  'params/**/*.py',
+  'tools/*.py',
+  'tests/**/*.py',
+)
 _LIBRARY_DIRS = ('lingvo_gpipe/', 'params/')
 _CONFTEST = 'tests/conftest.py'
 
@@ -30,14 +34,19 @@ _CONFTEST = 'tests/conftest.py'
 def SourceFiles(root=ROOT):
   files = set()
   for pattern in _PATTERNS:
-    files.update(os.path.relpath(p, root) for p in glob.glob(
-        os.path.join(root, pattern), recursive=True))
-  return sorted(f for f in files
-                if not (f.startswith('tests/') and f.endswith('__init__.py')))
+    files.update(
+      os.path.relpath(p, root)
+      for p in glob.glob(os.path.join(root, pattern), recursive=True)
+    )
+  return sorted(
+    f
+    for f in files
+    if not (f.startswith('tests/') and f.endswith('__init__.py'))
+  )
 
 
 def TargetName(path):
-  return path[:-len('.py')].replace('/', '_').replace('__init__', 'init')
+  return path[: -len('.py')].replace('/', '_').replace('__init__', 'init')
 
 
 def _Resolve(module, files):
@@ -62,8 +71,9 @@ def Imports(path, files, root=ROOT):
           out.add(dep)
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
       for alias in node.names:
-        dep = (_Resolve(f'{node.module}.{alias.name}', files) or
-               _Resolve(node.module, files))
+        dep = _Resolve(f'{node.module}.{alias.name}', files) or _Resolve(
+          node.module, files
+        )
         if dep:
           out.add(dep)
   out.discard(path)
@@ -94,7 +104,7 @@ def FindCycle(graph):
         path.pop()
         continue
       if state.get(child) == 'open':
-        return path[path.index(child):] + [child]
+        return path[path.index(child) :] + [child]
       if child not in state and child in graph:
         state[child] = 'open'
         stack.append((child, iter(sorted(graph[child]))))
@@ -108,8 +118,7 @@ def LibraryGraph(graph):
   return {f: {d for d in graph[f] if d in lib} for f in lib}
 
 
-_BLOCK = re.compile(r'(py_library|py_test|py_binary)\(\n(.*?)\n\)\n',
-                    re.DOTALL)
+_BLOCK = re.compile(r'(py_library|py_test|py_binary)\(\n(.*?)\n\)\n', re.DOTALL)
 
 
 def _Deps(kind, src, graph, libraries):
@@ -160,15 +169,19 @@ def Generate(build_text, root=ROOT):
       if os.path.dirname(s) == os.path.dirname(src) and s < src:
         at = i + 1
     blocks.insert(at, (kind, TargetName(src), src))
-  text = '\n'.join(_Format(k, n, s, _Deps(k, s, graph, libraries))
-                   for k, n, s in blocks)
+  text = '\n'.join(
+    _Format(k, n, s, _Deps(k, s, graph, libraries)) for k, n, s in blocks
+  )
   return head + text
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--check', action='store_true',
-                      help='Fail if BUILD is stale or the library is cyclic.')
+  parser.add_argument(
+    '--check',
+    action='store_true',
+    help='Fail if BUILD is stale or the library is cyclic.',
+  )
   args = parser.parse_args(argv)
   path = os.path.join(ROOT, 'BUILD')
   with open(path, encoding='utf-8') as f:

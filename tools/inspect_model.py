@@ -46,9 +46,11 @@ def FindPipelines(p):
   found = []
 
   def Enter(key, value):
-    if (isinstance(value, hyperparams.InstantiableParams) and
-        isinstance(value.cls, type) and
-        issubclass(value.cls, pipelining_layer.PipeliningLayer)):
+    if (
+      isinstance(value, hyperparams.InstantiableParams)
+      and isinstance(value.cls, type)
+      and issubclass(value.cls, pipelining_layer.PipeliningLayer)
+    ):
       found.append((key, value))
       return False
     return True
@@ -120,8 +122,9 @@ def _LayerStats(layers, optimizer):
 def _InspectPipeline(key, pp, optimizer):
   """A dict describing one pipeline's cells."""
   layers = list(pp.layers) if pp.layers else list(pp.cell_tpl)
-  layers = [lp.Copy().Set(name=lp.name or f'layer_{i}')
-            for i, lp in enumerate(layers)]
+  layers = [
+    lp.Copy().Set(name=lp.name or f'layer_{i}') for i, lp in enumerate(layers)
+  ]
   shapes = pp.input_shapes
   flops = None
   if shapes is not None:
@@ -132,31 +135,42 @@ def _InspectPipeline(key, pp, optimizer):
     if by in ('auto', 'time'):
       by = 'flops' if shapes is not None else 'params'
     num_stages = pp.num_stages or (len(pp.devices) if pp.devices else 1)
-    splits = partition.ComputeSplits(layers, num_stages, pp.splits, by,
-                                     shapes)
+    splits = partition.ComputeSplits(layers, num_stages, pp.splits, by, shapes)
   else:
     by = 'flops' if shapes is not None else 'params'
     splits = list(range(1, len(layers) + 1))
   costs = flops if by == 'flops' else [s.params for s in stats]
   if by == 'uniform':
     costs = [1.0] * len(layers)
-  report = balance.MakeReport([float(c) for c in costs], splits,
-                              params=[s.params for s in stats],
-                              names=[lp.name for lp in layers])
+  report = balance.MakeReport(
+    [float(c) for c in costs],
+    splits,
+    params=[s.params for s in stats],
+    names=[lp.name for lp in layers],
+  )
   cells = []
   for c in report.cells:
-    cells.append({
-        'index': c.index, 'layers': c.names, 'params': c.params,
-        'flops': sum(flops[c.start:c.end]) if flops is not None else None,
+    cells.append(
+      {
+        'index': c.index,
+        'layers': c.names,
+        'params': c.params,
+        'flops': sum(flops[c.start : c.end]) if flops is not None else None,
         'cost': c.cost,
-        'weight_bytes': sum(s.weight_bytes for s in stats[c.start:c.end]),
-        'slot_bytes': sum(s.slot_bytes for s in stats[c.start:c.end]),
-    })
+        'weight_bytes': sum(s.weight_bytes for s in stats[c.start : c.end]),
+        'slot_bytes': sum(s.slot_bytes for s in stats[c.start : c.end]),
+      }
+    )
   return {
-      'key': key, 'num_stages': report.num_stages, 'splits': report.splits,
-      'balance_by': by, 'num_micro_batches': pp.num_micro_batches,
-      'imbalance': report.imbalance, 'efficiency': report.efficiency,
-      'cells': cells, 'report': report.ToText(),
+    'key': key,
+    'num_stages': report.num_stages,
+    'splits': report.splits,
+    'balance_by': by,
+    'num_micro_batches': pp.num_micro_batches,
+    'imbalance': report.imbalance,
+    'efficiency': report.efficiency,
+    'cells': cells,
+    'report': report.ToText(),
   }
 
 
@@ -165,35 +179,46 @@ def Inspect(model_key, dataset='Train'):
   p = model_registry.GetParams(model_key, dataset)
   optimizer = _Optimizer(p)
   total = _Stats(_Variables(p), optimizer)
-  pipelines = [_InspectPipeline(k, pp, optimizer)
-               for k, pp in FindPipelines(p)]
+  pipelines = [_InspectPipeline(k, pp, optimizer) for k, pp in FindPipelines(p)]
   if pipelines:
     main_pipe = pipelines[0]
   else:
     main_pipe = {
-        'key': None, 'num_stages': 1, 'splits': [1], 'balance_by': None,
-        'num_micro_batches': 1, 'imbalance': 1.0, 'efficiency': 1.0,
-        'cells': [{'index': 0, 'layers': [p.task.name], 'params':
-                   total.params, 'flops': None, 'cost': None,
-                   'weight_bytes': total.weight_bytes,
-                   'slot_bytes': total.slot_bytes}],
-        'report': 'No PipeliningLayer: the model is one cell.',
+      'key': None,
+      'num_stages': 1,
+      'splits': [1],
+      'balance_by': None,
+      'num_micro_batches': 1,
+      'imbalance': 1.0,
+      'efficiency': 1.0,
+      'cells': [
+        {
+          'index': 0,
+          'layers': [p.task.name],
+          'params': total.params,
+          'flops': None,
+          'cost': None,
+          'weight_bytes': total.weight_bytes,
+          'slot_bytes': total.slot_bytes,
+        }
+      ],
+      'report': 'No PipeliningLayer: the model is one cell.',
     }
   return {
-      'model': model_key,
-      'num_params': total.params,
-      'num_trainable_params': total.trainable,
-      'num_stages': main_pipe['num_stages'],
-      'balance_by': main_pipe['balance_by'],
-      'splits': main_pipe['splits'],
-      'imbalance': main_pipe['imbalance'],
-      'efficiency': main_pipe['efficiency'],
-      'weight_bytes': total.weight_bytes,
-      'slot_bytes': total.slot_bytes,
-      'memory_bytes': total.weight_bytes + total.slot_bytes,
-      'optimizer': type(optimizer).__name__ if optimizer else None,
-      'cells': main_pipe['cells'],
-      'pipelines': pipelines,
+    'model': model_key,
+    'num_params': total.params,
+    'num_trainable_params': total.trainable,
+    'num_stages': main_pipe['num_stages'],
+    'balance_by': main_pipe['balance_by'],
+    'splits': main_pipe['splits'],
+    'imbalance': main_pipe['imbalance'],
+    'efficiency': main_pipe['efficiency'],
+    'weight_bytes': total.weight_bytes,
+    'slot_bytes': total.slot_bytes,
+    'memory_bytes': total.weight_bytes + total.slot_bytes,
+    'optimizer': type(optimizer).__name__ if optimizer else None,
+    'cells': main_pipe['cells'],
+    'pipelines': pipelines,
   }
 
 
@@ -215,38 +240,46 @@ def _Count(n):
 def Text(info):
   """The human-readable report of `Inspect`'s dict."""
   lines = [
-      f'Model {info["model"]} (abstract build: no weight allocated)',
-      f'  parameters: {info["num_params"]:,} ({_Count(info["num_params"])}); '
-      f'trainable {info["num_trainable_params"]:,}',
-      f'  weight memory: weights {_Bytes(info["weight_bytes"])} + '
-      f'{info["optimizer"] or "no"} optimizer slots '
-      f'{_Bytes(info["slot_bytes"])} = {_Bytes(info["memory_bytes"])}',
+    f'Model {info["model"]} (abstract build: no weight allocated)',
+    f'  parameters: {info["num_params"]:,} ({_Count(info["num_params"])}); '
+    f'trainable {info["num_trainable_params"]:,}',
+    f'  weight memory: weights {_Bytes(info["weight_bytes"])} + '
+    f'{info["optimizer"] or "no"} optimizer slots '
+    f'{_Bytes(info["slot_bytes"])} = {_Bytes(info["memory_bytes"])}',
   ]
   pipes = info['pipelines']
   if not pipes:
     lines.append('  No PipeliningLayer: the model is one cell.')
   for pipe in pipes:
     lines.append(
-        f'Pipeline {pipe["key"]}: {pipe["num_stages"]} cells, '
-        f'{pipe["num_micro_batches"]} micro-batches, balanced by '
-        f'{pipe["balance_by"]}; imbalance (max/mean cost) '
-        f'{pipe["imbalance"]:.3f}')
+      f'Pipeline {pipe["key"]}: {pipe["num_stages"]} cells, '
+      f'{pipe["num_micro_batches"]} micro-batches, balanced by '
+      f'{pipe["balance_by"]}; imbalance (max/mean cost) '
+      f'{pipe["imbalance"]:.3f}'
+    )
     lines.append(pipe['report'])
     lines.append('cell  params          flops/example     weights+slots')
     for c in pipe['cells']:
       flops = f'{c["flops"]:.4g}' if c['flops'] is not None else '-'
-      lines.append(f'{c["index"]:>4}  {c["params"]:<14,}  {flops:<16}  '
-                   f'{_Bytes(c["weight_bytes"] + c["slot_bytes"])}')
+      lines.append(
+        f'{c["index"]:>4}  {c["params"]:<14,}  {flops:<16}  '
+        f'{_Bytes(c["weight_bytes"] + c["slot_bytes"])}'
+      )
   return '\n'.join(lines)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--model', required=True,
-                      help='Registered model key, e.g. '
-                      'image.amoebanet.AmoebaNetD72x512.')
-  parser.add_argument('--dataset', default='Train',
-                      help='Which dataset\'s model Params (default Train).')
+  parser.add_argument(
+    '--model',
+    required=True,
+    help='Registered model key, e.g. image.amoebanet.AmoebaNetD72x512.',
+  )
+  parser.add_argument(
+    '--dataset',
+    default='Train',
+    help="Which dataset's model Params (default Train).",
+  )
   parser.add_argument('--json', default='', help='Also write the report here.')
   args = parser.parse_args(argv)
   try:
@@ -257,8 +290,10 @@ def main(argv=None):
   print(Text(info))
   if args.json:
     out = {k: v for k, v in info.items()}
-    out['pipelines'] = [{k: v for k, v in pipe.items() if k != 'report'}
-                        for pipe in info['pipelines']]
+    out['pipelines'] = [
+      {k: v for k, v in pipe.items() if k != 'report'}
+      for pipe in info['pipelines']
+    ]
     with open(args.json, 'w') as f:
       json.dump(out, f, indent=1)
     print(f'Wrote {args.json}')

@@ -28,17 +28,31 @@ from lingvo_gpipe.core import cluster
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--num_workers', type=int, default=2)
-  parser.add_argument('--intra_op_threads', type=int, default=0,
-                      help='Threads one op may use in a worker (0: TF).')
-  parser.add_argument('--inter_op_threads', type=int, default=0,
-                      help='Ops a worker may run at once (0: TF).')
-  parser.add_argument('--pin', action='store_true',
-                      help='Pin worker i to CPU core i.')
+  parser.add_argument(
+    '--intra_op_threads',
+    type=int,
+    default=0,
+    help='Threads one op may use in a worker (0: TF).',
+  )
+  parser.add_argument(
+    '--inter_op_threads',
+    type=int,
+    default=0,
+    help='Ops a worker may run at once (0: TF).',
+  )
+  parser.add_argument(
+    '--pin', action='store_true', help='Pin worker i to CPU core i.'
+  )
   parser.add_argument('--startup_timeout_s', type=float, default=120)
-  parser.add_argument('--spec_file', default='',
-                      help='Also write the cluster spec (JSON) here.')
-  parser.add_argument('--serve_seconds', type=float, default=0,
-                      help='Stop after this many seconds (0: until killed).')
+  parser.add_argument(
+    '--spec_file', default='', help='Also write the cluster spec (JSON) here.'
+  )
+  parser.add_argument(
+    '--serve_seconds',
+    type=float,
+    default=0,
+    help='Stop after this many seconds (0: until killed).',
+  )
   args = parser.parse_args(argv)
   if args.num_workers < 1:
     parser.error(f'--num_workers={args.num_workers} must be >= 1.')
@@ -46,9 +60,12 @@ def main(argv=None):
   stop = []
   signal.signal(signal.SIGTERM, lambda *unused: stop.append(True))
   local = cluster.LocalCluster(
-      args.num_workers, intra_op_threads=args.intra_op_threads,
-      inter_op_threads=args.inter_op_threads,
-      startup_timeout_s=args.startup_timeout_s, pin_cpus=args.pin)
+    args.num_workers,
+    intra_op_threads=args.intra_op_threads,
+    inter_op_threads=args.inter_op_threads,
+    startup_timeout_s=args.startup_timeout_s,
+    pin_cpus=args.pin,
+  )
   with local:
     spec = 'worker=' + ','.join(local.addresses)
     if args.spec_file:
@@ -57,17 +74,21 @@ def main(argv=None):
     print(f'{args.num_workers} workers ready: {local.cluster_spec}')
     for i in range(args.num_workers):
       print(f'  task {i}: pid {local.pids[i]}, device {local.devices[i]}')
-    print('Train on them with, e.g.:\n'
-          '  python -m lingvo_gpipe.trainer --model=image.digits.MlpDigitsTiny'
-          f' --logdir=/tmp/digits_cluster --cluster_spec={spec} '
-          f'--worker_split_size={args.num_workers}', flush=True)
+    print(
+      'Train on them with, e.g.:\n'
+      '  python -m lingvo_gpipe.trainer --model=image.digits.MlpDigitsTiny'
+      f' --logdir=/tmp/digits_cluster --cluster_spec={spec} '
+      f'--worker_split_size={args.num_workers}',
+      flush=True,
+    )
     deadline = time.time() + args.serve_seconds if args.serve_seconds else None
     try:
       while not stop and (deadline is None or time.time() < deadline):
         dead = [i for i, alive in enumerate(local.Alive()) if not alive]
         if dead:
-          print(f'Worker(s) {dead} exited; stopping the cluster.',
-                file=sys.stderr)
+          print(
+            f'Worker(s) {dead} exited; stopping the cluster.', file=sys.stderr
+          )
           return 1
         time.sleep(0.5)
     except KeyboardInterrupt:

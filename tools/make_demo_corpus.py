@@ -20,36 +20,49 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 def main(argv=None):
   from lingvo_gpipe.input import mt_demo  # pylint: disable=g-import-not-at-top
+
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--output', default=mt_demo.DefaultDemoDir())
-  parser.add_argument('--languages', default='',
-                      help='Comma-separated source languages; default all '
-                      f'{len(mt_demo.DEMO_LANGUAGES)}: '
-                      + ','.join(mt_demo.DEMO_LANGUAGES))
+  parser.add_argument(
+    '--languages',
+    default='',
+    help='Comma-separated source languages; default all '
+    f'{len(mt_demo.DEMO_LANGUAGES)}: ' + ','.join(mt_demo.DEMO_LANGUAGES),
+  )
   parser.add_argument('--seed', type=int, default=1234)
   parser.add_argument('--max_train_pairs', type=int, default=4000)
   parser.add_argument('--eval_pairs', type=int, default=100)
   parser.add_argument('--max_digits', type=int, default=4)
   parser.add_argument('--vocab_size', type=int, default=1000)
-  parser.add_argument('--force', action='store_true',
-                      help='Replace an existing output directory.')
+  parser.add_argument(
+    '--force', action='store_true', help='Replace an existing output directory.'
+  )
   args = parser.parse_args(argv)
   languages = [x.strip() for x in args.languages.split(',') if x.strip()]
   try:
     manifest = mt_demo.BuildDemoCorpus(
-        args.output, force=args.force, languages=languages or None,
-        seed=args.seed, max_train_pairs=args.max_train_pairs,
-        eval_pairs=args.eval_pairs, max_digits=args.max_digits,
-        vocab_size=args.vocab_size)
+      args.output,
+      force=args.force,
+      languages=languages or None,
+      seed=args.seed,
+      max_train_pairs=args.max_train_pairs,
+      eval_pairs=args.eval_pairs,
+      max_digits=args.max_digits,
+      vocab_size=args.vocab_size,
+    )
   except (ValueError, FileExistsError) as e:
     print(f'ERROR: {e}', file=sys.stderr)
     return 1
   counts = manifest['counts']
-  total = {s: sum(v for k, v in counts.items() if k.endswith('.' + s))
-           for s in ('train', 'dev', 'test')}
-  print(f'Wrote {args.output}: {len(manifest["languages"])} languages, '
-        f'{total["train"]} train / {total["dev"]} dev / {total["test"]} test '
-        'pairs, vocabulary spm.model.')
+  total = {
+    s: sum(v for k, v in counts.items() if k.endswith('.' + s))
+    for s in ('train', 'dev', 'test')
+  }
+  print(
+    f'Wrote {args.output}: {len(manifest["languages"])} languages, '
+    f'{total["train"]} train / {total["dev"]} dev / {total["test"]} test '
+    'pairs, vocabulary spm.model.'
+  )
   return 0
 
 

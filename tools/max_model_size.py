@@ -56,14 +56,27 @@ import time
 MIB = 2**20
 
 FAMILIES = {
-    'transformer': dict(
-        knob='num_layers', min_size=1, step=1, start=2,
-        fixed=dict(model_dim=64, hidden_dim=256, num_heads=1,
-                   vocab_size=1024, seq_len=32, batch_size=32)),
-    'amoebanet': dict(
-        knob='num_filters', min_size=8, step=8, start=32,
-        fixed=dict(image_size=16, batch_size=32, num_classes=10,
-                   base_cells=6)),
+  'transformer': dict(
+    knob='num_layers',
+    min_size=1,
+    step=1,
+    start=2,
+    fixed=dict(
+      model_dim=64,
+      hidden_dim=256,
+      num_heads=1,
+      vocab_size=1024,
+      seq_len=32,
+      batch_size=32,
+    ),
+  ),
+  'amoebanet': dict(
+    knob='num_filters',
+    min_size=8,
+    step=8,
+    start=32,
+    fixed=dict(image_size=16, batch_size=32, num_classes=10, base_cells=6),
+  ),
 }
 DEFAULT_BUDGET_MB = {'transformer': 40, 'amoebanet': 64}
 DEFAULT_CONFIGS = 'naive-1,pipeline-1,pipeline-2,pipeline-4,pipeline-8'
@@ -77,19 +90,30 @@ def ParseConfig(name):
   """'naive-1' | 'pipeline-K' -> dict(name, num_stages, num_micro_batches,
   recompute, pipeline)."""
   if name == 'naive-1':
-    return dict(name=name, num_stages=1, num_micro_batches=1,
-                recompute=False, pipeline=False)
+    return dict(
+      name=name,
+      num_stages=1,
+      num_micro_batches=1,
+      recompute=False,
+      pipeline=False,
+    )
   if name.startswith('pipeline-'):
     try:
       k = int(name.split('-', 1)[1])
     except ValueError:
       k = 0
     if k >= 1:
-      return dict(name=name, num_stages=k, num_micro_batches=max(8, 4 * k),
-                  recompute=True, pipeline=True)
+      return dict(
+        name=name,
+        num_stages=k,
+        num_micro_batches=max(8, 4 * k),
+        recompute=True,
+        pipeline=True,
+      )
   raise UsageError(
-      f'Unknown configuration {name!r}: valid ones are naive-1 and '
-      'pipeline-K for K >= 1 (e.g. pipeline-1, pipeline-2, pipeline-8).')
+    f'Unknown configuration {name!r}: valid ones are naive-1 and '
+    'pipeline-K for K >= 1 (e.g. pipeline-1, pipeline-2, pipeline-8).'
+  )
 
 
 def NumCells(family, num_stages):
@@ -109,43 +133,75 @@ def _BuildModel(family, size, config, devices):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+
   f = FAMILIES[family]['fixed']
   k = config['num_stages']
   if family == 'transformer':
     from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
+
     layer_params = transformer_lm.LayerParams(
-        num_layers=size, model_dim=f['model_dim'], hidden_dim=f['hidden_dim'],
-        num_heads=f['num_heads'], vocab_size=f['vocab_size'])
+      num_layers=size,
+      model_dim=f['model_dim'],
+      hidden_dim=f['hidden_dim'],
+      num_heads=f['num_heads'],
+      vocab_size=f['vocab_size'],
+    )
 
     def Inputs():
       ids = tf.random.stateless_uniform(
-          [f['batch_size'], f['seq_len']], [7, 11], maxval=f['vocab_size'],
-          dtype=tf.int32)
-      return (ids, ids), None   # the copy task: labels are the inputs
+        [f['batch_size'], f['seq_len']],
+        [7, 11],
+        maxval=f['vocab_size'],
+        dtype=tf.int32,
+      )
+      return (ids, ids), None  # the copy task: labels are the inputs
   else:
     from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-    net = amoebanet.AmoebaNet.Params().Set(
-        num_cells=NumCells(family, k), num_filters=size,
-        image_size=f['image_size'], stem_type='cifar', stem_filters=size,
-        num_classes=f['num_classes'], head_logits=True).Instantiate()
+
+    net = (
+      amoebanet.AmoebaNet.Params()
+      .Set(
+        num_cells=NumCells(family, k),
+        num_filters=size,
+        image_size=f['image_size'],
+        stem_type='cifar',
+        stem_filters=size,
+        num_classes=f['num_classes'],
+        head_logits=True,
+      )
+      .Instantiate()
+    )
     layer_params = net.Layers()
 
     def Inputs():
       s = f['image_size']
       images = tf.random.stateless_normal([f['batch_size'], s, s, 3], [7, 11])
       labels = tf.random.stateless_uniform(
-          [f['batch_size']], [3, 5], maxval=f['num_classes'], dtype=tf.int32)
+        [f['batch_size']], [3, 5], maxval=f['num_classes'], dtype=tf.int32
+      )
       return (images,), labels
 
   if config['pipeline']:
-    layer = gpipe.PipeliningLayer.Params().Set(
-        name='model', layers=layer_params, num_stages=k,
-        num_micro_batches=config['num_micro_batches'], devices=devices[:k],
-        recompute='always', balance_by='params').Instantiate()
+    layer = (
+      gpipe.PipeliningLayer.Params()
+      .Set(
+        name='model',
+        layers=layer_params,
+        num_stages=k,
+        num_micro_batches=config['num_micro_batches'],
+        devices=devices[:k],
+        recompute='always',
+        balance_by='params',
+      )
+      .Instantiate()
+    )
   else:
     with tf.device(devices[0]):
-      layer = layers.SequentialLayer.Params().Set(
-          name='model', sub=layer_params).Instantiate()
+      layer = (
+        layers.SequentialLayer.Params()
+        .Set(name='model', sub=layer_params)
+        .Instantiate()
+      )
   return layer, Inputs
 
 
@@ -161,38 +217,52 @@ def RunTrial(spec):
   family, config, size = spec['family'], spec['config'], spec['size']
   k = config['num_stages']
   from lingvo_gpipe.runners import device_memory  # pylint: disable=g-import-not-at-top
-  device_memory.EnableCpuStats()   # this driver's own, to check it holds nothing
+
+  device_memory.EnableCpuStats()  # this driver's own, to check it holds nothing
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
+
   limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
-  with cluster.LocalCluster(k, memory_stats=True, memory_limit_mb=limit,
-                            intra_op_threads=spec.get('intra_op_threads', 0),
-                            inter_op_threads=spec.get('inter_op_threads', 2)
-                           ) as c:
+  with cluster.LocalCluster(
+    k,
+    memory_stats=True,
+    memory_limit_mb=limit,
+    intra_op_threads=spec.get('intra_op_threads', 0),
+    inter_op_threads=spec.get('inter_op_threads', 2),
+  ) as c:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
+
     # The workers run this process's functions with the thread pools its
     # config asks for (the config travels with the connection).
     tf.config.threading.set_inter_op_parallelism_threads(
-        spec.get('inter_op_threads', 2))
+      spec.get('inter_op_threads', 2)
+    )
     tf.config.threading.set_intra_op_parallelism_threads(
-        spec.get('intra_op_threads', 0))
+      spec.get('intra_op_threads', 0)
+    )
     cluster.Connect(c.cluster_spec)
     devices = c.devices
     status = device_memory.StatusMap(devices, c.status_addresses)
-    record = dict(family=family, config=config['name'], num_stages=k,
-                  num_micro_batches=config['num_micro_batches'],
-                  recompute=config['recompute'], size=size,
-                  knob=FAMILIES[family]['knob'],
-                  num_cells=NumCells(family, k),
-                  budget_bytes=spec['budget_mb'] * MIB, devices=devices)
+    record = dict(
+      family=family,
+      config=config['name'],
+      num_stages=k,
+      num_micro_batches=config['num_micro_batches'],
+      recompute=config['recompute'],
+      size=size,
+      knob=FAMILIES[family]['knob'],
+      num_cells=NumCells(family, k),
+      budget_bytes=spec['budget_mb'] * MIB,
+      devices=devices,
+    )
     try:
       layer, inputs_fn = _BuildModel(family, size, config, devices)
       variables = layer.trainable_variables
-      record['num_params'] = int(sum(v.shape.num_elements()
-                                     for v in variables))
-      record['param_bytes'] = int(sum(v.shape.num_elements() * v.dtype.size
-                                      for v in variables))
+      record['num_params'] = int(sum(v.shape.num_elements() for v in variables))
+      record['param_bytes'] = int(
+        sum(v.shape.num_elements() * v.dtype.size for v in variables)
+      )
       opt = optimizer.Adam.Params().Instantiate()
       opt.CreateSlots(variables)
       first, last = devices[0], devices[k - 1]
@@ -211,13 +281,17 @@ def RunTrial(spec):
                 loss = tf.reduce_mean(out)
               else:
                 loss = tf.reduce_mean(
-                    tf.nn.sparse_softmax_cross_entropy_with_logits(
-                        labels=labels, logits=out))
-          with tf.device(last):   # the loss gradient next to the loss
+                  tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=labels, logits=out
+                  )
+                )
+          with tf.device(last):  # the loss gradient next to the loss
             grads = tape.gradient(loss, variables)
         with tf.device(last):
-          opt.Apply(tf.constant(spec.get('learning_rate', 1e-3)),
-                    list(zip(grads, variables)))
+          opt.Apply(
+            tf.constant(spec.get('learning_rate', 1e-3)),
+            list(zip(grads, variables)),
+          )
         updates.Apply()
         return loss
 
@@ -225,7 +299,7 @@ def RunTrial(spec):
       slots = _DeviceBytes(list(opt.slots().values()))
       losses, peaks = [], []
       start = time.time()
-      losses.append(float(Step().numpy()))   # traces; slots already exist
+      losses.append(float(Step().numpy()))  # traces; slots already exist
       record['first_step_s'] = time.time() - start
       before = device_memory.DeviceMemory(devices, status)
       here = '/job:localhost/replica:0/task:0/device:CPU:0'
@@ -234,37 +308,50 @@ def RunTrial(spec):
         t0 = time.time()
         losses.append(float(Step().numpy()))
         record['step_s'] = time.time() - t0
-        peaks.append([p for _, p in device_memory.DeviceMemory(
-            devices, status).values()])
+        peaks.append(
+          [p for _, p in device_memory.DeviceMemory(devices, status).values()]
+        )
       # What ran in this driving process instead of on a device (should be
       # nothing but the step's scalars).
-      record['driver_peak_bytes'] = device_memory.DeviceMemory(
-          [here])[here][1]
+      record['driver_peak_bytes'] = device_memory.DeviceMemory([here])[here][1]
       details = device_memory.DeviceDetails(devices, status)
       record['losses'] = losses
       record['peak_bytes_per_step'] = peaks
-      record['peak_bytes_per_device'] = [max(p[i] for p in peaks)
-                                         for i in range(k)]
+      record['peak_bytes_per_device'] = [
+        max(p[i] for p in peaks) for i in range(k)
+      ]
       record['state_bytes_per_device'] = [before[d][0] for d in devices]
       record['weight_bytes_per_device'] = [weights.get(d, 0) for d in devices]
       record['slot_bytes_per_device'] = [slots.get(d, 0) for d in devices]
       record['rss_peak_minus_baseline_per_device'] = [
-          details[d]['rss_peak'] - details[d]['rss_baseline']
-          for d in devices]
+        details[d]['rss_peak'] - details[d]['rss_baseline'] for d in devices
+      ]
       record['peak_activation_bytes'] = max(
-          p - s for p, s in zip(record['peak_bytes_per_device'],
-                                record['state_bytes_per_device']))
-      record['fits'] = max(record['peak_bytes_per_device']) <= (
-          record['budget_bytes'])
+        p - s
+        for p, s in zip(
+          record['peak_bytes_per_device'], record['state_bytes_per_device']
+        )
+      )
+      record['fits'] = (
+        max(record['peak_bytes_per_device']) <= (record['budget_bytes'])
+      )
       record['error'] = None
-    except (tf.errors.ResourceExhaustedError,
-            tf.errors.UnavailableError, tf.errors.InternalError,
-            tf.errors.AbortedError, tf.errors.CancelledError,
-            device_memory.MemoryStatsUnavailable) as e:
+    except (
+      tf.errors.ResourceExhaustedError,
+      tf.errors.UnavailableError,
+      tf.errors.InternalError,
+      tf.errors.AbortedError,
+      tf.errors.CancelledError,
+      device_memory.MemoryStatsUnavailable,
+    ) as e:
       dead = [i for i, alive in enumerate(c.Alive()) if not alive]
-      reason = (f'worker(s) {dead} died' if dead else
-                'out of memory' if isinstance(
-                    e, tf.errors.ResourceExhaustedError) else type(e).__name__)
+      reason = (
+        f'worker(s) {dead} died'
+        if dead
+        else 'out of memory'
+        if isinstance(e, tf.errors.ResourceExhaustedError)
+        else type(e).__name__
+      )
       record['fits'] = False
       record['error'] = reason
     return record
@@ -295,18 +382,32 @@ class Searcher:
   def Trial(self, family, config, size, steps=1):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, 'trial.json')
-      spec = dict(family=family, config=config, size=size,
-                  budget_mb=self.args.budget_mb, steps=steps, out=out,
-                  intra_op_threads=self.args.intra_op_threads,
-                  inter_op_threads=self.args.inter_op_threads)
-      cmd = [sys.executable, os.path.abspath(__file__),
-             f'--trial={json.dumps(spec)}']
+      spec = dict(
+        family=family,
+        config=config,
+        size=size,
+        budget_mb=self.args.budget_mb,
+        steps=steps,
+        out=out,
+        intra_op_threads=self.args.intra_op_threads,
+        inter_op_threads=self.args.inter_op_threads,
+      )
+      cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        f'--trial={json.dumps(spec)}',
+      ]
       env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
       t0 = time.time()
       # Its own process group: Ctrl-C or a timeout stops it and its workers.
-      self._child = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                     stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+      self._child = subprocess.Popen(
+        cmd,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
       try:
         _, err = self._child.communicate(timeout=self.args.trial_timeout_s)
         rc = self._child.returncode
@@ -321,13 +422,18 @@ class Searcher:
           record = json.load(f)
       else:
         tail = (err or '').strip().splitlines()[-1:] or ['no output']
-        record = dict(family=family, config=config['name'],
-                      num_stages=config['num_stages'],
-                      num_micro_batches=config['num_micro_batches'],
-                      size=size, fits=False,
-                      error=('timed out' if rc is None else
-                             f'exit status {rc}: {tail[0][:300]}'),
-                      budget_bytes=self.args.budget_mb * MIB)
+        record = dict(
+          family=family,
+          config=config['name'],
+          num_stages=config['num_stages'],
+          num_micro_batches=config['num_micro_batches'],
+          size=size,
+          fits=False,
+          error=(
+            'timed out' if rc is None else f'exit status {rc}: {tail[0][:300]}'
+          ),
+          budget_bytes=self.args.budget_mb * MIB,
+        )
       record['trial_s'] = round(time.time() - t0, 1)
     self.records.append(record)
     _PrintTrial(record)
@@ -371,8 +477,11 @@ class Searcher:
           if size <= lo_size:
             return None, r
           size = Size(min(size - step, size / self.args.growth))
-      guess = ((best['size'] + fail['size']) / 2 if fail is not None
-               else best['size'] * self.args.growth)
+      guess = (
+        (best['size'] + fail['size']) / 2
+        if fail is not None
+        else best['size'] * self.args.growth
+      )
     size = Size(max(guess, lo_size))
     factor = self.args.growth
     while True:
@@ -404,29 +513,52 @@ def _PrintTrial(r):
   peaks = r.get('peak_bytes_per_device')
   peak = f'{max(peaks) / MIB:.0f} MiB max peak' if peaks else ''
   verdict = 'fits' if r['fits'] else f'does not fit ({r.get("error") or peak})'
-  params = f'{r["num_params"] / 1e6:.2f}M params, ' if r.get('num_params') else ''
-  print(f'  {r["config"]:>11} size {r["size"]:>4}: {params}{peak} -> '
-        f'{verdict} [{r.get("trial_s", 0):.0f} s]', flush=True)
+  params = (
+    f'{r["num_params"] / 1e6:.2f}M params, ' if r.get('num_params') else ''
+  )
+  print(
+    f'  {r["config"]:>11} size {r["size"]:>4}: {params}{peak} -> '
+    f'{verdict} [{r.get("trial_s", 0):.0f} s]',
+    flush=True,
+  )
 
 
 def Table(rows, family):
   knob = FAMILIES[family]['knob']
   naive = next((r for r in rows if r['config'] == 'naive-1' and r), None)
-  cols = ['config', 'K', 'M', 'L' if family == 'amoebanet' else '-', knob,
-          '# params', 'param memory', 'peak activation (max/device)',
-          'peak (max/device)', 'vs naive-1']
+  cols = [
+    'config',
+    'K',
+    'M',
+    'L' if family == 'amoebanet' else '-',
+    knob,
+    '# params',
+    'param memory',
+    'peak activation (max/device)',
+    'peak (max/device)',
+    'vs naive-1',
+  ]
   lines = []
   for r in rows:
-    ratio = (f'{r["num_params"] / naive["num_params"]:.2f}x'
-             if naive else '-')
-    lines.append([
-        r['config'], str(r['num_stages']), str(r['num_micro_batches']),
-        str(r.get('num_cells') or '-'), str(r['size']),
-        f'{r["num_params"] / 1e6:.2f}M', f'{r["param_bytes"] / MIB:.1f} MiB',
+    ratio = f'{r["num_params"] / naive["num_params"]:.2f}x' if naive else '-'
+    lines.append(
+      [
+        r['config'],
+        str(r['num_stages']),
+        str(r['num_micro_batches']),
+        str(r.get('num_cells') or '-'),
+        str(r['size']),
+        f'{r["num_params"] / 1e6:.2f}M',
+        f'{r["param_bytes"] / MIB:.1f} MiB',
         f'{r["peak_activation_bytes"] / MIB:.1f} MiB',
-        f'{max(r["peak_bytes_per_device"]) / MIB:.1f} MiB', ratio])
-  widths = [max(len(c), *(len(l[i]) for l in lines)) if lines else len(c)
-            for i, c in enumerate(cols)]
+        f'{max(r["peak_bytes_per_device"]) / MIB:.1f} MiB',
+        ratio,
+      ]
+    )
+  widths = [
+    max(len(c), *(len(l[i]) for l in lines)) if lines else len(c)
+    for i, c in enumerate(cols)
+  ]
   out = ['  '.join(c.rjust(w) for c, w in zip(cols, widths))]
   out.append('-' * len(out[0]))
   out += ['  '.join(v.rjust(w) for v, w in zip(l, widths)) for l in lines]
@@ -443,43 +575,74 @@ def Breakdown(r):
     peak = r['peak_bytes_per_device'][i]
     rss = r['rss_peak_minus_baseline_per_device'][i]
     lines.append(
-        f'    device {i}: peak {peak / MIB:7.1f} MiB = weights {w / MIB:6.1f}'
-        f' + Adam slots {s / MIB:6.1f} + other held {max(0, state - w - s) / MIB:5.1f}'
-        f' + step {(peak - state) / MIB:6.1f}   (RSS peak - baseline '
-        f'{rss / MIB:6.1f})  [{dev.split("/")[3]}]')
+      f'    device {i}: peak {peak / MIB:7.1f} MiB = weights {w / MIB:6.1f}'
+      f' + Adam slots {s / MIB:6.1f}'
+      f' + other held {max(0, state - w - s) / MIB:5.1f}'
+      f' + step {(peak - state) / MIB:6.1f}   (RSS peak - baseline '
+      f'{rss / MIB:6.1f})  [{dev.split("/")[3]}]'
+    )
   return '\n'.join(lines)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(
-      description=__doc__.splitlines()[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-  parser.add_argument('--family', default='transformer',
-                      help=f'One of {", ".join(FAMILIES)}.')
-  parser.add_argument('--budget_mb', type=float, default=0,
-                      help='Memory per device (MiB); default '
-                      f'{DEFAULT_BUDGET_MB}.')
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=__doc__,
+  )
+  parser.add_argument(
+    '--family', default='transformer', help=f'One of {", ".join(FAMILIES)}.'
+  )
+  parser.add_argument(
+    '--budget_mb',
+    type=float,
+    default=0,
+    help=f'Memory per device (MiB); default {DEFAULT_BUDGET_MB}.',
+  )
   parser.add_argument('--configs', default=DEFAULT_CONFIGS)
   parser.add_argument('--json', default='', help='Write the records here.')
-  parser.add_argument('--precision', type=float, default=0.08,
-                      help='Stop bisecting when the bracket is this tight.')
-  parser.add_argument('--growth', type=float, default=1.5,
-                      help='Growth factor of the size before bisection.')
-  parser.add_argument('--max_size', type=int, default=0,
-                      help='Search no further than this size (0: no cap); '
-                      'a result at the cap is a lower bound.')
+  parser.add_argument(
+    '--precision',
+    type=float,
+    default=0.08,
+    help='Stop bisecting when the bracket is this tight.',
+  )
+  parser.add_argument(
+    '--growth',
+    type=float,
+    default=1.5,
+    help='Growth factor of the size before bisection.',
+  )
+  parser.add_argument(
+    '--max_size',
+    type=int,
+    default=0,
+    help='Search no further than this size (0: no cap); '
+    'a result at the cap is a lower bound.',
+  )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
-  parser.add_argument('--inter_op_threads', type=int, default=2,
-                      help='Ops a worker runs at once. With 1, TensorFlow\'s '
-                      'executor runs ready ops in an order that keeps more '
-                      'alive (pipeline-1: 2.2x the activations of 2 '
-                      'threads); see docs/capacity.md.')
-  parser.add_argument('--intra_op_threads', type=int, default=0,
-                      help='Threads one op may use (0: TensorFlow\'s '
-                      'default).')
-  parser.add_argument('--train_steps', type=int, default=0,
-                      help='Train --train_config at --size for this many '
-                      'steps instead of searching.')
+  parser.add_argument(
+    '--inter_op_threads',
+    type=int,
+    default=2,
+    help="Ops a worker runs at once. With 1, TensorFlow's "
+    'executor runs ready ops in an order that keeps more '
+    'alive (pipeline-1: 2.2x the activations of 2 '
+    'threads); see docs/capacity.md.',
+  )
+  parser.add_argument(
+    '--intra_op_threads',
+    type=int,
+    default=0,
+    help="Threads one op may use (0: TensorFlow's default).",
+  )
+  parser.add_argument(
+    '--train_steps',
+    type=int,
+    default=0,
+    help='Train --train_config at --size for this many '
+    'steps instead of searching.',
+  )
   parser.add_argument('--train_config', default='pipeline-1')
   parser.add_argument('--size', type=int, default=0)
   parser.add_argument('--trial', default='', help=argparse.SUPPRESS)
@@ -488,17 +651,22 @@ def main(argv=None):
     return _TrialMain(args.trial)
   try:
     if args.family not in FAMILIES:
-      raise UsageError(f'Unknown --family={args.family!r}: valid ones are '
-                       f'{", ".join(FAMILIES)}.')
-    configs = [ParseConfig(c.strip()) for c in args.configs.split(',')
-               if c.strip()]
+      raise UsageError(
+        f'Unknown --family={args.family!r}: valid ones are '
+        f'{", ".join(FAMILIES)}.'
+      )
+    configs = [
+      ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
+    ]
     if not args.budget_mb:
       args.budget_mb = DEFAULT_BUDGET_MB[args.family]
     if args.budget_mb <= 0:
       raise UsageError(f'--budget_mb={args.budget_mb} must be > 0.')
     if args.train_steps and args.size <= 0:
-      raise UsageError('--train_steps needs --size=N (the knob: '
-                       f'{FAMILIES[args.family]["knob"]}).')
+      raise UsageError(
+        '--train_steps needs --size=N (the knob: '
+        f'{FAMILIES[args.family]["knob"]}).'
+      )
   except UsageError as e:
     print(f'max_model_size: {e}', file=sys.stderr)
     return 2
@@ -516,19 +684,27 @@ def main(argv=None):
 
 def _Train(searcher, args):
   config = ParseConfig(args.train_config)
-  print(f'Training {args.family} {config["name"]} size {args.size} for '
-        f'{args.train_steps} steps, budget {args.budget_mb:g} MiB per device:')
+  print(
+    f'Training {args.family} {config["name"]} size {args.size} for '
+    f'{args.train_steps} steps, budget {args.budget_mb:g} MiB per device:'
+  )
   r = searcher.Trial(args.family, config, args.size, steps=args.train_steps)
   if r.get('losses'):
     print('  loss: ' + ' '.join(f'{x:.3f}' for x in r['losses']))
     peaks = r['peak_bytes_per_step']
-    print('  max peak per step (MiB): ' +
-          ' '.join(f'{max(p) / MIB:.0f}' for p in peaks))
+    print(
+      '  max peak per step (MiB): '
+      + ' '.join(f'{max(p) / MIB:.0f}' for p in peaks)
+    )
     print(Breakdown(r))
   ok = bool(r.get('losses')) and r['losses'][-1] < r['losses'][0] and r['fits']
-  print(f'  driving process peak: {r.get("driver_peak_bytes", 0) / MIB:.1f} MiB')
-  print(f'  loss {"went down" if ok else "did NOT go down or did not fit"};'
-        f' every peak within {args.budget_mb:g} MiB: {r["fits"]}')
+  print(
+    f'  driving process peak: {r.get("driver_peak_bytes", 0) / MIB:.1f} MiB'
+  )
+  print(
+    f'  loss {"went down" if ok else "did NOT go down or did not fit"};'
+    f' every peak within {args.budget_mb:g} MiB: {r["fits"]}'
+  )
   if args.json:
     with open(args.json, 'w') as f:
       json.dump([r], f, indent=1)
@@ -536,39 +712,60 @@ def _Train(searcher, args):
 
 
 def _SearchAll(searcher, args, configs):
-  print(f'{args.family}: largest model per configuration, budget '
-        f'{args.budget_mb:g} MiB per device', flush=True)
+  print(
+    f'{args.family}: largest model per configuration, budget '
+    f'{args.budget_mb:g} MiB per device',
+    flush=True,
+  )
   results, prev = [], None
   fam = FAMILIES[args.family]
   for config in configs:
     if prev is None:
       guess = fam['start']
     elif args.family == 'transformer':
-      guess = prev['size'] * config['num_stages'] / prev['num_stages'] * (
-          1.0 if prev['config'] != 'naive-1' else 3.0)
-    else:   # params ~ D^2 * L: D grows ~ sqrt of the devices per cell
+      guess = (
+        prev['size']
+        * config['num_stages']
+        / prev['num_stages']
+        * (1.0 if prev['config'] != 'naive-1' else 3.0)
+      )
+    else:  # params ~ D^2 * L: D grows ~ sqrt of the devices per cell
       guess = prev['size'] * math.sqrt(
-          config['num_stages'] * (prev['num_cells'] or 1) /
-          (prev['num_stages'] * (NumCells(args.family,
-                                          config['num_stages']) or 1)))
+        config['num_stages']
+        * (prev['num_cells'] or 1)
+        / (
+          prev['num_stages']
+          * (NumCells(args.family, config['num_stages']) or 1)
+        )
+      )
       if prev['config'] == 'naive-1':
         guess *= 1.8
-    print(f'{config["name"]}: K={config["num_stages"]}, '
-          f'M={config["num_micro_batches"]}, re-materialization '
-          f'{"on" if config["recompute"] else "off"}', flush=True)
-    best, fail = searcher.Search(args.family, config, guess,
-                                 check_smallest=prev is None)
+    print(
+      f'{config["name"]}: K={config["num_stages"]}, '
+      f'M={config["num_micro_batches"]}, re-materialization '
+      f'{"on" if config["recompute"] else "off"}',
+      flush=True,
+    )
+    best, fail = searcher.Search(
+      args.family, config, guess, check_smallest=prev is None
+    )
     if best is None:
-      print(f'max_model_size: the smallest {args.family} '
-            f'({fam["knob"]}={fam["min_size"]}) does not fit '
-            f'{args.budget_mb:g} MiB per device in {config["name"]} '
-            f'({fail.get("error") or "peak over budget"}); raise --budget_mb.',
-            file=sys.stderr)
+      print(
+        f'max_model_size: the smallest {args.family} '
+        f'({fam["knob"]}={fam["min_size"]}) does not fit '
+        f'{args.budget_mb:g} MiB per device in {config["name"]} '
+        f'({fail.get("error") or "peak over budget"}); raise --budget_mb.',
+        file=sys.stderr,
+      )
       if args.json:
         _WriteJson(args.json, searcher.records, results)
       return 1
-    best = dict(best, largest=True, next_size_tried=fail and fail['size'],
-                capped=bool(args.max_size and best['size'] >= args.max_size))
+    best = dict(
+      best,
+      largest=True,
+      next_size_tried=fail and fail['size'],
+      capped=bool(args.max_size and best['size'] >= args.max_size),
+    )
     results.append(best)
     prev = best
     print(Breakdown(best), flush=True)

@@ -7,22 +7,32 @@ imports `tensorflow.python`.
 """
 
 import tensorflow as tf
+
 # The gradient-tape recording API that tf.custom_gradient is built on. The
 # pipeline records its whole forward schedule as one tape operation; through
 # tf.custom_gradient every tensor would pass one device-less IdentityN op,
 # dragging a multi-host pipeline's activations through one host.
 from tensorflow.python.eager import record as _record
+
 # Per-op statistics ('flops') that TensorFlow registers for its kernels; the
 # public profiler only reports them for a whole graph, not per op.
 from tensorflow.python.framework import ops as _ops
+
 # Whether the graph being built is compiled by XLA (tf.function(jit_compile=
 # True) enters an XLA context): the pipeline's scheduling ops (AccumulateNV2,
 # DeepCopy) have no XLA kernel, and XLA orders the computation itself.
 from tensorflow.python.ops import control_flow_util as _control_flow_util
 
-__all__ = ['CouldPossiblyRecord', 'VariableWatcher', 'RecordOperation',
-           'OpFlops', 'RunIndependently', 'TPUDeviceAssignment',
-           'TPUDevices', 'InXlaContext']
+__all__ = [
+  'CouldPossiblyRecord',
+  'VariableWatcher',
+  'RecordOperation',
+  'OpFlops',
+  'RunIndependently',
+  'TPUDeviceAssignment',
+  'TPUDevices',
+  'InXlaContext',
+]
 
 
 def CouldPossiblyRecord():
@@ -60,8 +70,9 @@ def RunIndependently(op):
   run when their own inputs are ready. The graph's
   `experimental_acd_manager` is the only way to opt one op out.
   """
-  acd = getattr(tf.compat.v1.get_default_graph(), 'experimental_acd_manager',
-                None)
+  acd = getattr(
+    tf.compat.v1.get_default_graph(), 'experimental_acd_manager', None
+  )
   if acd is not None and not tf.executing_eagerly():
     acd.run_independently(op)
 
@@ -83,4 +94,5 @@ def InXlaContext():
   """Whether ops built now are compiled by XLA (tf.function(jit_compile=True)
   or an XLA-compiled TPU computation)."""
   return _control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
+    tf.compat.v1.get_default_graph()
+  )

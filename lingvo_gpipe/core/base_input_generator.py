@@ -52,38 +52,57 @@ class BaseInputGenerator(base_layer.BaseLayer):
     p = super().Params()
     p.name = 'input'
     p.Define('batch_size', 0, 'Examples per batch (> 0).')
-    p.Define('num_epochs', None,
-             'Passes over the data; None: repeat forever (training). Eval '
-             'inputs use 1.')
+    p.Define(
+      'num_epochs',
+      None,
+      'Passes over the data; None: repeat forever (training). Eval '
+      'inputs use 1.',
+    )
     p.Define('shuffle', True, 'Whether to shuffle the examples.')
     p.Define('shuffle_buffer_size', 10000, 'Size of the shuffle buffer.')
-    p.Define('seed', None,
-             'Seed of shuffling and augmentation; None: p.random_seed, else '
-             '0. The same seed gives the same batches.')
-    p.Define('file_pattern', '',
-             'Data files, for generators that read files (glob pattern or '
-             'comma-separated list).')
-    p.Define('num_samples', 0,
-             'If > 0, only the first num_samples examples are used.')
-    p.Define('remainder', 'drop',
-             'Final partial batch of a finite pass: "drop" it, "pad" it to '
-             'batch_size (batches then carry a float32 `weight`, 0 on '
-             'padding) or "keep" it (the batch dim is then not static).')
+    p.Define(
+      'seed',
+      None,
+      'Seed of shuffling and augmentation; None: p.random_seed, else '
+      '0. The same seed gives the same batches.',
+    )
+    p.Define(
+      'file_pattern',
+      '',
+      'Data files, for generators that read files (glob pattern or '
+      'comma-separated list).',
+    )
+    p.Define(
+      'num_samples', 0, 'If > 0, only the first num_samples examples are used.'
+    )
+    p.Define(
+      'remainder',
+      'drop',
+      'Final partial batch of a finite pass: "drop" it, "pad" it to '
+      'batch_size (batches then carry a float32 `weight`, 0 on '
+      'padding) or "keep" it (the batch dim is then not static).',
+    )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     if not isinstance(p.batch_size, int) or p.batch_size <= 0:
-      raise ValueError(f'{type(self).__name__} {self.path!r}: batch_size = '
-                       f'{p.batch_size!r}; set p.batch_size to a positive '
-                       'int.')
+      raise ValueError(
+        f'{type(self).__name__} {self.path!r}: batch_size = '
+        f'{p.batch_size!r}; set p.batch_size to a positive '
+        'int.'
+      )
     if p.remainder not in REMAINDER_MODES:
-      raise ValueError(f'{type(self).__name__} {self.path!r}: remainder = '
-                       f'{p.remainder!r}; use one of {REMAINDER_MODES}.')
+      raise ValueError(
+        f'{type(self).__name__} {self.path!r}: remainder = '
+        f'{p.remainder!r}; use one of {REMAINDER_MODES}.'
+      )
     if p.num_epochs is not None and p.num_epochs <= 0:
-      raise ValueError(f'{type(self).__name__} {self.path!r}: num_epochs = '
-                       f'{p.num_epochs!r}; use None (forever) or >= 1.')
+      raise ValueError(
+        f'{type(self).__name__} {self.path!r}: num_epochs = '
+        f'{p.num_epochs!r}; use None (forever) or >= 1.'
+      )
     # Not tracked by tf.Module/Checkpoint on purpose: see the module doc.
     object.__setattr__(self, '_iterator', None)
 
@@ -92,8 +111,9 @@ class BaseInputGenerator(base_layer.BaseLayer):
   def _DataSource(self):
     """Returns a tf.data.Dataset of single examples (NestedMaps)."""
     raise NotImplementedError(
-        f'{type(self).__name__} must implement _DataSource() (a dataset of '
-        'single examples) or override GetDataset().')
+      f'{type(self).__name__} must implement _DataSource() (a dataset of '
+      'single examples) or override GetDataset().'
+    )
 
   def _Preprocess(self, example):
     """Transforms one example (in a tf.data map). Default: identity."""
@@ -120,9 +140,10 @@ class BaseInputGenerator(base_layer.BaseLayer):
     """
     del train_params
     raise NotImplementedError(
-        f'{cls.__name__} cannot derive the {dataset!r} input from the '
-        f'training input: define {dataset}() in the model params class, or '
-        f'override {cls.__name__}.EvalParams.')
+      f'{cls.__name__} cannot derive the {dataset!r} input from the '
+      f'training input: define {dataset}() in the model params class, or '
+      f'override {cls.__name__}.EvalParams.'
+    )
 
   # -- Public ------------------------------------------------------------------
 
@@ -137,7 +158,8 @@ class BaseInputGenerator(base_layer.BaseLayer):
   def ExampleSeed(self, name):
     """Stateless seed pair for a random op `name` inside `_Preprocess`."""
     return py_utils.GenerateStepSeedPair(
-        py_utils.StableHash(self.seed, self.path, name))
+      py_utils.StableHash(self.seed, self.path, name)
+    )
 
   def InfeedBatchSize(self):
     """Examples per batch this generator produces."""
@@ -151,8 +173,10 @@ class BaseInputGenerator(base_layer.BaseLayer):
     b = self.params.batch_size
     leaves = [x for x in tf.nest.flatten(batch) if x.shape.rank]
     if not leaves:
-      raise ValueError(f'{type(self).__name__}: remainder="pad" needs batched '
-                       'tensors with a batch dimension.')
+      raise ValueError(
+        f'{type(self).__name__}: remainder="pad" needs batched '
+        'tensors with a batch dimension.'
+      )
     n = tf.shape(leaves[0])[0]
 
     def PadLeaf(x):
@@ -165,15 +189,20 @@ class BaseInputGenerator(base_layer.BaseLayer):
 
     out = tf.nest.map_structure(PadLeaf, batch)
     if not isinstance(out, dict):
-      raise TypeError(f'{type(self).__name__}: remainder="pad" adds a '
-                      '`weight` key; examples must be NestedMaps.')
+      raise TypeError(
+        f'{type(self).__name__}: remainder="pad" adds a '
+        '`weight` key; examples must be NestedMaps.'
+      )
     out = NestedMap(out)
     if 'weight' in out:
-      raise ValueError(f'{type(self).__name__}: examples already have a '
-                       '`weight` key; remainder="pad" would overwrite it. '
-                       'Rename it or use remainder="drop".')
-    out.weight = tf.concat([tf.ones([n], tf.float32),
-                            tf.zeros([b - n], tf.float32)], 0)
+      raise ValueError(
+        f'{type(self).__name__}: examples already have a '
+        '`weight` key; remainder="pad" would overwrite it. '
+        'Rename it or use remainder="drop".'
+      )
+    out.weight = tf.concat(
+      [tf.ones([n], tf.float32), tf.zeros([b - n], tf.float32)], 0
+    )
     return out
 
   def GetDataset(self):
@@ -181,13 +210,16 @@ class BaseInputGenerator(base_layer.BaseLayer):
     p = self.params
     ds = self._DataSource()
     if not isinstance(ds, tf.data.Dataset):
-      raise TypeError(f'{type(self).__name__}._DataSource() returned '
-                      f'{type(ds).__name__}; return a tf.data.Dataset.')
+      raise TypeError(
+        f'{type(self).__name__}._DataSource() returned '
+        f'{type(ds).__name__}; return a tf.data.Dataset.'
+      )
     if p.num_samples and p.num_samples > 0:
       ds = ds.take(p.num_samples)
     if p.shuffle:
-      ds = ds.shuffle(p.shuffle_buffer_size, seed=self.seed,
-                      reshuffle_each_iteration=True)
+      ds = ds.shuffle(
+        p.shuffle_buffer_size, seed=self.seed, reshuffle_each_iteration=True
+      )
     ds = ds.repeat(p.num_epochs)
     ds = ds.enumerate()
 
@@ -195,8 +227,9 @@ class BaseInputGenerator(base_layer.BaseLayer):
       with py_utils.StepSeed(index):
         return self._Preprocess(example)
 
-    ds = ds.map(Preprocess, num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=True)
+    ds = ds.map(
+      Preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
     ds = ds.batch(p.batch_size, drop_remainder=(p.remainder == 'drop'))
     if p.remainder == 'pad':
       ds = ds.map(self._Pad)
@@ -226,5 +259,6 @@ class BaseInputGenerator(base_layer.BaseLayer):
   def FProp(self, theta, *args):
     del theta, args
     raise NotImplementedError(
-        f'{type(self).__name__} is an input generator; call '
-        'GetPreprocessedInputBatch() or GetDataset(), not FProp.')
+      f'{type(self).__name__} is an input generator; call '
+      'GetPreprocessedInputBatch() or GetDataset(), not FProp.'
+    )

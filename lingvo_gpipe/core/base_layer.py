@@ -47,9 +47,15 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseLayer', 'AbstractVariable', 'AbstractBuild', 'DetachedBuild',
-           'IsAbstract',
-           'CountParams', 'LayerParams']
+__all__ = [
+  'BaseLayer',
+  'AbstractVariable',
+  'AbstractBuild',
+  'DetachedBuild',
+  'IsAbstract',
+  'CountParams',
+  'LayerParams',
+]
 
 _local = threading.local()
 
@@ -109,8 +115,10 @@ class AbstractVariable:
     return tf.TensorSpec(self.shape, self.dtype, name=self.name)
 
   def __repr__(self):
-    return (f'AbstractVariable({self.name!r}, shape={self.shape.as_list()}, '
-            f'dtype={self.dtype.name})')
+    return (
+      f'AbstractVariable({self.name!r}, shape={self.shape.as_list()}, '
+      f'dtype={self.dtype.name})'
+    )
 
 
 class _LayerMeta(type):
@@ -141,18 +149,31 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     p = hyperparams.InstantiableParams(cls)
     p.Define('name', '', 'Name of this layer; it names its variables.')
     p.Define('dtype', tf.float32, 'Dtype of the variables.')
-    p.Define('fprop_dtype', None,
-             'Dtype of the computation; None: same as dtype. E.g. bfloat16 '
-             'compute with float32 master weights.')
-    p.Define('params_init', py_utils.DefaultParamInit(),
-             'Weight initializer used where WeightParams gives none.')
-    p.Define('random_seed', None,
-             'Seed of initializers and random ops; None: inherited, else 0. '
-             'Together with the variable name it fixes every draw.')
-    p.Define('is_inference', None,
-             'True: the layer is built for inference only.')
-    p.Define('skip_lp_regularization', None,
-             'True: no weight decay on this layer\'s variables.')
+    p.Define(
+      'fprop_dtype',
+      None,
+      'Dtype of the computation; None: same as dtype. E.g. bfloat16 '
+      'compute with float32 master weights.',
+    )
+    p.Define(
+      'params_init',
+      py_utils.DefaultParamInit(),
+      'Weight initializer used where WeightParams gives none.',
+    )
+    p.Define(
+      'random_seed',
+      None,
+      'Seed of initializers and random ops; None: inherited, else 0. '
+      'Together with the variable name it fixes every draw.',
+    )
+    p.Define(
+      'is_inference', None, 'True: the layer is built for inference only.'
+    )
+    p.Define(
+      'skip_lp_regularization',
+      None,
+      "True: no weight decay on this layer's variables.",
+    )
     return p
 
   @staticmethod
@@ -175,13 +196,15 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
   def __init__(self, params):
     if not isinstance(params, hyperparams.Params):
       raise TypeError(
-          f'{type(self).__name__} expects a Params object, got '
-          f'{type(params).__name__}. Build layers with '
-          f'{type(self).__name__}.Params().Set(name=...).Instantiate().')
+        f'{type(self).__name__} expects a Params object, got '
+        f'{type(params).__name__}. Build layers with '
+        f'{type(self).__name__}.Params().Set(name=...).Instantiate().'
+      )
     if not isinstance(params.name, str) or not params.name:
       raise ValueError(
-          f'{type(self).__name__}: params.name is {params.name!r}; every layer '
-          'needs a non-empty name, e.g. p.name = "my_layer".')
+        f'{type(self).__name__}: params.name is {params.name!r}; every layer '
+        'needs a non-empty name, e.g. p.name = "my_layer".'
+      )
     if '/' in params.name:
       raise ValueError(f'Layer name {params.name!r} may not contain "/".')
     stack = _ConstructionStack()
@@ -242,35 +265,42 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     if '_private_vars' in d and name in d['_private_vars']:
       return d['_private_vars'][name]
     known = list(d.get('_private_children', {})) + list(
-        d.get('_private_vars', {}))
+      d.get('_private_vars', {})
+    )
     hint = difflib.get_close_matches(name, known, n=1)
     extra = f' Did you mean {hint[0]!r}?' if hint else ''
     raise AttributeError(
-        f'{type(self).__name__} {d.get("_path", "?")!r} has no attribute, '
-        f'child or variable {name!r}.{extra}')
+      f'{type(self).__name__} {d.get("_path", "?")!r} has no attribute, '
+      f'child or variable {name!r}.{extra}'
+    )
 
-  # -- Construction --------------------------------------------------------------
+  # -- Construction ------------------------------------------------------------
 
   def _CheckConstructing(self, what, name):
     if self.__dict__.get('_constructed', True):
       raise ValueError(
-          f'{what}({name!r}) called on layer {self.path!r} after its '
-          '__init__ returned: create children and variables inside __init__.')
+        f'{what}({name!r}) called on layer {self.path!r} after its '
+        '__init__ returned: create children and variables inside __init__.'
+      )
     if name in self._private_children or name in self._private_vars:
       raise ValueError(
-          f'Layer {self.path!r} already has a child or variable named '
-          f'{name!r}; give each child and variable a distinct name.')
+        f'Layer {self.path!r} already has a child or variable named '
+        f'{name!r}; give each child and variable a distinct name.'
+      )
     if not isinstance(name, str) or not re.match(r'^[A-Za-z_]\w*$', name):
-      raise ValueError(f'Invalid child/variable name {name!r} in layer '
-                       f'{self.path!r}: use a Python identifier.')
+      raise ValueError(
+        f'Invalid child/variable name {name!r} in layer '
+        f'{self.path!r}: use a Python identifier.'
+      )
 
   def _BuildChild(self, p):
     p = self.CopyBaseParams(self.params, p.Copy())
     taken = self.__dict__.setdefault('_child_layer_names', set())
     if p.name in taken:
       raise ValueError(
-          f'Layer {self.path!r} already has a child layer named {p.name!r}: '
-          'its variables would collide. Give each child a distinct name.')
+        f'Layer {self.path!r} already has a child layer named {p.name!r}: '
+        'its variables would collide. Give each child a distinct name.'
+      )
     taken.add(p.name)
     return p.Instantiate()
 
@@ -278,8 +308,10 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     """Creates child layer `name` from `params` (inside `__init__` only)."""
     self._CheckConstructing('CreateChild', name)
     if not isinstance(params, hyperparams.InstantiableParams):
-      raise TypeError(f'CreateChild({name!r}) in {self.path!r} expects layer '
-                      f'Params, got {type(params).__name__}.')
+      raise TypeError(
+        f'CreateChild({name!r}) in {self.path!r} expects layer '
+        f'Params, got {type(params).__name__}.'
+      )
     p = params.Copy()
     if not p.name:
       p.name = name
@@ -297,8 +329,10 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     """
     self._CheckConstructing('CreateChildren', name)
     if not isinstance(params_list, (list, tuple)):
-      raise TypeError(f'CreateChildren({name!r}) in {self.path!r} expects a '
-                      f'list of Params, got {type(params_list).__name__}.')
+      raise TypeError(
+        f'CreateChildren({name!r}) in {self.path!r} expects a '
+        f'list of Params, got {type(params_list).__name__}.'
+      )
     names, children = set(), []
     for i, params in enumerate(params_list):
       p = params.Copy()
@@ -306,8 +340,9 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
         p.name = f'{name}_{i}'
       if p.name in names or p.name in self._private_children:
         raise ValueError(
-            f'CreateChildren({name!r}) in {self.path!r}: two children are named '
-            f'{p.name!r}; give each a distinct name (or leave names empty).')
+          f'CreateChildren({name!r}) in {self.path!r}: two children are named '
+          f'{p.name!r}; give each a distinct name (or leave names empty).'
+        )
       names.add(p.name)
       # No device given: the enclosing device scope (tf.device(None) would
       # clear it).
@@ -334,17 +369,19 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     dtype = tf.as_dtype(var_params.dtype or p.dtype)
     shape = [int(d) for d in var_params.shape]
     if any(d < 0 for d in shape):
-      raise ValueError(f'Variable {self.path}/{name}: negative dimension in '
-                       f'shape {shape}.')
+      raise ValueError(
+        f'Variable {self.path}/{name}: negative dimension in shape {shape}.'
+      )
     full_name = f'{self.path}/{name}'
     shared = var_params.shared_name
     if shared and shared in self._shared_store:
       var = self._shared_store[shared]
       if var.shape.as_list() != shape or var.dtype.base_dtype != dtype:
         raise ValueError(
-            f'Variable {full_name} shares {shared!r} with {var.name} but its '
-            f'shape/dtype {shape}/{dtype.name} differ from '
-            f'{var.shape.as_list()}/{var.dtype.base_dtype.name}.')
+          f'Variable {full_name} shares {shared!r} with {var.name} but its '
+          f'shape/dtype {shape}/{dtype.name} differ from '
+          f'{var.shape.as_list()}/{var.dtype.base_dtype.name}.'
+        )
     elif IsAbstract():
       var = AbstractVariable(full_name, shape, dtype, trainable)
     else:
@@ -354,8 +391,12 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
       value = py_utils.InitialValue(init, shape, dtype, seed)
       # The trailing '/' makes the name absolute: an enclosing tf.name_scope
       # must not change checkpoint names.
-      var = tf.Variable(value, name=full_name + '/', trainable=trainable,
-                        aggregation=py_utils.REPLICATED_AGGREGATION)
+      var = tf.Variable(
+        value,
+        name=full_name + '/',
+        trainable=trainable,
+        aggregation=py_utils.REPLICATED_AGGREGATION,
+      )
     if shared and shared not in self._shared_store:
       self._shared_store[shared] = var
     self._private_vars[name] = var
@@ -396,7 +437,7 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
       out.setdefault(v.name.split(':')[0], v)
     return out
 
-  # -- Computation ---------------------------------------------------------------
+  # -- Computation -------------------------------------------------------------
 
   def FProp(self, theta, *args, **kwargs):
     """Forward computation. Subclasses override."""
@@ -425,8 +466,9 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
   def ApplyDeferredUpdates(self, stats_list):
     """Applies statistics collected by `py_utils.AddDeferredUpdate`."""
     raise NotImplementedError(
-        f'{type(self).__name__} added deferred updates but does not implement '
-        'ApplyDeferredUpdates(stats_list).')
+      f'{type(self).__name__} added deferred updates but does not implement '
+      'ApplyDeferredUpdates(stats_list).'
+    )
 
   def __repr__(self):
     return f'{type(self).__name__}({self.path!r})'
@@ -442,14 +484,17 @@ def RejectUnsupportedParams(p, unsupported):
   for name, (default, instead) in unsupported.items():
     value = p.Get(name)
     if value != default:
-      raise ValueError(f'{p.cls.__name__} {p.name!r}: {name}={value!r} is not '
-                       f'supported (only {default!r}); {instead}')
+      raise ValueError(
+        f'{p.cls.__name__} {p.name!r}: {name}={value!r} is not '
+        f'supported (only {default!r}); {instead}'
+      )
 
 
 def LayerParams(p):
   """Validates that `p` is the Params of a BaseLayer subclass."""
   if not isinstance(p, hyperparams.InstantiableParams) or not (
-      isinstance(p.cls, type) and issubclass(p.cls, BaseLayer)):
+    isinstance(p.cls, type) and issubclass(p.cls, BaseLayer)
+  ):
     raise TypeError(f'Expected the Params of a BaseLayer subclass, got {p!r}.')
   return p
 

@@ -43,8 +43,7 @@ from lingvo_gpipe.core import learner as learner_lib
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseTask', 'SingleTaskModel', 'AverageMetric',
-           'MetricsAggregator']
+__all__ = ['BaseTask', 'SingleTaskModel', 'AverageMetric', 'MetricsAggregator']
 
 
 def _VarName(v):
@@ -57,33 +56,57 @@ class BaseTask(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('input', None,
-             'Input generator Params; built as child "input" (not under '
-             'base_layer.AbstractBuild).')
+    p.Define(
+      'input',
+      None,
+      'Input generator Params; built as child "input" (not under '
+      'base_layer.AbstractBuild).',
+    )
     p.Define('train', hyperparams.Params(), 'How this task is trained.')
     tp = p.train
-    tp.Define('learner', None,
-              'Learner Params; None: a Learner built from the legacy params '
-              'below (learning_rate, optimizer, lr_schedule, ...), as in '
-              'Lingvo.')
+    tp.Define(
+      'learner',
+      None,
+      'Learner Params; None: a Learner built from the legacy params '
+      'below (learning_rate, optimizer, lr_schedule, ...), as in '
+      'Lingvo.',
+    )
     learner_lib.DefineLearnerParams(tp)
     tp.Define('max_steps', 4 * 10**6, 'Maximum number of training steps.')
-    tp.Define('save_interval_seconds', 60 * 10,
-              'Checkpoint roughly once every this many seconds.')
-    tp.Define('save_interval_steps', None,
-              'If set, checkpoint every this many steps instead of by time.')
+    tp.Define(
+      'save_interval_seconds',
+      60 * 10,
+      'Checkpoint roughly once every this many seconds.',
+    )
+    tp.Define(
+      'save_interval_steps',
+      None,
+      'If set, checkpoint every this many steps instead of by time.',
+    )
     tp.Define('save_max_to_keep', 100, 'Most recent checkpoints to keep.')
-    tp.Define('summary_interval_steps', 100,
-              'Write training summaries every this many steps.')
-    tp.Define('tpu_steps_per_loop', 1,
-              'Training steps per trainer loop (inside one tf.function '
-              'call); Lingvo\'s name.')
+    tp.Define(
+      'summary_interval_steps',
+      100,
+      'Write training summaries every this many steps.',
+    )
+    tp.Define(
+      'tpu_steps_per_loop',
+      1,
+      'Training steps per trainer loop (inside one tf.function '
+      "call); Lingvo's name.",
+    )
     p.Define('eval', hyperparams.Params(), 'How this task is evaluated.')
     ep = p.eval
-    ep.Define('samples_per_summary', 0,
-              'Examples per eval summary; 0: the whole eval set.')
-    ep.Define('decoder_samples_per_summary', None,
-              'Examples per decoder summary; None: samples_per_summary.')
+    ep.Define(
+      'samples_per_summary',
+      0,
+      'Examples per eval summary; 0: the whole eval set.',
+    )
+    ep.Define(
+      'decoder_samples_per_summary',
+      None,
+      'Examples per decoder summary; None: samples_per_summary.',
+    )
     return p
 
   def __init__(self, params):
@@ -96,8 +119,11 @@ class BaseTask(base_layer.BaseLayer):
     else:
       with tf.init_scope():
         self._global_step = tf.Variable(
-            tf.constant(0, tf.int64), trainable=False, name='global_step',
-            aggregation=py_utils.REPLICATED_AGGREGATION)
+          tf.constant(0, tf.int64),
+          trainable=False,
+          name='global_step',
+          aggregation=py_utils.REPLICATED_AGGREGATION,
+        )
     lp = p.train.learner
     if lp is None:
       lp = learner_lib.Learner.Params()
@@ -128,10 +154,11 @@ class BaseTask(base_layer.BaseLayer):
     def Visit(layer):
       children = layer.children
       if layer.params.skip_lp_regularization:
-        names.extend(_VarName(v) for k, v in layer.vars.items()
-                     if k not in children)
+        names.extend(
+          _VarName(v) for k, v in layer.vars.items() if k not in children
+        )
       for child in children.values():
-        for c in (child if isinstance(child, (list, tuple)) else [child]):
+        for c in child if isinstance(child, (list, tuple)) else [child]:
           Visit(c)
 
     Visit(self)
@@ -161,19 +188,24 @@ class BaseTask(base_layer.BaseLayer):
 
   def _CheckMetrics(self, metrics):
     if not isinstance(metrics, dict):
-      raise TypeError(f'{type(self).__name__}.ComputeLoss must return '
-                      f'(metrics, per_example) with metrics a NestedMap; got '
-                      f'{type(metrics).__name__}.')
+      raise TypeError(
+        f'{type(self).__name__}.ComputeLoss must return '
+        f'(metrics, per_example) with metrics a NestedMap; got '
+        f'{type(metrics).__name__}.'
+      )
     metrics = NestedMap(metrics)
     for k, v in metrics.items():
       if not isinstance(v, (tuple, list)) or len(v) != 2:
-        raise ValueError(f'{type(self).__name__}: metric {k!r} is {v!r}; '
-                         'each metric must be a (value, weight) pair.')
+        raise ValueError(
+          f'{type(self).__name__}: metric {k!r} is {v!r}; '
+          'each metric must be a (value, weight) pair.'
+        )
     if self._learner.loss_name not in metrics:
       raise ValueError(
-          f'{type(self).__name__}.ComputeLoss returned metrics '
-          f'{sorted(metrics)} without {self._learner.loss_name!r}, the loss '
-          'the learner minimizes; add it (or set the learner\'s loss_name).')
+        f'{type(self).__name__}.ComputeLoss returned metrics '
+        f'{sorted(metrics)} without {self._learner.loss_name!r}, the loss '
+        "the learner minimizes; add it (or set the learner's loss_name)."
+      )
     return metrics
 
   def FProp(self, theta, input_batch):
@@ -209,8 +241,10 @@ class BaseTask(base_layer.BaseLayer):
       out[k] = tf.cast(value, tf.float32)
     for k, value in stats.items():
       if k in out:
-        raise ValueError(f'{type(self).__name__}: metric {k!r} clashes with '
-                         'the learner statistic of the same name; rename it.')
+        raise ValueError(
+          f'{type(self).__name__}: metric {k!r} clashes with '
+          'the learner statistic of the same name; rename it.'
+        )
       out[k] = tf.cast(value, tf.float32)
     return out
 
@@ -219,9 +253,12 @@ class BaseTask(base_layer.BaseLayer):
     """Metrics of one eval batch: NestedMap name -> (value, weight)."""
     with py_utils.EvalMode(), py_utils.NoUpdateCollection():
       metrics, _ = self.FPropDefaultTheta(input_batch)
-    return NestedMap({
+    return NestedMap(
+      {
         k: (tf.cast(v, tf.float32), tf.cast(w, tf.float32))
-        for k, (v, w) in metrics.items()})
+        for k, (v, w) in metrics.items()
+      }
+    )
 
   @tf.autograph.experimental.do_not_convert
   def Decode(self, input_batch):
@@ -241,8 +278,9 @@ class SingleTaskModel(base_layer.BaseLayer):
   def Params(cls, task_params=None):
     p = super().Params()
     p.Define('task', None, 'Params of the BaseTask.')
-    p.Define('input', None,
-             'Input generator Params; when set it replaces task.input.')
+    p.Define(
+      'input', None, 'Input generator Params; when set it replaces task.input.'
+    )
     if task_params is not None:
       p.task = task_params
       p.input = task_params.input
@@ -251,14 +289,18 @@ class SingleTaskModel(base_layer.BaseLayer):
   def __init__(self, params):
     p = params.Copy()
     if p.task is None:
-      raise ValueError('SingleTaskModel: p.task is None; set it to the task '
-                       'Params, e.g. SingleTaskModel.Params(task_params).')
+      raise ValueError(
+        'SingleTaskModel: p.task is None; set it to the task '
+        'Params, e.g. SingleTaskModel.Params(task_params).'
+      )
     task_p = p.task.Copy()
     if not task_p.name:
       task_p.name = p.name
     if not task_p.name:
-      raise ValueError('SingleTaskModel: set p.task.name (it prefixes every '
-                       'variable name), e.g. "digits".')
+      raise ValueError(
+        'SingleTaskModel: set p.task.name (it prefixes every '
+        'variable name), e.g. "digits".'
+      )
     p.name = p.name or task_p.name
     if p.input is not None:
       task_p.input = p.input.Copy()
@@ -291,9 +333,11 @@ class SingleTaskModel(base_layer.BaseLayer):
       extra['global_step'] = task.global_step
     for name, v in extra.items():
       if name in out and out[name] is not v:
-        raise ValueError(f'SingleTaskModel: variable name {name!r} is used '
-                         'by a weight and by an optimizer variable; rename '
-                         'the layer or the optimizer.')
+        raise ValueError(
+          f'SingleTaskModel: variable name {name!r} is used '
+          'by a weight and by an optimizer variable; rename '
+          'the layer or the optimizer.'
+        )
       out[name] = v
     return out
 
@@ -312,24 +356,27 @@ class AverageMetric:
   def Update(self, value, weight=1.0):
     weight = _Float(weight)
     if weight < 0:
-      raise ValueError(f'AverageMetric: weight {weight} < 0; weights count '
-                       'examples and must be >= 0.')
+      raise ValueError(
+        f'AverageMetric: weight {weight} < 0; weights count '
+        'examples and must be >= 0.'
+      )
     self.total_value += _Float(value) * weight
     self.total_weight += weight
 
   @property
   def value(self):
-    return (self.total_value / self.total_weight
-            if self.total_weight > 0 else 0.0)
+    return (
+      self.total_value / self.total_weight if self.total_weight > 0 else 0.0
+    )
 
 
 class MetricsAggregator:
   """Weighted means of EvalStep metrics over batches.
 
-    agg = MetricsAggregator()
-    for batch in dataset:
-      agg.Update(eval_step(batch))
-    agg.Result()   # {'loss': ..., 'accuracy': ...}
+  agg = MetricsAggregator()
+  for batch in dataset:
+    agg.Update(eval_step(batch))
+  agg.Result()   # {'loss': ..., 'accuracy': ...}
   """
 
   def __init__(self):

@@ -34,10 +34,19 @@ __all__ = ['SingleTaskModelParams', 'DatasetError']
 
 # Capitalized methods that are not datasets (Lingvo's list, plus Datasets).
 # Helpers of a config class should be private (`_Layers`), as in Lingvo.
-_NOT_DATASETS = frozenset([
-    'Task', 'Model', 'GetDatasetParams', 'Datasets', 'ProgramSchedule',
-    'GetAllDatasetParams', 'Search', 'UpdateParamsFromSpec',
-    'CreateDynamicDatasetMethods'])
+_NOT_DATASETS = frozenset(
+  [
+    'Task',
+    'Model',
+    'GetDatasetParams',
+    'Datasets',
+    'ProgramSchedule',
+    'GetAllDatasetParams',
+    'Search',
+    'UpdateParamsFromSpec',
+    'CreateDynamicDatasetMethods',
+  ]
+)
 
 
 class DatasetError(KeyError):
@@ -79,17 +88,21 @@ class _BaseModelParams:
     names = set()
     for klass in cls.__mro__:
       for name, value in vars(klass).items():
-        if (name[:1].isupper() and name not in _NOT_DATASETS and
-            not name.startswith('Task_') and
-            isinstance(value, (_InstanceOrClassMethod, types.FunctionType))):
+        if (
+          name[:1].isupper()
+          and name not in _NOT_DATASETS
+          and not name.startswith('Task_')
+          and isinstance(value, (_InstanceOrClassMethod, types.FunctionType))
+        ):
           names.add(name)
     return sorted(names)
 
   def GetDatasetParams(self, dataset):
     """Input Params of `dataset` (case-insensitive: 'dev' finds Dev())."""
     if not isinstance(dataset, str) or not dataset:
-      raise DatasetError(f'Dataset name {dataset!r} must be a non-empty '
-                         'string such as "Train".')
+      raise DatasetError(
+        f'Dataset name {dataset!r} must be a non-empty string such as "Train".'
+      )
     available = self.Datasets()
     name = dataset if dataset in available else None
     if name is None:
@@ -97,9 +110,10 @@ class _BaseModelParams:
       name = matches[0] if matches else None
     if name is None:
       raise DatasetError(
-          f'{type(self).__name__} has no dataset {dataset!r}; available: '
-          f'{available}. Define a method {dataset}(self) returning its input '
-          'generator Params.')
+        f'{type(self).__name__} has no dataset {dataset!r}; available: '
+        f'{available}. Define a method {dataset}(self) returning its input '
+        'generator Params.'
+      )
     return getattr(self, name)()
 
 
@@ -109,22 +123,25 @@ class SingleTaskModelParams(_BaseModelParams):
   def Task(self):
     """Returns the task Params (e.g. `ClassifierTask.Params()`)."""
     raise NotImplementedError(
-        f'{type(self).__name__}.Task() must return the task Params, e.g. '
-        'classifier.ClassifierTask.Params().Set(...).')
+      f'{type(self).__name__}.Task() must return the task Params, e.g. '
+      'classifier.ClassifierTask.Params().Set(...).'
+    )
 
   def Train(self):
     """Returns the input generator Params of the training data."""
     raise NotImplementedError(
-        f'{type(self).__name__}.Train() must return the training input '
-        'generator Params, e.g. DigitsInput.Params().Set(split="train").')
+      f'{type(self).__name__}.Train() must return the training input '
+      'generator Params, e.g. DigitsInput.Params().Set(split="train").'
+    )
 
   def _EvalInput(self, dataset):
     train = self.Train()
     make = getattr(train.cls, 'EvalParams', None)
     if make is None:
       raise NotImplementedError(
-          f'{type(self).__name__} defines no {dataset}() and its training '
-          f'input {train.cls!r} has no EvalParams(); define {dataset}().')
+        f'{type(self).__name__} defines no {dataset}() and its training '
+        f'input {train.cls!r} has no EvalParams(); define {dataset}().'
+      )
     return make(train, dataset)
 
   def Dev(self):

@@ -29,10 +29,22 @@ from absl import logging
 
 from lingvo_gpipe.core import hyperparams
 
-__all__ = ['PreferredDevices', 'Cluster', 'SplitCpu', 'SplitGpu', 'FreePorts',
-           'LocalCluster', 'Connect', 'WorkerDevices', 'StageDevices', 'WaitForAddress',
-           'ParseClusterSpec', 'ClusterSpecFromTfConfig',
-           'UnreachableWorkers', 'WorkerName']
+__all__ = [
+  'PreferredDevices',
+  'Cluster',
+  'SplitCpu',
+  'SplitGpu',
+  'FreePorts',
+  'LocalCluster',
+  'Connect',
+  'WorkerDevices',
+  'StageDevices',
+  'WaitForAddress',
+  'ParseClusterSpec',
+  'ClusterSpecFromTfConfig',
+  'UnreachableWorkers',
+  'WorkerName',
+]
 
 
 def PreferredDevices(devices=None):
@@ -62,12 +74,14 @@ def SplitCpu(num_devices):
     return
   try:
     tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration()] * num_devices)
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * num_devices
+    )
   except RuntimeError as e:
     raise RuntimeError(
-        f'Cannot split the CPU into {num_devices} devices: TensorFlow has '
-        'already initialized its devices. Call SplitCpu (trainer flag '
-        '--num_cpu_devices) before running any TensorFlow op.') from e
+      f'Cannot split the CPU into {num_devices} devices: TensorFlow has '
+      'already initialized its devices. Call SplitCpu (trainer flag '
+      '--num_cpu_devices) before running any TensorFlow op.'
+    ) from e
 
 
 def SplitGpu(num_devices, memory_limit_mb=None):
@@ -82,23 +96,27 @@ def SplitGpu(num_devices, memory_limit_mb=None):
   gpus = tf.config.list_physical_devices('GPU')
   if not gpus:
     raise RuntimeError(
-        f'Cannot split the GPU into {num_devices} devices: TensorFlow finds '
-        'no GPU on this host. Use --run_locally=cpu and --num_cpu_devices '
-        'instead.')
+      f'Cannot split the GPU into {num_devices} devices: TensorFlow finds '
+      'no GPU on this host. Use --run_locally=cpu and --num_cpu_devices '
+      'instead.'
+    )
   if num_devices > 1 and not memory_limit_mb:
     raise ValueError(
-        f'Splitting a GPU into {num_devices} logical GPUs needs a memory '
-        'limit for each (--gpu_memory_limit_mb), e.g. a quarter of the '
-        'GPU\'s memory for 4 devices.')
-  config = [tf.config.LogicalDeviceConfiguration(
-      memory_limit=memory_limit_mb)] * num_devices
+      f'Splitting a GPU into {num_devices} logical GPUs needs a memory '
+      'limit for each (--gpu_memory_limit_mb), e.g. a quarter of the '
+      "GPU's memory for 4 devices."
+    )
+  config = [
+    tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)
+  ] * num_devices
   try:
     tf.config.set_logical_device_configuration(gpus[0], config)
   except RuntimeError as e:
     raise RuntimeError(
-        f'Cannot split the GPU into {num_devices} devices: TensorFlow has '
-        'already initialized its devices. Split it (trainer flag '
-        '--num_gpu_devices) before running any TensorFlow op.') from e
+      f'Cannot split the GPU into {num_devices} devices: TensorFlow has '
+      'already initialized its devices. Split it (trainer flag '
+      '--num_gpu_devices) before running any TensorFlow op.'
+    ) from e
 
 
 def ParseClusterSpec(text):
@@ -106,8 +124,10 @@ def ParseClusterSpec(text):
   'worker=h:p,h:p@ps=h:p' form. Returns {job: [addresses]}."""
   text = (text or '').strip()
   if not text:
-    raise ValueError('The cluster spec is empty; give e.g. '
-                     '"worker=127.0.0.1:2222,127.0.0.1:2223".')
+    raise ValueError(
+      'The cluster spec is empty; give e.g. '
+      '"worker=127.0.0.1:2222,127.0.0.1:2223".'
+    )
   if text.startswith('{'):
     try:
       spec = json.loads(text)
@@ -119,8 +139,9 @@ def ParseClusterSpec(text):
       job, sep, addresses = part.partition('=')
       if not sep or not job.strip() or not addresses.strip():
         raise ValueError(
-            f'Cluster spec part {part!r} is not "job=host:port[,host:port]"; '
-            'e.g. "worker=127.0.0.1:2222,127.0.0.1:2223".')
+          f'Cluster spec part {part!r} is not "job=host:port[,host:port]"; '
+          'e.g. "worker=127.0.0.1:2222,127.0.0.1:2223".'
+        )
       spec[job.strip()] = [a.strip() for a in addresses.split(',')]
   for job, addresses in spec.items():
     if not isinstance(addresses, list) or not addresses:
@@ -128,8 +149,9 @@ def ParseClusterSpec(text):
     for address in addresses:
       host, sep, port = str(address).rpartition(':')
       if not sep or not host or not port.isdigit():
-        raise ValueError(f'Address {address!r} of job {job!r} is not '
-                         'host:port.')
+        raise ValueError(
+          f'Address {address!r} of job {job!r} is not host:port.'
+        )
   return spec
 
 
@@ -145,8 +167,11 @@ def ClusterSpecFromTfConfig(tf_config=None):
   if 'cluster' not in config:
     raise ValueError(f'TF_CONFIG has no "cluster": {text!r}')
   task = config.get('task', {})
-  return (ParseClusterSpec(json.dumps(config['cluster'])), task.get('type'),
-          task.get('index'))
+  return (
+    ParseClusterSpec(json.dumps(config['cluster'])),
+    task.get('type'),
+    task.get('index'),
+  )
 
 
 def WorkerName(job, task, spec):
@@ -191,15 +216,17 @@ def WaitForAddress(address, timeout_s):
     except OSError as e:
       if time.time() > deadline:
         raise TimeoutError(
-            f'Worker at {address} is not reachable after {timeout_s:.0f} s '
-            f'({e}). Check that its tf_server process runs and that the '
-            'address in the cluster spec is right.') from e
+          f'Worker at {address} is not reachable after {timeout_s:.0f} s '
+          f'({e}). Check that its tf_server process runs and that the '
+          'address in the cluster spec is right.'
+        ) from e
       time.sleep(0.1)
 
 
 def WorkerDevices(num_tasks, job='worker', device='CPU'):
-  return [f'/job:{job}/replica:0/task:{i}/device:{device}:0'
-          for i in range(num_tasks)]
+  return [
+    f'/job:{job}/replica:0/task:{i}/device:{device}:0' for i in range(num_tasks)
+  ]
 
 
 def _DieWithParent():
@@ -212,6 +239,7 @@ def _DieWithParent():
   """
   try:
     import ctypes  # pylint: disable=g-import-not-at-top
+
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -222,27 +250,35 @@ def _DieWithParent():
 class LocalCluster:
   """n TensorFlow server processes on 127.0.0.1.
 
-    with cluster.LocalCluster(2, intra_op_threads=1) as c:
-      cluster.Connect(c.cluster_spec)
-      devices = c.devices   # ['/job:worker/replica:0/task:0/device:CPU:0', ..]
+  with cluster.LocalCluster(2, intra_op_threads=1) as c:
+    cluster.Connect(c.cluster_spec)
+    devices = c.devices   # ['/job:worker/replica:0/task:0/device:CPU:0', ..]
   """
 
-  def __init__(self, num_workers, intra_op_threads=1, inter_op_threads=1,
-               startup_timeout_s=120, job='worker', pin_cpus=False,
-               memory_stats=False, memory_limit_mb=None):
+  def __init__(
+    self,
+    num_workers,
+    intra_op_threads=1,
+    inter_op_threads=1,
+    startup_timeout_s=120,
+    job='worker',
+    pin_cpus=False,
+    memory_stats=False,
+    memory_limit_mb=None,
+  ):
     """Args:
-      num_workers: number of server processes.
-      intra_op_threads: threads one op may use in a worker.
-      inter_op_threads: ops a worker may run at once (also the threads that
-        finish transfers).
-      startup_timeout_s: bound on the start-up of each worker.
-      job: job name.
-      pin_cpus: pin worker i to CPU core i mod cores, so that a worker
-        computes on one core like one accelerator, whatever its threads.
-      memory_stats: each worker counts its allocations and serves its memory
-        figures on `status_addresses[i]` (lingvo_gpipe.runners.device_memory).
-      memory_limit_mb: with memory_stats, each worker refuses allocations
-        beyond this many MiB, like an accelerator of that memory.
+    num_workers: number of server processes.
+    intra_op_threads: threads one op may use in a worker.
+    inter_op_threads: ops a worker may run at once (also the threads that
+      finish transfers).
+    startup_timeout_s: bound on the start-up of each worker.
+    job: job name.
+    pin_cpus: pin worker i to CPU core i mod cores, so that a worker
+      computes on one core like one accelerator, whatever its threads.
+    memory_stats: each worker counts its allocations and serves its memory
+      figures on `status_addresses[i]` (lingvo_gpipe.runners.device_memory).
+    memory_limit_mb: with memory_stats, each worker refuses allocations
+      beyond this many MiB, like an accelerator of that memory.
     """
     self.num_workers = num_workers
     self._pin = pin_cpus
@@ -274,11 +310,16 @@ class LocalCluster:
 
   def Command(self, task):
     """The command line of worker `task` (what tools/local_cluster prints)."""
-    cmd = [sys.executable, '-m', 'lingvo_gpipe.runners.tf_server',
-           f'--cluster_spec={json.dumps(self.cluster_spec)}',
-           f'--job_name={self.job}', f'--task_index={task}',
-           f'--intra_op_threads={self._threads[0]}',
-           f'--inter_op_threads={self._threads[1]}']
+    cmd = [
+      sys.executable,
+      '-m',
+      'lingvo_gpipe.runners.tf_server',
+      f'--cluster_spec={json.dumps(self.cluster_spec)}',
+      f'--job_name={self.job}',
+      f'--task_index={task}',
+      f'--intra_op_threads={self._threads[0]}',
+      f'--inter_op_threads={self._threads[1]}',
+    ]
     if self._memory[0]:
       port = self.status_addresses[task].rsplit(':', 1)[1]
       cmd += ['--allocator_stats', f'--status_port={port}']
@@ -291,9 +332,13 @@ class LocalCluster:
 
   def _Launch(self, task):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-    return subprocess.Popen(self.Command(task), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_DieWithParent)
+    return subprocess.Popen(
+      self.Command(task),
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      preexec_fn=_DieWithParent,
+    )
 
   def _WaitReady(self, task):
     address = self.addresses[task]
@@ -353,8 +398,11 @@ def Connect(cluster_spec, job_name=None, task_index=None, timeout_s=30):
   Every address is checked first, so an unreachable worker fails within
   `timeout_s` with its address in the message instead of hanging.
   """
-  spec = (cluster_spec.as_dict() if isinstance(cluster_spec, tf.train.ClusterSpec)
-          else dict(cluster_spec))
+  spec = (
+    cluster_spec.as_dict()
+    if isinstance(cluster_spec, tf.train.ClusterSpec)
+    else dict(cluster_spec)
+  )
   for job, addresses in spec.items():
     for i, address in enumerate(addresses):
       if job == job_name and i == task_index:
@@ -366,8 +414,9 @@ def Connect(cluster_spec, job_name=None, task_index=None, timeout_s=30):
   kwargs = {}
   if job_name is not None:
     kwargs = dict(job_name=job_name, task_index=task_index)
-  tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec),
-                                            **kwargs)
+  tf.config.experimental_connect_to_cluster(
+    tf.train.ClusterSpec(spec), **kwargs
+  )
 
 
 def StageDevices(num_stages, num_replicas=1, devices=None):
@@ -385,42 +434,56 @@ def StageDevices(num_stages, num_replicas=1, devices=None):
   need = num_stages * num_replicas
   if need > len(devices):
     raise ValueError(
-        f'{num_replicas} replicas x {num_stages} stages need {need} devices '
-        f'but {len(devices)} were found: {devices}. Reduce the stages or '
-        'replicas, or add devices (--num_cpu_devices for virtual CPUs).')
-  return [devices[r * num_stages:(r + 1) * num_stages]
-          for r in range(num_replicas)]
+      f'{num_replicas} replicas x {num_stages} stages need {need} devices '
+      f'but {len(devices)} were found: {devices}. Reduce the stages or '
+      'replicas, or add devices (--num_cpu_devices for virtual CPUs).'
+    )
+  return [
+    devices[r * num_stages : (r + 1) * num_stages] for r in range(num_replicas)
+  ]
 
 
 class Cluster:
   """The devices of this job, from the trainer's flags (Lingvo's cluster).
 
-    c = cluster.Cluster(cluster.Cluster.Params().Set(
-        worker_split_size=2, worker_replicas=2, num_cpu_devices=4))
-    c.Configure()              # split the CPU / connect to the workers
-    c.StageDevices()           # [[replica 0's 2 devices], [replica 1's]]
+  c = cluster.Cluster(cluster.Cluster.Params().Set(
+      worker_split_size=2, worker_replicas=2, num_cpu_devices=4))
+  c.Configure()              # split the CPU / connect to the workers
+  c.StageDevices()           # [[replica 0's 2 devices], [replica 1's]]
   """
 
   @classmethod
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
     p.Define('run_locally', None, 'cpu: hide GPUs; gpu: require one; None.')
-    p.Define('num_cpu_devices', None,
-             'Split the host CPU into this many virtual devices.')
-    p.Define('num_gpu_devices', None,
-             'Split the first GPU into this many logical GPUs.')
-    p.Define('gpu_memory_limit_mb', None,
-             'Memory of each logical GPU (with num_gpu_devices > 1).')
-    p.Define('cluster_spec', None,
-             'Remote workers: a dict {job: [host:port]} or its text form '
-             '("worker=h:p,h:p" or JSON). None: TF_CONFIG if set, else this '
-             'host\'s devices.')
+    p.Define(
+      'num_cpu_devices',
+      None,
+      'Split the host CPU into this many virtual devices.',
+    )
+    p.Define(
+      'num_gpu_devices',
+      None,
+      'Split the first GPU into this many logical GPUs.',
+    )
+    p.Define(
+      'gpu_memory_limit_mb',
+      None,
+      'Memory of each logical GPU (with num_gpu_devices > 1).',
+    )
+    p.Define(
+      'cluster_spec',
+      None,
+      'Remote workers: a dict {job: [host:port]} or its text form '
+      '("worker=h:p,h:p" or JSON). None: TF_CONFIG if set, else this '
+      "host's devices.",
+    )
     p.Define('worker_job', 'worker', 'The job whose devices run the model.')
-    p.Define('worker_split_size', None,
-             'Devices per model split K (pipeline stages).')
+    p.Define(
+      'worker_split_size', None, 'Devices per model split K (pipeline stages).'
+    )
     p.Define('worker_replicas', 1, 'Data-parallel replicas R.')
-    p.Define('connect_timeout_s', 30.0,
-             'Bound on reaching each remote worker.')
+    p.Define('connect_timeout_s', 30.0, 'Bound on reaching each remote worker.')
     return p
 
   def __init__(self, params):
@@ -430,7 +493,8 @@ class Cluster:
       raise ValueError(f'worker_replicas={p.worker_replicas!r} must be >= 1.')
     if p.worker_split_size is not None and p.worker_split_size < 1:
       raise ValueError(
-          f'worker_split_size={p.worker_split_size!r} must be >= 1.')
+        f'worker_split_size={p.worker_split_size!r} must be >= 1.'
+      )
     spec = p.cluster_spec
     if isinstance(spec, str):
       spec = ParseClusterSpec(spec)
@@ -440,8 +504,9 @@ class Cluster:
       spec, _, _ = ClusterSpecFromTfConfig()
     self.spec = spec
     if spec is not None and p.worker_job not in spec:
-      raise ValueError(f'The cluster spec {spec} has no job '
-                       f'{p.worker_job!r} (worker_job).')
+      raise ValueError(
+        f'The cluster spec {spec} has no job {p.worker_job!r} (worker_job).'
+      )
     self._configured = False
 
   @property
@@ -462,8 +527,9 @@ class Cluster:
       except RuntimeError as e:
         logging.warning('Could not hide the GPUs: %s', e)
     elif p.run_locally == 'gpu' and not tf.config.list_physical_devices('GPU'):
-      raise RuntimeError('--run_locally=gpu but TensorFlow finds no GPU; use '
-                         '--run_locally=cpu.')
+      raise RuntimeError(
+        '--run_locally=gpu but TensorFlow finds no GPU; use --run_locally=cpu.'
+      )
     if p.num_gpu_devices:
       SplitGpu(p.num_gpu_devices, p.gpu_memory_limit_mb)
     if p.num_cpu_devices:
@@ -492,8 +558,10 @@ class Cluster:
       devs = [d for _, d in sorted(by_task[task], key=lambda x: x[0])]
       out.extend(PreferredDevices(devs))
     if not out:
-      raise RuntimeError(f'No device of job {job!r} is visible; is this '
-                         'process connected to the cluster (Configure())?')
+      raise RuntimeError(
+        f'No device of job {job!r} is visible; is this '
+        'process connected to the cluster (Configure())?'
+      )
     return out
 
   def NumStages(self, default=1):
@@ -511,10 +579,15 @@ class Cluster:
 
   def Describe(self):
     p = self.params
-    where = (f'remote job {p.worker_job!r} of {self.spec}' if self.is_remote
-             else 'this host')
-    lines = [f'Cluster: {where}; {p.worker_replicas} replica(s) x '
-             f'{self.NumStages()} stage(s).']
+    where = (
+      f'remote job {p.worker_job!r} of {self.spec}'
+      if self.is_remote
+      else 'this host'
+    )
+    lines = [
+      f'Cluster: {where}; {p.worker_replicas} replica(s) x '
+      f'{self.NumStages()} stage(s).'
+    ]
     try:
       devices = self.Devices()
     except RuntimeError as e:

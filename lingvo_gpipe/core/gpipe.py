@@ -22,9 +22,19 @@ from lingvo_gpipe.pipeline.schedule import ScheduleText
 from lingvo_gpipe.pipeline.schedule import ScheduleTracer
 
 __all__ = [
-    'BalancedSplits', 'BubbleFraction', 'ComputeSplits',
-    'FeatureExtractionLayer', 'IdealSpeedup', 'LayerCosts', 'MakeReport',
-    'PartitionReport', 'PartitionSequentialLayers', 'PipeliningLayer',
-    'RECOMPUTE_POLICIES', 'Report', 'ScheduleText', 'ScheduleTracer',
-    'UniformSplits',
+  'BalancedSplits',
+  'BubbleFraction',
+  'ComputeSplits',
+  'FeatureExtractionLayer',
+  'IdealSpeedup',
+  'LayerCosts',
+  'MakeReport',
+  'PartitionReport',
+  'PartitionSequentialLayers',
+  'PipeliningLayer',
+  'RECOMPUTE_POLICIES',
+  'Report',
+  'ScheduleText',
+  'ScheduleTracer',
+  'UniformSplits',
 ]

@@ -68,7 +68,9 @@ def _IsNamedTuple(x: Any) -> bool:
 
 def _IsRecord(x: Any) -> bool:
   """True for namedtuple and dataclass instances."""
-  return _IsNamedTuple(x) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+  return _IsNamedTuple(x) or (
+    dataclasses.is_dataclass(x) and not isinstance(x, type)
+  )
 
 
 def _Fields(x: Any) -> dict[str, Any]:
@@ -83,8 +85,12 @@ def _Fields(x: Any) -> dict[str, Any]:
 def _IsPairList(x: Any) -> bool:
   """True for lists/tuples of (str, Params) pairs (including empty ones)."""
   return isinstance(x, (list, tuple)) and all(
-      isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and
-      isinstance(e[1], Params) for e in x)
+    isinstance(e, tuple)
+    and len(e) == 2
+    and isinstance(e[0], str)
+    and isinstance(e[1], Params)
+    for e in x
+  )
 
 
 def _IsDType(x: Any) -> bool:  # TensorFlow is not imported just to check this.
@@ -109,12 +115,17 @@ def _ValuesEqual(a: Any, b: Any) -> bool:
 
 
 class _KeySortedDict(dict):
-  """A dict whose repr lists items sorted by key; str values use _QuoteString."""
+  """A dict whose repr sorts items by key; str values use _QuoteString."""
 
   def __repr__(self) -> str:
-    return '{' + ', '.join(
+    return (
+      '{'
+      + ', '.join(
         f'{k!r}: ' + (_QuoteString(v) if isinstance(v, str) else repr(v))
-        for k, v in sorted(self.items(), key=lambda kv: kv[0])) + '}'
+        for k, v in sorted(self.items(), key=lambda kv: kv[0])
+      )
+      + '}'
+    )
 
 
 def _TextForm(val: Any) -> Any:
@@ -135,6 +146,7 @@ def _TextForm(val: Any) -> Any:
     return val.name
   if _IsProto(val):
     from google.protobuf import text_format  # pylint: disable=g-import-not-at-top
+
     proto_text = text_format.MessageToString(val, as_one_line=True)
     return f'proto/{_ModuleName(val)}/{type(val).__name__}/{proto_text}'
   if isinstance(val, (type, types.FunctionType)):
@@ -162,8 +174,9 @@ def _CopyValue(val: Any, memo: dict[int, Any]) -> Any:
     return type(val)(_CopyValue(v, memo) for v in val)
   if type(val) is dict:  # pylint: disable=unidiomatic-typecheck
     return {k: _CopyValue(v, memo) for k, v in val.items()}
-  if (isinstance(val, (type, types.FunctionType, types.ModuleType)) or
-      type(val).__module__.startswith('tensorflow')):
+  if isinstance(val, (type, types.FunctionType, types.ModuleType)) or type(
+    val
+  ).__module__.startswith('tensorflow'):
     return val  # Classes, functions, tensors, dtypes, variables: shared.
   try:
     return copy.deepcopy(val, memo)
@@ -186,13 +199,19 @@ def _EnterForText(unused_key: str, val: Any) -> bool:
     return True
   if isinstance(val, (list, tuple)):
     return all(isinstance(e, Params) for e in val) or _IsPairList(val)
-  return (isinstance(val, dict) and bool(val) and
-          all(isinstance(k, str) and isinstance(v, Params) for k, v in val.items()))
+  return (
+    isinstance(val, dict)
+    and bool(val)
+    and all(
+      isinstance(k, str) and isinstance(v, Params) for k, v in val.items()
+    )
+  )
 
 
 _KEY_TOKEN_RE = re.compile(
-    r"""(?P<dot>\.)?(?P<attr>[A-Za-z_]\w*)"""
-    r"""|\[(?P<item>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]""")
+  r"""(?P<dot>\.)?(?P<attr>[A-Za-z_]\w*)"""
+  r"""|\[(?P<item>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]"""
+)
 
 
 def _SplitKey(key: str) -> list[tuple[str, str]]:
@@ -202,12 +221,20 @@ def _SplitKey(key: str) -> list[tuple[str, str]]:
     m = _KEY_TOKEN_RE.match(key, pos)
     if m is None or (m.group('attr') and bool(m.group('dot')) != bool(tokens)):
       raise AttributeError(
-          f'Malformed parameter key {key!r} (problem at character {pos}); use names '
-          'joined by "." with optional [index] subscripts, e.g. "a.b[0].c".')
-    tokens.append(('attr', m.group('attr')) if m.group('attr') else ('item', m.group('item')))
+        f'Malformed parameter key {key!r} (problem at character {pos}); '
+        'use names '
+        'joined by "." with optional [index] subscripts, e.g. "a.b[0].c".'
+      )
+    tokens.append(
+      ('attr', m.group('attr'))
+      if m.group('attr')
+      else ('item', m.group('item'))
+    )
     pos = m.end()
   if not tokens or tokens[0][0] != 'attr':
-    raise AttributeError(f'Malformed parameter key {key!r}; it must start with a name.')
+    raise AttributeError(
+      f'Malformed parameter key {key!r}; it must start with a name.'
+    )
   return tokens
 
 
@@ -225,10 +252,19 @@ def _Subscript(container: Any, raw: str, where: str) -> Any:
     if _IsPairList(container) and container:
       return next(v for k, v in container if k == raw)
     return container[int(raw)]
-  except (KeyError, IndexError, ValueError, TypeError, AttributeError, StopIteration):
+  except (
+    KeyError,
+    IndexError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    StopIteration,
+  ):
     raise AttributeError(
-        f'Cannot resolve [{raw}] in {where!r}: it holds a {type(container).__name__} '
-        'without such an element; check the key against ToText() output.') from None
+      f'Cannot resolve [{raw}] in {where!r}: it holds a '
+      f'{type(container).__name__} '
+      'without such an element; check the key against ToText() output.'
+    ) from None
 
 
 class _Param:
@@ -259,7 +295,9 @@ class Params:
 
   def __getattr__(self, name: str) -> Any:
     if '_params' not in self.__dict__ or name.startswith('__'):
-      raise AttributeError(name)  # Unpickling, or a protocol probe like __deepcopy__.
+      raise AttributeError(
+        name
+      )  # Unpickling, or a protocol probe like __deepcopy__.
     return self._Lookup(name, '').value
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -277,9 +315,15 @@ class Params:
     return len(self._params)
 
   def __eq__(self, other: object) -> bool:
-    if not isinstance(other, Params) or self._params.keys() != other._params.keys():
+    if (
+      not isinstance(other, Params)
+      or self._params.keys() != other._params.keys()
+    ):
       return False
-    return all(_ValuesEqual(p.value, other._params[k].value) for k, p in self._params.items())
+    return all(
+      _ValuesEqual(p.value, other._params[k].value)
+      for k, p in self._params.items()
+    )
 
   def __ne__(self, other: object) -> bool:
     return not self == other
@@ -294,7 +338,9 @@ class Params:
 
   def __copy__(self) -> Self:
     res = self._NewEmpty()
-    res._params.update({k: _Param(p.value, p.description) for k, p in self._params.items()})
+    res._params.update(
+      {k: _Param(p.value, p.description) for k, p in self._params.items()}
+    )
     return res
 
   def __deepcopy__(self, memo: dict[int, Any]) -> Self:
@@ -302,18 +348,25 @@ class Params:
 
   def _CheckWritable(self, action: str) -> None:
     if self._frozen:
-      raise TypeError(f'Cannot {action}: this Params is frozen (immutable). Call .Copy() '
-                      'to get a writable copy.')
+      raise TypeError(
+        f'Cannot {action}: this Params is frozen (immutable). Call .Copy() '
+        'to get a writable copy.'
+      )
 
   def _Lookup(self, name: str, prefix: str) -> _Param:
     """Returns the _Param `name`; `prefix` is its parent's key, for errors."""
     if name in self._params:
       return self._params[name]
     close = difflib.get_close_matches(name, list(self._params), n=1)
-    hint = (f"; did you mean '{prefix}{close[0]}'?" if close else
-            f'; known parameters: {sorted(self._params)}')
-    raise AttributeError(f"Unknown parameter '{prefix}{name}'{hint} "
-                         '(use Define() to add a new parameter).')
+    hint = (
+      f"; did you mean '{prefix}{close[0]}'?"
+      if close
+      else f'; known parameters: {sorted(self._params)}'
+    )
+    raise AttributeError(
+      f"Unknown parameter '{prefix}{name}'{hint} "
+      '(use Define() to add a new parameter).'
+    )
 
   def _Resolve(self, key: str, action: str = '') -> tuple[Any, str, str]:
     """Walks a dotted key; returns (container, kind, text) of its last part.
@@ -326,16 +379,22 @@ class Params:
     for i, (kind, text) in enumerate(tokens):
       if kind == 'attr':
         if not isinstance(cur, Params):
-          raise AttributeError(f'Cannot look up {text!r} in {key!r}: {prefix!r} holds a '
-                               f'{type(cur).__name__}, not a Params.')
+          raise AttributeError(
+            f'Cannot look up {text!r} in {key!r}: {prefix!r} holds a '
+            f'{type(cur).__name__}, not a Params.'
+          )
         param = cur._Lookup(text, prefix + '.' if prefix else '')
       elif action and i == len(tokens) - 1:
-        raise AttributeError(f'Cannot {action} {key!r}: only named parameters of a Params '
-                             'can be; assign the whole list/dict/tuple instead.')
+        raise AttributeError(
+          f'Cannot {action} {key!r}: only named parameters of a Params '
+          'can be; assign the whole list/dict/tuple instead.'
+        )
       if i == len(tokens) - 1:
         return cur, kind, text
       cur = param.value if kind == 'attr' else _Subscript(cur, text, prefix)
-      prefix += (('.' if prefix else '') + text) if kind == 'attr' else f'[{text}]'
+      prefix += (
+        (('.' if prefix else '') + text) if kind == 'attr' else f'[{text}]'
+      )
 
   def _NewEmpty(self) -> Self:
     res = object.__new__(type(self))
@@ -366,18 +425,30 @@ class Params:
       description: A non-empty string saying what the parameter controls.
     """
     self._CheckWritable(f'define {name!r}')
-    if not isinstance(name, str) or not name.isidentifier() or name.startswith('_'):
-      raise ValueError(f'Invalid parameter name {name!r}: use a Python identifier that does '
-                       'not start with "_", e.g. "learning_rate".')
+    if (
+      not isinstance(name, str)
+      or not name.isidentifier()
+      or name.startswith('_')
+    ):
+      raise ValueError(
+        f'Invalid parameter name {name!r}: use a Python identifier that does '
+        'not start with "_", e.g. "learning_rate".'
+      )
     if hasattr(type(self), name):
-      raise ValueError(f'Invalid parameter name {name!r}: it clashes with the '
-                       f'{type(self).__name__}.{name} attribute; choose another name.')
+      raise ValueError(
+        f'Invalid parameter name {name!r}: it clashes with the '
+        f'{type(self).__name__}.{name} attribute; choose another name.'
+      )
     if name in self._params:
-      raise AttributeError(f'Parameter {name!r} is already defined; assign p.{name} = value '
-                           f'to change it, or Delete({name!r}) before redefining it.')
+      raise AttributeError(
+        f'Parameter {name!r} is already defined; assign p.{name} = value '
+        f'to change it, or Delete({name!r}) before redefining it.'
+      )
     if not isinstance(description, str) or not description.strip():
-      raise ValueError(f'Parameter {name!r} needs a non-empty description string, got '
-                       f'{description!r}; pass a short sentence saying what it controls.')
+      raise ValueError(
+        f'Parameter {name!r} needs a non-empty description string, got '
+        f'{description!r}; pass a short sentence saying what it controls.'
+      )
     self._params[name] = _Param(default_value, description)
 
   def Set(self, **kwargs: Any) -> Self:
@@ -392,7 +463,11 @@ class Params:
   def Get(self, name: str) -> Any:
     """Returns the value of a parameter; dotted/subscripted names allowed."""
     parent, kind, text = self._Resolve(name)
-    return parent._params[text].value if kind == 'attr' else _Subscript(parent, text, name)
+    return (
+      parent._params[text].value
+      if kind == 'attr'
+      else _Subscript(parent, text, name)
+    )
 
   def GetDescription(self, name: str) -> str:
     """Returns the description of a (possibly dotted) parameter."""
@@ -422,11 +497,13 @@ class Params:
     return list(self._params)
 
   def Copy(self) -> Self:
-    """Returns a writable deep copy (same class; classes/dtypes/tensors shared)."""
+    """Returns a writable deep copy (same class; shares classes and tensors)."""
     res = self._NewEmpty()
     memo: dict[int, Any] = {}
     for name, param in self._params.items():
-      res._params[name] = _Param(_CopyValue(param.value, memo), param.description)
+      res._params[name] = _Param(
+        _CopyValue(param.value, memo), param.description
+      )
     return res
 
   def Freeze(self) -> Self:
@@ -447,10 +524,12 @@ class Params:
     """Copies values of keys that both `other` and self define."""
     return CopyFieldsTo(other, self, ignore_unknown_keys=True)
 
-  def Visit(self,
-            visit_fn: Callable[[str, Any], None],
-            enter_fn: Callable[[str, Any], bool] | None = None,
-            exit_fn: Callable[[str, Any], None] | None = None) -> None:
+  def Visit(
+    self,
+    visit_fn: Callable[[str, Any], None],
+    enter_fn: Callable[[str, Any], bool] | None = None,
+    exit_fn: Callable[[str, Any], None] | None = None,
+  ) -> None:
     """Walks nested Params, dicts, lists, tuples, namedtuples and dataclasses.
 
     Keys look like 'a.b' (Params), "a['k']" (dicts), 'a[0]' (lists/tuples) and
@@ -493,7 +572,9 @@ class Params:
     lines: dict[str, str] = {}
 
     def _Leaf(key: str, val: Any) -> None:
-      lines[key] = _QuoteString(val) if isinstance(val, str) else str(_TextForm(val))
+      lines[key] = (
+        _QuoteString(val) if isinstance(val, str) else str(_TextForm(val))
+      )
 
     self.Visit(_Leaf, enter_fn=_EnterForText)
     return ''.join(f'{k} {separator} {lines[k]}\n' for k in sorted(lines))
@@ -518,16 +599,22 @@ class Params:
         if allow_missing:
           continue
         keys = []
-        self.Visit(lambda k, v, keys=keys: keys.append(k), enter_fn=_EnterForText)
+        self.Visit(
+          lambda k, v, keys=keys: keys.append(k), enter_fn=_EnterForText
+        )
         close = difflib.get_close_matches(key, keys, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else f' ({e})'
-        raise AttributeError(f'Line {lineno}: unknown parameter {key!r}{hint}') from None
+        raise AttributeError(
+          f'Line {lineno}: unknown parameter {key!r}{hint}'
+        ) from None
       try:
         updates.append((key, _ParseValue(old, raw)))
       except Exception as e:  # pylint: disable=broad-except
         expected = 'str' if isinstance(old, str) else type(old).__name__
-        raise ValueError(f'Line {lineno}: cannot parse {raw!r} for parameter {key!r} as '
-                         f'{expected} (the type of its current value): {e}') from e
+        raise ValueError(
+          f'Line {lineno}: cannot parse {raw!r} for parameter {key!r} as '
+          f'{expected} (the type of its current value): {e}'
+        ) from e
     for key, new in updates:
       self.Set(**{key: new})
     return self
@@ -541,18 +628,28 @@ class InstantiableParams(Params, Generic[_ClsT]):
 
   def __init__(self, cls: Any = None) -> None:
     super().__init__()
-    self.Define('cls', cls, 'Class (or factory) that Instantiate() calls with these params.')
+    self.Define(
+      'cls',
+      cls,
+      'Class (or factory) that Instantiate() calls with these params.',
+    )
 
   def Instantiate(self, **kwargs: Any) -> _ClsT:
     """Returns `self.cls(self, **kwargs)`."""
     if self.cls is None:
-      raise ValueError('Cannot Instantiate(): cls is None; set p.cls to the class to build.')
+      raise ValueError(
+        'Cannot Instantiate(): cls is None; set p.cls to the class to build.'
+      )
     return self.cls(self, **kwargs)
 
 
-def CopyFieldsTo(from_p: Params, to_p: ParamsT, skip: Any = None,
-                 ignore_unknown_keys: bool = False) -> ParamsT:
-  """Copies values (nested Params deep-copied) from from_p into to_p; returns to_p.
+def CopyFieldsTo(
+  from_p: Params,
+  to_p: ParamsT,
+  skip: Any = None,
+  ignore_unknown_keys: bool = False,
+) -> ParamsT:
+  """Copies values (nested Params deep) from from_p into to_p; returns to_p.
 
   `skip` is a name or list of names not to copy ('cls' is never copied). With
   `ignore_unknown_keys`, names to_p does not define are skipped, not errors.
@@ -573,7 +670,9 @@ def _SplitTextLines(text: str) -> list[tuple[int, str, str]]:
   for lineno, line in enumerate(text.split('\n'), 1):
     if pending is not None:
       if _ClosesQuote(line.rstrip(), pending[2]):
-        entries.append((pending[0], pending[1], '\n'.join(pending[3] + [line.rstrip()])))
+        entries.append(
+          (pending[0], pending[1], '\n'.join(pending[3] + [line.rstrip()]))
+        )
         pending = None
       else:
         pending[3].append(line)
@@ -584,14 +683,18 @@ def _SplitTextLines(text: str) -> list[tuple[int, str, str]]:
     key, sep, value = line.partition(':')
     key, value = key.strip(), value.lstrip()
     if not sep or not key:
-      raise ValueError(f'Line {lineno}: expected "<key> : <value>", got {stripped!r}.')
+      raise ValueError(
+        f'Line {lineno}: expected "<key> : <value>", got {stripped!r}.'
+      )
     if value[:1] in _QUOTES and not _ClosesQuote(value[1:].rstrip(), value[0]):
       pending = (lineno, key, value[0], [value])
       continue
     entries.append((lineno, key, value.rstrip()))
   if pending is not None:
-    raise ValueError(f'Line {pending[0]}: the string value of {pending[1]!r} is missing its '
-                     f'closing {pending[2]} quote.')
+    raise ValueError(
+      f'Line {pending[0]}: the string value of {pending[1]!r} is missing its '
+      f'closing {pending[2]} quote.'
+    )
   return entries
 
 
@@ -602,8 +705,10 @@ def _ParseEnum(cls: Any, text: str) -> Any:
   for candidate in cls:
     if str(candidate) == text:
       return candidate
-  raise ValueError(f'{text!r} is not a member of enum {cls.__name__}; expected one of '
-                   f'{[f"{cls.__name__}.{n}" for n in cls.__members__]}')
+  raise ValueError(
+    f'{text!r} is not a member of enum {cls.__name__}; expected one of '
+    f'{[f"{cls.__name__}.{n}" for n in cls.__members__]}'
+  )
 
 
 def _ImportObject(text: str) -> Any:
@@ -620,6 +725,7 @@ def _ImportObject(text: str) -> Any:
   if kind == 'type':
     return obj
   from google.protobuf import text_format  # pylint: disable=g-import-not-at-top
+
   return text_format.Parse(proto_text, obj())
 
 
@@ -628,13 +734,23 @@ def _Revive(old: Any, new: Any) -> Any:
   if isinstance(new, str) and not isinstance(old, str):
     if new == 'NoneType':  # How ToText() writes None inside containers.
       return None
-    encoded = (_IsDType(old) or _IsProto(old) or
-               isinstance(old, (enum.Enum, type, types.FunctionType)))
+    encoded = (
+      _IsDType(old)
+      or _IsProto(old)
+      or isinstance(old, (enum.Enum, type, types.FunctionType))
+    )
     if not (encoded or (old is None and new.startswith(('type/', 'proto/')))):
       return new
     try:
       return _ParseValue(old, new)
-    except (ValueError, TypeError, SyntaxError, LookupError, ImportError, AttributeError):
+    except (
+      ValueError,
+      TypeError,
+      SyntaxError,
+      LookupError,
+      ImportError,
+      AttributeError,
+    ):
       return new  # Not an encoding of old's type: keep the literal string.
   if isinstance(old, Params) and isinstance(new, dict):
     res = old.Copy()
@@ -646,10 +762,15 @@ def _Revive(old: Any, new: Any) -> Any:
     unknown = set(new) - set(fields)
     if unknown:
       raise ValueError(f'{type(old).__name__} has no fields {sorted(unknown)}')
-    return type(old)(**{k: _Revive(v, new[k]) if k in new else v for k, v in fields.items()})
+    return type(old)(
+      **{k: _Revive(v, new[k]) if k in new else v for k, v in fields.items()}
+    )
   if type(new) in (list, tuple):
     old = old if isinstance(old, (list, tuple)) else ()
-    return type(new)(_Revive(old[i] if i < len(old) else _MISSING, v) for i, v in enumerate(new))
+    return type(new)(
+      _Revive(old[i] if i < len(old) else _MISSING, v)
+      for i, v in enumerate(new)
+    )
   if type(new) is dict:  # pylint: disable=unidiomatic-typecheck
     old = old if isinstance(old, dict) else {}
     return {k: _Revive(old.get(k, _MISSING), v) for k, v in new.items()}
@@ -680,6 +801,7 @@ def _ParseValue(old: Any, text: str) -> Any:
     return float(text)
   if _IsDType(old):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
     return tf.as_dtype(text)
   if isinstance(old, enum.Enum):
     return _ParseEnum(type(old), text)
@@ -690,12 +812,18 @@ def _ParseValue(old: Any, text: str) -> Any:
   if _IsRecord(old) or isinstance(old, (list, tuple, dict)):
     try:
       parsed = ast.literal_eval(text)
-    except SyntaxError:  # Enum members inside containers print as <Cls.NAME: value>.
+    except (
+      SyntaxError
+    ):  # Enum members inside containers print as <Cls.NAME: value>.
       parsed = ast.literal_eval(_ENUM_REPR_RE.sub(r"'\1'", text))
     return _Revive(old, parsed)
   if text.startswith(('type/', 'proto/')):
     return _ImportObject(text)
   if old is None:
-    return _UnquoteString(text) if text[:1] in _QUOTES else ast.literal_eval(text)
-  raise ValueError(f'values of type {type_name} cannot be read from text; set this '
-                   'parameter in Python instead')
+    return (
+      _UnquoteString(text) if text[:1] in _QUOTES else ast.literal_eval(text)
+    )
+  raise ValueError(
+    f'values of type {type_name} cannot be read from text; set this '
+    'parameter in Python instead'
+  )

@@ -40,34 +40,61 @@ __all__ = ['Learner', 'LEGACY_LEARNER_PARAMS', 'DefineLearnerParams']
 # Learner params that BaseTask also defines in p.train (Lingvo's legacy
 # single-learner configuration).
 LEGACY_LEARNER_PARAMS = (
-    'learning_rate', 'lr_schedule', 'optimizer', 'clip_gradient_norm_to_value',
-    'clip_gradient_single_norm_to_value', 'grad_norm_to_clip_to_zero',
-    'l2_regularizer_weight', 'bprop_variable_filter',
-    'bprop_variable_exclusion')
+  'learning_rate',
+  'lr_schedule',
+  'optimizer',
+  'clip_gradient_norm_to_value',
+  'clip_gradient_single_norm_to_value',
+  'grad_norm_to_clip_to_zero',
+  'l2_regularizer_weight',
+  'bprop_variable_filter',
+  'bprop_variable_exclusion',
+)
 
 
 def DefineLearnerParams(p):
   """Defines the learner hyper-parameters in `p` (Learner and p.train)."""
   p.Define('learning_rate', 0.0, 'Base learning rate.')
-  p.Define('lr_schedule', schedule.ConstantOne.Params(),
-           'Schedule Params; its Value(step) multiplies learning_rate.')
+  p.Define(
+    'lr_schedule',
+    schedule.ConstantOne.Params(),
+    'Schedule Params; its Value(step) multiplies learning_rate.',
+  )
   p.Define('optimizer', optimizer.Adam.Params(), 'Optimizer Params.')
-  p.Define('clip_gradient_norm_to_value', 0.0,
-           'If > 0, clip the gradients by their global norm to this value '
-           '(tf.clip_by_global_norm). Exclusive with the next one.')
-  p.Define('clip_gradient_single_norm_to_value', 0.0,
-           'If > 0, clip each gradient tensor to this norm (tf.clip_by_norm).')
-  p.Define('grad_norm_to_clip_to_zero', 0.0,
-           'If > 0, a step whose gradient norm exceeds this is skipped '
-           '(zero gradients).')
-  p.Define('l2_regularizer_weight', None,
-           'If set, L2 weight decay of this weight (see the module doc for '
-           'the variables it skips).')
-  p.Define('bprop_variable_filter', None,
-           'If set, only variables whose names match this regex (re.search) '
-           'are trained.')
-  p.Define('bprop_variable_exclusion', None,
-           'If set, variables whose names match this regex are not trained.')
+  p.Define(
+    'clip_gradient_norm_to_value',
+    0.0,
+    'If > 0, clip the gradients by their global norm to this value '
+    '(tf.clip_by_global_norm). Exclusive with the next one.',
+  )
+  p.Define(
+    'clip_gradient_single_norm_to_value',
+    0.0,
+    'If > 0, clip each gradient tensor to this norm (tf.clip_by_norm).',
+  )
+  p.Define(
+    'grad_norm_to_clip_to_zero',
+    0.0,
+    'If > 0, a step whose gradient norm exceeds this is skipped '
+    '(zero gradients).',
+  )
+  p.Define(
+    'l2_regularizer_weight',
+    None,
+    'If set, L2 weight decay of this weight (see the module doc for '
+    'the variables it skips).',
+  )
+  p.Define(
+    'bprop_variable_filter',
+    None,
+    'If set, only variables whose names match this regex (re.search) '
+    'are trained.',
+  )
+  p.Define(
+    'bprop_variable_exclusion',
+    None,
+    'If set, variables whose names match this regex are not trained.',
+  )
 
 
 def _AllReduceInReplica(pairs):
@@ -75,8 +102,9 @@ def _AllReduceInReplica(pairs):
   replicas: the gradients averaged over the replicas (each replica's loss is
   the mean over its share of the batch), so every replica applies the update
   of the whole batch. Elsewhere: `pairs` unchanged."""
-  grads = py_utils.CrossReplicaReduce([g for g, _ in pairs],
-                                      tf.distribute.ReduceOp.MEAN)
+  grads = py_utils.CrossReplicaReduce(
+    [g for g, _ in pairs], tf.distribute.ReduceOp.MEAN
+  )
   return [(g, v) for g, (_, v) in zip(grads, pairs)]
 
 
@@ -86,51 +114,75 @@ class Learner:
   @classmethod
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
-    p.Define('name', 'loss',
-             'Name of the learner; also the metric it minimizes unless '
-             'loss_name is set (Lingvo\'s convention).')
+    p.Define(
+      'name',
+      'loss',
+      'Name of the learner; also the metric it minimizes unless '
+      "loss_name is set (Lingvo's convention).",
+    )
     p.Define('loss_name', None, 'Metric to minimize; None: p.name.')
     DefineLearnerParams(p)
-    p.Define('skip_lp_regularization_regex', r'/(b|beta|gamma)$',
-             'Variables whose names match this regex (re.search) get no '
-             'weight decay; None: only those passed to CreateSlots.')
-    p.Define('loss_scale', None,
-             'Loss scaling, for float16 compute (fprop_dtype) whose small '
-             'gradients would underflow: None (off); a number S (static: '
-             'back-propagate S * loss, divide the gradients by S); or '
-             '"dynamic": S starts at initial_loss_scale, is halved when a '
-             'gradient is not finite (that step gets zero gradients, like '
-             'any non-finite step), and doubled after '
-             'loss_scale_growth_interval finite steps.')
+    p.Define(
+      'skip_lp_regularization_regex',
+      r'/(b|beta|gamma)$',
+      'Variables whose names match this regex (re.search) get no '
+      'weight decay; None: only those passed to CreateSlots.',
+    )
+    p.Define(
+      'loss_scale',
+      None,
+      'Loss scaling, for float16 compute (fprop_dtype) whose small '
+      'gradients would underflow: None (off); a number S (static: '
+      'back-propagate S * loss, divide the gradients by S); or '
+      '"dynamic": S starts at initial_loss_scale, is halved when a '
+      'gradient is not finite (that step gets zero gradients, like '
+      'any non-finite step), and doubled after '
+      'loss_scale_growth_interval finite steps.',
+    )
     p.Define('initial_loss_scale', 2.0**15, 'Initial dynamic loss scale.')
-    p.Define('loss_scale_growth_interval', 2000,
-             'Finite steps before the dynamic loss scale doubles.')
+    p.Define(
+      'loss_scale_growth_interval',
+      2000,
+      'Finite steps before the dynamic loss scale doubles.',
+    )
     return p
 
   def __init__(self, params):
     if not isinstance(params, hyperparams.Params):
-      raise TypeError(f'Learner expects its Params, got '
-                      f'{type(params).__name__}; use '
-                      'Learner.Params().Set(...).Instantiate().')
+      raise TypeError(
+        f'Learner expects its Params, got '
+        f'{type(params).__name__}; use '
+        'Learner.Params().Set(...).Instantiate().'
+      )
     self._params = params.Copy().Freeze()
     p = self._params
     if p.clip_gradient_norm_to_value and p.clip_gradient_single_norm_to_value:
       raise ValueError(
-          f'Learner {p.name!r}: clip_gradient_norm_to_value = '
-          f'{p.clip_gradient_norm_to_value} and '
-          f'clip_gradient_single_norm_to_value = '
-          f'{p.clip_gradient_single_norm_to_value} are both set; set one to 0.')
+        f'Learner {p.name!r}: clip_gradient_norm_to_value = '
+        f'{p.clip_gradient_norm_to_value} and '
+        f'clip_gradient_single_norm_to_value = '
+        f'{p.clip_gradient_single_norm_to_value} are both set; set one to 0.'
+      )
     if p.learning_rate is None or p.learning_rate < 0:
-      raise ValueError(f'Learner {p.name!r}: learning_rate = '
-                       f'{p.learning_rate!r}; set a rate >= 0.')
+      raise ValueError(
+        f'Learner {p.name!r}: learning_rate = '
+        f'{p.learning_rate!r}; set a rate >= 0.'
+      )
     for what in ('optimizer', 'lr_schedule'):
       if not isinstance(p.Get(what), hyperparams.InstantiableParams):
-        raise TypeError(f'Learner {p.name!r}: p.{what} = {p.Get(what)!r}; '
-                        f'set it to the Params of a {what} class.')
-    if not (p.loss_scale is None or p.loss_scale == 'dynamic' or (
-        isinstance(p.loss_scale, (int, float)) and p.loss_scale > 0)):
-      raise ValueError(f'Learner {p.name!r}: loss_scale = {p.loss_scale!r}; '
-                       'use None, a positive number or "dynamic".')
+        raise TypeError(
+          f'Learner {p.name!r}: p.{what} = {p.Get(what)!r}; '
+          f'set it to the Params of a {what} class.'
+        )
+    if not (
+      p.loss_scale is None
+      or p.loss_scale == 'dynamic'
+      or (isinstance(p.loss_scale, (int, float)) and p.loss_scale > 0)
+    ):
+      raise ValueError(
+        f'Learner {p.name!r}: loss_scale = {p.loss_scale!r}; '
+        'use None, a positive number or "dynamic".'
+      )
     self._optimizer = p.optimizer.Instantiate()
     self._schedule = p.lr_schedule.Instantiate()
     self._variables = None
@@ -164,11 +216,11 @@ class Learner:
     name = optimizer.VarName(var)
     if not getattr(var, 'trainable', True):
       return False
-    if p.bprop_variable_filter and not re.search(p.bprop_variable_filter,
-                                                 name):
+    if p.bprop_variable_filter and not re.search(p.bprop_variable_filter, name):
       return False
-    if p.bprop_variable_exclusion and re.search(p.bprop_variable_exclusion,
-                                                name):
+    if p.bprop_variable_exclusion and re.search(
+      p.bprop_variable_exclusion, name
+    ):
       return False
     return True
 
@@ -190,13 +242,20 @@ class Learner:
       name = self.params.name
       with tf.init_scope():
         self._loss_scale_vars = (
-            tf.Variable(float(self.params.initial_loss_scale),
-                        dtype=tf.float32, trainable=False,
-                        name=f'{name}/loss_scale/',
-                        aggregation=py_utils.REPLICATED_AGGREGATION),
-            tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                        name=f'{name}/loss_scale_good_steps/',
-                        aggregation=py_utils.REPLICATED_AGGREGATION))
+          tf.Variable(
+            float(self.params.initial_loss_scale),
+            dtype=tf.float32,
+            trainable=False,
+            name=f'{name}/loss_scale/',
+            aggregation=py_utils.REPLICATED_AGGREGATION,
+          ),
+          tf.Variable(
+            tf.constant(0, tf.int64),
+            trainable=False,
+            name=f'{name}/loss_scale_good_steps/',
+            aggregation=py_utils.REPLICATED_AGGREGATION,
+          ),
+        )
 
   def slots(self):
     """{name: variable} of the optimizer's slots and counters (and of the
@@ -213,8 +272,10 @@ class Learner:
       return None
     if p.loss_scale == 'dynamic':
       if self._loss_scale_vars is None:
-        raise ValueError(f'Learner {p.name!r}: call CreateSlots before '
-                         'using the dynamic loss scale.')
+        raise ValueError(
+          f'Learner {p.name!r}: call CreateSlots before '
+          'using the dynamic loss scale.'
+        )
       return tf.convert_to_tensor(self._loss_scale_vars[0])
     return tf.constant(float(p.loss_scale), tf.float32)
 
@@ -225,16 +286,20 @@ class Learner:
     interval = self.params.loss_scale_growth_interval
     grow = tf.logical_and(finite, good + 1 >= interval)
     new_scale = tf.where(
-        finite, tf.where(grow, scale * 2.0, scale),
-        tf.maximum(scale * 0.5, 1.0))
-    new_good = tf.where(tf.logical_and(finite, tf.logical_not(grow)),
-                        good + 1, tf.zeros_like(good))
+      finite, tf.where(grow, scale * 2.0, scale), tf.maximum(scale * 0.5, 1.0)
+    )
+    new_good = tf.where(
+      tf.logical_and(finite, tf.logical_not(grow)),
+      good + 1,
+      tf.zeros_like(good),
+    )
     return tf.group(scale.assign(new_scale), good.assign(new_good))
 
   def LearningRate(self, step):
     """learning_rate * lr_schedule.Value(step), a float32 scalar."""
-    return tf.constant(self.params.learning_rate,
-                       tf.float32) * self._schedule.Value(step)
+    return tf.constant(
+      self.params.learning_rate, tf.float32
+    ) * self._schedule.Value(step)
 
   def _SkipLp(self, var):
     name = optimizer.VarName(var)
@@ -257,18 +322,23 @@ class Learner:
     p = self.params
     if isinstance(grads_and_vars, tf.GradientTape):
       if self._variables is None:
-        raise ValueError(f'Learner {p.name!r}: call CreateSlots(variables) '
-                         'before Apply with a tape.')
+        raise ValueError(
+          f'Learner {p.name!r}: call CreateSlots(variables) '
+          'before Apply with a tape.'
+        )
       loss_scale = self.LossScale()
       if loss_scale is None:
         grads = grads_and_vars.gradient(loss, self._variables)
       else:
         # d(S * loss)/dw, without recording S * loss on the tape.
         grads = grads_and_vars.gradient(
-            loss, self._variables,
-            output_gradients=tf.cast(loss_scale, loss.dtype))
-        grads = [None if g is None else g / tf.cast(loss_scale, g.dtype)
-                 for g in grads]
+          loss,
+          self._variables,
+          output_gradients=tf.cast(loss_scale, loss.dtype),
+        )
+        grads = [
+          None if g is None else g / tf.cast(loss_scale, g.dtype) for g in grads
+        ]
       grads_and_vars = list(zip(grads, self._variables))
     pairs, dropped = [], []
     for g, v in grads_and_vars:
@@ -280,20 +350,29 @@ class Learner:
       with tf.device(v.device):
         pairs.append((tf.convert_to_tensor(g), v))
     if dropped:
-      logging.warning('Learner %s: no gradient for %s; they are not updated.',
-                      p.name, dropped)
+      logging.warning(
+        'Learner %s: no gradient for %s; they are not updated.', p.name, dropped
+      )
     pairs = _AllReduceInReplica(pairs)
     if not pairs:
-      raise ValueError(f'Learner {p.name!r}: no variable has a gradient; '
-                       'check that the loss depends on the trainable '
-                       'variables and the bprop_variable_filter/_exclusion.')
+      raise ValueError(
+        f'Learner {p.name!r}: no variable has a gradient; '
+        'check that the loss depends on the trainable '
+        'variables and the bprop_variable_filter/_exclusion.'
+      )
     stats = NestedMap()
     if p.l2_regularizer_weight:
       w = float(p.l2_regularizer_weight)
       decayed = [v for _, v in pairs if not self._SkipLp(v)]
-      stats.l2_loss = 0.5 * w * tf.add_n(
+      stats.l2_loss = (
+        0.5
+        * w
+        * tf.add_n(
           [tf.reduce_sum(tf.square(tf.cast(v, tf.float32))) for v in decayed]
-      ) if decayed else tf.constant(0.0)
+        )
+        if decayed
+        else tf.constant(0.0)
+      )
       new_pairs = []
       for g, v in pairs:
         if not self._SkipLp(v):
@@ -301,15 +380,16 @@ class Learner:
             g = g + tf.cast(w, g.dtype) * tf.cast(v, g.dtype)
         new_pairs.append((g, v))
       pairs = new_pairs
-    grad_norm = tf.linalg.global_norm([tf.cast(g, tf.float32)
-                                       for g, _ in pairs])
-    var_norm = tf.linalg.global_norm([tf.cast(v, tf.float32)
-                                      for _, v in pairs])
+    grad_norm = tf.linalg.global_norm(
+      [tf.cast(g, tf.float32) for g, _ in pairs]
+    )
+    var_norm = tf.linalg.global_norm([tf.cast(v, tf.float32) for _, v in pairs])
     has_nan_or_inf = tf.logical_not(tf.math.is_finite(grad_norm))
     scale = tf.constant(1.0, tf.float32)
     if p.clip_gradient_norm_to_value:
-      scale = tf.minimum(1.0, p.clip_gradient_norm_to_value /
-                         tf.maximum(grad_norm, 1e-30))
+      scale = tf.minimum(
+        1.0, p.clip_gradient_norm_to_value / tf.maximum(grad_norm, 1e-30)
+      )
     if p.grad_norm_to_clip_to_zero:
       scale *= tf.cast(grad_norm < p.grad_norm_to_clip_to_zero, tf.float32)
     scale = tf.where(has_nan_or_inf, 0.0, scale)
@@ -324,8 +404,9 @@ class Learner:
     lr = self.LearningRate(global_step)
     update_op = self._optimizer.Apply(lr, final)
     if self._loss_scale_vars is not None:
-      update_op = tf.group(update_op, self._UpdateLossScale(
-          tf.logical_not(has_nan_or_inf)))
+      update_op = tf.group(
+        update_op, self._UpdateLossScale(tf.logical_not(has_nan_or_inf))
+      )
     if self.params.loss_scale is not None:
       stats.loss_scale = self.LossScale()
     stats.learning_rate = lr

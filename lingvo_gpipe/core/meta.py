@@ -12,8 +12,16 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['ToSpec', 'ToShape', 'Dims', 'LayerName', 'CheckShape', 'Meta',
-           'TraceFPropMeta', 'GraphFlops']
+__all__ = [
+  'ToSpec',
+  'ToShape',
+  'Dims',
+  'LayerName',
+  'CheckShape',
+  'Meta',
+  'TraceFPropMeta',
+  'GraphFlops',
+]
 
 
 def ToSpec(x, dtype=tf.float32):
@@ -29,14 +37,19 @@ def ToSpec(x, dtype=tf.float32):
   if isinstance(x, dict):
     return NestedMap({k: ToSpec(v, dtype) for k, v in x.items()})
   if isinstance(x, (list, tuple)):
-    if all((isinstance(d, (int, np.integer)) and not isinstance(d, bool))
-           or d is None for d in x):
+    if all(
+      (isinstance(d, (int, np.integer)) and not isinstance(d, bool))
+      or d is None
+      for d in x
+    ):
       return tf.TensorSpec(tf.TensorShape(list(x)), dtype)
     return type(x)(ToSpec(v, dtype) for v in x)
   if hasattr(x, 'shape') and hasattr(x, 'dtype'):
     return tf.TensorSpec(x.shape, x.dtype)
-  raise TypeError(f'Cannot interpret {x!r} as a shape: pass a tf.TensorShape, '
-                  'a list of ints, a tf.TensorSpec or a tensor.')
+  raise TypeError(
+    f'Cannot interpret {x!r} as a shape: pass a tf.TensorShape, '
+    'a list of ints, a tf.TensorSpec or a tensor.'
+  )
 
 
 def ToShape(x):
@@ -48,8 +61,10 @@ def Dims(shape):
   """The dims of `shape` as a list of ints (None where unknown)."""
   shape = ToShape(shape)
   if shape.rank is None:
-    raise ValueError(f'Shape {shape} has unknown rank; FPropMeta needs at '
-                     'least the rank of every input.')
+    raise ValueError(
+      f'Shape {shape} has unknown rank; FPropMeta needs at '
+      'least the rank of every input.'
+    )
   return shape.as_list()
 
 
@@ -98,15 +113,18 @@ def CheckShape(who, what, actual, expected, fix):
   else:
     ok = len(dims) == len(tail)
   if ok and tail:
-    ok = all(e is None or a is None or int(a) == int(e)
-             for a, e in zip(dims[len(dims) - len(tail):], tail))
+    ok = all(
+      e is None or a is None or int(a) == int(e)
+      for a, e in zip(dims[len(dims) - len(tail) :], tail)
+    )
   if not ok:
     shown = _Fmt(tail)
     if any_leading:
       shown = '[..., ' + shown[1:] if tail else '[...]'
     raise ValueError(
-        f'{LayerName(who)}: {what} has shape {_Fmt(dims)} but {shown} is '
-        f'expected (? = any). {fix}')
+      f'{LayerName(who)}: {what} has shape {_Fmt(dims)} but {shown} is '
+      f'expected (? = any). {fix}'
+    )
   return dims
 
 
@@ -130,10 +148,28 @@ def GraphFlops(graph):
         continue
     except (ValueError, TypeError):
       pass
-    if op.type in ('Relu', 'Relu6', 'Sigmoid', 'Tanh', 'Exp', 'Log', 'Sqrt',
-                   'Rsqrt', 'Square', 'Maximum', 'Minimum', 'Erf', 'Softmax',
-                   'Elu', 'Selu', 'Softplus', 'AddV2', 'Mul', 'Sub',
-                   'RealDiv'):
+    if op.type in (
+      'Relu',
+      'Relu6',
+      'Sigmoid',
+      'Tanh',
+      'Exp',
+      'Log',
+      'Sqrt',
+      'Rsqrt',
+      'Square',
+      'Maximum',
+      'Minimum',
+      'Erf',
+      'Softmax',
+      'Elu',
+      'Selu',
+      'Softplus',
+      'AddV2',
+      'Mul',
+      'Sub',
+      'RealDiv',
+    ):
       for out in op.outputs:
         n = out.shape.num_elements()
         total += int(n or 0)
@@ -162,10 +198,12 @@ def TraceFPropMeta(p, *args):
     return layer.FProp(theta, *inputs)
 
   concrete = tf.function(Fn, autograph=False).get_concrete_function(
-      theta_spec, *specs)
+    theta_spec, *specs
+  )
   outs = concrete.structured_outputs
   if not isinstance(outs, tuple):
     outs = (outs,)
   shapes = tf.nest.map_structure(
-      lambda t: tf.TensorShape(t.shape) if t is not None else None, outs)
+    lambda t: tf.TensorShape(t.shape) if t is not None else None, outs
+  )
   return NestedMap(flops=GraphFlops(concrete.graph), out_shapes=tuple(shapes))

@@ -50,12 +50,14 @@ class NestedMap(dict):
     """Raises ValueError if `key` cannot be a NestedMap key."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
       raise ValueError(
-          f'Invalid NestedMap key {key!r}: keys must be Python identifiers '
-          '(letters, digits and "_", not starting with a digit).')
+        f'Invalid NestedMap key {key!r}: keys must be Python identifiers '
+        '(letters, digits and "_", not starting with a digit).'
+      )
     if key in _RESERVED:
       raise ValueError(
-          f'Invalid NestedMap key {key!r}: it shadows the dict method '
-          f'"{key}". Choose another name, e.g. "{key}_".')
+        f'Invalid NestedMap key {key!r}: it shadows the dict method '
+        f'"{key}". Choose another name, e.g. "{key}_".'
+      )
 
   def __setitem__(self, key, value):
     NestedMap.CheckKey(key)
@@ -88,7 +90,8 @@ class NestedMap(dict):
     except KeyError as e:
       keys = ', '.join(sorted(self.keys())) or '(none)'
       raise AttributeError(
-          f'NestedMap has no key {name!r}; its keys are: {keys}.') from e
+        f'NestedMap has no key {name!r}; its keys are: {keys}.'
+      ) from e
 
   def __delattr__(self, name):
     try:
@@ -102,6 +105,7 @@ class NestedMap(dict):
 
   def __deepcopy__(self, memo):
     import copy  # pylint: disable=g-import-not-at-top
+
     return NestedMap({k: copy.deepcopy(v, memo) for k, v in self.items()})
 
   def DeepCopy(self):
@@ -180,15 +184,17 @@ class NestedMap(dict):
         return next(it)
       except StopIteration:
         raise ValueError(
-            f'Pack: the list has fewer values than the structure has leaves '
-            f'({len(self.Flatten())}).') from None
+          f'Pack: the list has fewer values than the structure has leaves '
+          f'({len(self.Flatten())}).'
+        ) from None
 
     result = Build(self)
     leftover = sum(1 for _ in it)
     if leftover:
       raise ValueError(
-          f'Pack: the list has {count[0] + leftover} values but the structure '
-          f'has {count[0]} leaves.')
+        f'Pack: the list has {count[0] + leftover} values but the structure '
+        f'has {count[0]} leaves.'
+      )
     return result
 
   def Transform(self, fn):
@@ -204,7 +210,8 @@ class NestedMap(dict):
     if not isinstance(other, dict):
       return False
     return [k for k, _ in self.FlattenItems()] == [
-        k for k, _ in NestedMap(other).FlattenItems()]
+      k for k, _ in NestedMap(other).FlattenItems()
+    ]
 
   def Filter(self, fn):
     """Returns a NestedMap keeping leaves where `fn(leaf)` is true."""

@@ -34,8 +34,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import py_utils
 
-__all__ = ['Base', 'SGD', 'Momentum', 'RMSProp', 'Adam', 'Adafactor',
-           'VarName']
+__all__ = ['Base', 'SGD', 'Momentum', 'RMSProp', 'Adam', 'Adafactor', 'VarName']
 
 
 def VarName(var):
@@ -53,24 +52,31 @@ class Base:
   @classmethod
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
-    p.Define('name', cls.__name__,
-             'Name of the optimizer; it prefixes its non-slot variables '
-             '(e.g. "Adam/iterations").')
+    p.Define(
+      'name',
+      cls.__name__,
+      'Name of the optimizer; it prefixes its non-slot variables '
+      '(e.g. "Adam/iterations").',
+    )
     return p
 
   def __init__(self, params):
     if not isinstance(params, hyperparams.Params):
-      raise TypeError(f'{type(self).__name__} expects its Params, got '
-                      f'{type(params).__name__}; build it with '
-                      f'{type(self).__name__}.Params().Instantiate().')
+      raise TypeError(
+        f'{type(self).__name__} expects its Params, got '
+        f'{type(params).__name__}; build it with '
+        f'{type(self).__name__}.Params().Instantiate().'
+      )
     self._params = params.Copy().Freeze()
     if not re.match(r'^[A-Za-z_][\w.-]*$', str(self._params.name)):
-      raise ValueError(f'{type(self).__name__}: name {self._params.name!r} '
-                       'is not a valid variable name prefix; use e.g. '
-                       f'"{type(self).__name__}".')
+      raise ValueError(
+        f'{type(self).__name__}: name {self._params.name!r} '
+        'is not a valid variable name prefix; use e.g. '
+        f'"{type(self).__name__}".'
+      )
     self._Validate(self._params)
-    self._slots = {}      # (var name, slot) -> variable
-    self._owners = {}     # var name -> variable (names must be unique)
+    self._slots = {}  # (var name, slot) -> variable
+    self._owners = {}  # var name -> variable (names must be unique)
     self._counter = None  # int64 step counter, if _HAS_COUNTER
 
   @property
@@ -83,8 +89,9 @@ class Base:
     del p
 
   def _Error(self, what, fix):
-    return ValueError(f'{type(self).__name__} {self.params.name!r}: {what}; '
-                      f'{fix}')
+    return ValueError(
+      f'{type(self).__name__} {self.params.name!r}: {what}; {fix}'
+    )
 
   # -- Slots -----------------------------------------------------------------
 
@@ -104,9 +111,11 @@ class Base:
     if self._HAS_COUNTER and self._counter is None:
       with tf.init_scope():
         self._counter = tf.Variable(
-            tf.constant(0, tf.int64), trainable=False,
-            name=f'{self.params.name}/iterations/',
-            aggregation=py_utils.REPLICATED_AGGREGATION)
+          tf.constant(0, tf.int64),
+          trainable=False,
+          name=f'{self.params.name}/iterations/',
+          aggregation=py_utils.REPLICATED_AGGREGATION,
+        )
 
   def CreateSlots(self, variables):
     """Creates the slots of `variables` (idempotent), each on its device."""
@@ -116,25 +125,30 @@ class Base:
       owner = self._owners.setdefault(vname, var)
       if owner is not var:
         raise ValueError(
-            f'{type(self).__name__}: two different variables are named '
-            f'{vname!r}; slot names derive from variable names, so give the '
-            'layers distinct names.')
+          f'{type(self).__name__}: two different variables are named '
+          f'{vname!r}; slot names derive from variable names, so give the '
+          'layers distinct names.'
+        )
       for slot, shape, init in self._SlotSpecs(var):
         if (vname, slot) in self._slots:
           continue
         with tf.init_scope(), tf.device(var.device):
           self._slots[(vname, slot)] = tf.Variable(
-              tf.fill(shape, tf.constant(init, var.dtype.base_dtype)),
-              trainable=False, name=f'{vname}/{slot}/',  # '/': absolute name
-              aggregation=py_utils.REPLICATED_AGGREGATION)
+            tf.fill(shape, tf.constant(init, var.dtype.base_dtype)),
+            trainable=False,
+            name=f'{vname}/{slot}/',  # '/': absolute name
+            aggregation=py_utils.REPLICATED_AGGREGATION,
+          )
 
   def GetSlot(self, var, slot):
     """The slot variable `slot` of `var`."""
     key = (VarName(var), slot)
     if key not in self._slots:
-      raise KeyError(f'{type(self).__name__} has no slot {slot!r} for '
-                     f'{key[0]!r}; call CreateSlots([var]) first. Its slots '
-                     f'are {sorted(s for s, _, _ in self._SlotSpecs(var))}.')
+      raise KeyError(
+        f'{type(self).__name__} has no slot {slot!r} for '
+        f'{key[0]!r}; call CreateSlots([var]) first. Its slots '
+        f'are {sorted(s for s, _, _ in self._SlotSpecs(var))}.'
+      )
     return self._slots[key]
 
   def slots(self):
@@ -200,8 +214,12 @@ class Momentum(Base):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('alpha', 0.9, 'Momentum coefficient (Lingvo\'s name): the decay '
-             'of the accumulated gradients.')
+    p.Define(
+      'alpha',
+      0.9,
+      "Momentum coefficient (Lingvo's name): the decay "
+      'of the accumulated gradients.',
+    )
     p.Define('use_nesterov', False, 'Whether to use Nesterov momentum.')
     return p
 
@@ -233,15 +251,20 @@ class RMSProp(Base):
     p.Define('decay', 0.9, 'Discount of the mean squared gradient.')
     p.Define('momentum', 0.0, 'Momentum of the update.')
     p.Define('epsilon', 1e-10, 'Added to the mean square inside the sqrt.')
-    p.Define('centered', False,
-             'If True, normalize by the estimated variance of the gradient '
-             '(mean square minus squared mean).')
+    p.Define(
+      'centered',
+      False,
+      'If True, normalize by the estimated variance of the gradient '
+      '(mean square minus squared mean).',
+    )
     return p
 
   def _Validate(self, p):
     if not 0.0 <= p.decay < 1.0 or not 0.0 <= p.momentum < 1.0:
-      raise self._Error(f'decay = {p.decay!r}, momentum = {p.momentum!r}',
-                        'both must be in [0, 1).')
+      raise self._Error(
+        f'decay = {p.decay!r}, momentum = {p.momentum!r}',
+        'both must be in [0, 1).',
+      )
     if p.epsilon <= 0:
       raise self._Error(f'epsilon = {p.epsilon!r}', 'it must be > 0.')
 
@@ -282,13 +305,14 @@ class Adam(Base):
     p = super().Params()
     p.Define('beta1', 0.9, 'Decay of the first moment.')
     p.Define('beta2', 0.999, 'Decay of the second moment.')
-    p.Define('epsilon', 1e-6, 'Added to sqrt(v) (Lingvo\'s default 1e-6).')
+    p.Define('epsilon', 1e-6, "Added to sqrt(v) (Lingvo's default 1e-6).")
     return p
 
   def _Validate(self, p):
     if not (0.0 <= p.beta1 < 1.0 and 0.0 <= p.beta2 < 1.0):
-      raise self._Error(f'beta1 = {p.beta1!r}, beta2 = {p.beta2!r}',
-                        'both must be in [0, 1).')
+      raise self._Error(
+        f'beta1 = {p.beta1!r}, beta2 = {p.beta2!r}', 'both must be in [0, 1).'
+      )
     if p.epsilon <= 0:
       raise self._Error(f'epsilon = {p.epsilon!r}', 'it must be > 0.')
 
@@ -337,19 +361,34 @@ class Adafactor(Base):
   def Params(cls):
     p = super().Params()
     p.Define('beta1', 0.0, 'Momentum of the update; 0: no momentum slot.')
-    p.Define('beta2', 0.999,
-             'Second-moment decay, used when decay_exponent_pow is None.')
-    p.Define('decay_exponent_pow', 0.8,
-             'If set, the second-moment decay is 1 - t^-decay_exponent_pow.')
-    p.Define('clipping_threshold', 1.0,
-             'Update clipping threshold (RMS of the update); None: off.')
+    p.Define(
+      'beta2',
+      0.999,
+      'Second-moment decay, used when decay_exponent_pow is None.',
+    )
+    p.Define(
+      'decay_exponent_pow',
+      0.8,
+      'If set, the second-moment decay is 1 - t^-decay_exponent_pow.',
+    )
+    p.Define(
+      'clipping_threshold',
+      1.0,
+      'Update clipping threshold (RMS of the update); None: off.',
+    )
     p.Define('factored', True, 'Whether to factor the second moments.')
-    p.Define('min_dim_size_to_factor', 128,
-             'Factor only if the last two dims are at least this size '
-             '(Lingvo\'s default).')
-    p.Define('multiply_by_parameter_scale', False,
-             'If True, scale the step by max(rms(var), epsilon2) (the '
-             '"relative step"); False: the step is the learning rate.')
+    p.Define(
+      'min_dim_size_to_factor',
+      128,
+      'Factor only if the last two dims are at least this size '
+      "(Lingvo's default).",
+    )
+    p.Define(
+      'multiply_by_parameter_scale',
+      False,
+      'If True, scale the step by max(rms(var), epsilon2) (the '
+      '"relative step"); False: the step is the learning rate.',
+    )
     p.Define('epsilon1', 1e-30, 'Added to the squared gradients.')
     p.Define('epsilon2', 1e-3, 'Lower bound of the parameter scale.')
     return p
@@ -360,19 +399,23 @@ class Adafactor(Base):
     if p.decay_exponent_pow is None and not 0.0 <= p.beta2 < 1.0:
       raise self._Error(f'beta2 = {p.beta2!r}', 'use 0 <= beta2 < 1.')
     if p.clipping_threshold is not None and p.clipping_threshold <= 0:
-      raise self._Error(f'clipping_threshold = {p.clipping_threshold!r}',
-                        'use a positive value or None.')
+      raise self._Error(
+        f'clipping_threshold = {p.clipping_threshold!r}',
+        'use a positive value or None.',
+      )
 
   def _Factored(self, shape):
     p = self.params
-    return (p.factored and len(shape) >= 2 and
-            min(shape[-2:]) >= p.min_dim_size_to_factor)
+    return (
+      p.factored
+      and len(shape) >= 2
+      and min(shape[-2:]) >= p.min_dim_size_to_factor
+    )
 
   def _SlotSpecs(self, var):
     shape = var.shape.as_list()
     if self._Factored(shape):
-      specs = [('vr', shape[:-1], 0.0),
-               ('vc', shape[:-2] + shape[-1:], 0.0)]
+      specs = [('vr', shape[:-1], 0.0), ('vc', shape[:-2] + shape[-1:], 0.0)]
     else:
       specs = [('v', shape, 0.0)]
     if self.params.beta1:
@@ -394,8 +437,9 @@ class Adafactor(Base):
       new_vr = decay * vr + (1.0 - decay) * tf.reduce_mean(g2, -1)
       new_vc = decay * vc + (1.0 - decay) * tf.reduce_mean(g2, -2)
       ops += [vr.assign(new_vr), vc.assign(new_vc)]
-      r_factor = tf.math.rsqrt(new_vr /
-                               tf.reduce_mean(new_vr, -1, keepdims=True))
+      r_factor = tf.math.rsqrt(
+        new_vr / tf.reduce_mean(new_vr, -1, keepdims=True)
+      )
       c_factor = tf.math.rsqrt(new_vc)
       u = grad * tf.expand_dims(r_factor, -1) * tf.expand_dims(c_factor, -2)
     else:

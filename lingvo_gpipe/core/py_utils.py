@@ -20,11 +20,27 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core.nested_map import NestedMap
 
 __all__ = [
-    'NestedMap', 'WeightInit', 'WeightParams', 'StableHash', 'EvalMode',
-    'IsEval', 'StepSeed', 'GenerateStepSeedPair', 'UpdateCollector',
-    'AddDeferredUpdate', 'HasShape', 'Flatten', 'Pack', 'Transform',
-    'GetShape', 'CheckNumerics', 'REPLICATED_AGGREGATION', 'CrossReplicaReduce',
-    'AsTuple', 'Unwrap', 'IsTensor',
+  'NestedMap',
+  'WeightInit',
+  'WeightParams',
+  'StableHash',
+  'EvalMode',
+  'IsEval',
+  'StepSeed',
+  'GenerateStepSeedPair',
+  'UpdateCollector',
+  'AddDeferredUpdate',
+  'HasShape',
+  'Flatten',
+  'Pack',
+  'Transform',
+  'GetShape',
+  'CheckNumerics',
+  'REPLICATED_AGGREGATION',
+  'CrossReplicaReduce',
+  'AsTuple',
+  'Unwrap',
+  'IsTensor',
 ]
 
 Flatten = tf.nest.flatten
@@ -39,7 +55,9 @@ def Transform(fn, *structures):
 def StableHash(*parts):
   """A 31-bit hash of `parts` that is the same in every process and run."""
   text = '\x00'.join(str(p) for p in parts).encode('utf-8')
-  return int.from_bytes(hashlib.sha256(text).digest()[:4], 'little') & 0x7FFFFFFF
+  return (
+    int.from_bytes(hashlib.sha256(text).digest()[:4], 'little') & 0x7FFFFFFF
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -111,9 +129,17 @@ class WeightInit:
     return WeightInit._Params('constant', scale, 0)
 
 
-_INIT_METHODS = ('gaussian', 'uniform', 'truncated_gaussian', 'xavier',
-                 'gaussian_sqrt_dim', 'gaussian_sqrt_fanin', 'uniform_sqrt_dim',
-                 'uniform_unit_scaling', 'constant')
+_INIT_METHODS = (
+  'gaussian',
+  'uniform',
+  'truncated_gaussian',
+  'xavier',
+  'gaussian_sqrt_dim',
+  'gaussian_sqrt_fanin',
+  'uniform_sqrt_dim',
+  'uniform_unit_scaling',
+  'constant',
+)
 
 
 def DefaultParamInit():
@@ -126,11 +152,14 @@ def DefaultParamInit():
 
 
 def IsDefaultParamInit(p):
-  return p.method == 'xavier' and abs(p.scale - 1.000001) < 1e-9 and p.seed is None
+  return (
+    p.method == 'xavier' and abs(p.scale - 1.000001) < 1e-9 and p.seed is None
+  )
 
 
-def WeightParams(shape, init=None, dtype=None, collections=None,
-                 shared_name=None):
+def WeightParams(
+  shape, init=None, dtype=None, collections=None, shared_name=None
+):
   """Describes a variable to `BaseLayer.CreateVariable`.
 
   Args:
@@ -169,8 +198,9 @@ def _Fans(shape):
 def InitialValue(init, shape, dtype, seed):
   """Computes an initial value tensor. `seed` is a Python int."""
   if init.method not in _INIT_METHODS:
-    raise ValueError(f'Unknown weight init method {init.method!r}; '
-                     f'use one of {_INIT_METHODS}.')
+    raise ValueError(
+      f'Unknown weight init method {init.method!r}; use one of {_INIT_METHODS}.'
+    )
   shape = [int(s) for s in shape]
   scale = float(init.scale)
   seed_pair = tf.constant([seed, StableHash('init', seed)], tf.int64)
@@ -273,8 +303,9 @@ def GenerateStepSeedPair(layer_seed):
 def MixSeed(seed, index):
   """Derives a new int64 step seed from `seed` and a Python int `index`."""
   return tf.bitwise.bitwise_xor(
-      tf.cast(seed, tf.int64) * 1000003, tf.constant(StableHash('mix', index),
-                                                     tf.int64))
+    tf.cast(seed, tf.int64) * 1000003,
+    tf.constant(StableHash('mix', index), tf.int64),
+  )
 
 
 class UpdateCollector:
@@ -337,8 +368,11 @@ def CrossReplicaReduce(tensors, reduce_op):
   """`tensors` (a list) reduced (SUM or MEAN) over the tf.distribute
   replicas, inside a replica of several; unchanged elsewhere."""
   ctx = tf.distribute.get_replica_context()
-  if (ctx is None or not tf.distribute.has_strategy() or
-      ctx.num_replicas_in_sync == 1):
+  if (
+    ctx is None
+    or not tf.distribute.has_strategy()
+    or ctx.num_replicas_in_sync == 1
+  ):
     return tensors
   return ctx.all_reduce(reduce_op, list(tensors))
 
@@ -391,8 +425,10 @@ def GetShape(tensor, ndims=None):
     dynamic = tf.shape(tensor)
     return dynamic if ndims is None else [dynamic[i] for i in range(ndims)]
   dynamic = tf.shape(tensor)
-  out = [static[i] if static[i] is not None else dynamic[i]
-         for i in range(len(static))]
+  out = [
+    static[i] if static[i] is not None else dynamic[i]
+    for i in range(len(static))
+  ]
   return out[:ndims] if ndims is not None else out
 
 
@@ -402,9 +438,13 @@ def HasShape(tensor, expected, layer_name='', what='input'):
   `expected` may contain -1 or None for "any". Checks static shapes only.
   """
   exp = [None if (d is None or d == -1) else int(d) for d in expected]
-  meta.CheckShape(str(layer_name), what, tensor.shape, exp,
-                  'Check the layer\'s Params (e.g. input_dim) against the '
-                  'tensor you pass.')
+  meta.CheckShape(
+    str(layer_name),
+    what,
+    tensor.shape,
+    exp,
+    "Check the layer's Params (e.g. input_dim) against the tensor you pass.",
+  )
   return tensor
 
 

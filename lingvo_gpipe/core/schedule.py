@@ -31,19 +31,32 @@ import tensorflow as tf
 from lingvo_gpipe.core import hyperparams
 
 __all__ = [
-    'BaseSchedule', 'Constant', 'ConstantOne', 'PiecewiseConstantSchedule',
-    'PiecewiseConstant', 'LinearSchedule', 'ExponentialSchedule',
-    'StepwiseExponentialSchedule', 'ContinuousSchedule', 'LinearWarmup',
-    'TransformerSchedule', 'SqrtDecay', 'CosineSchedule', 'CosineDecay',
-    'LinearRampupCosineSchedule', 'WarmupExponentialDecay',
-    'LinearRampupExponentialDecay',
+  'BaseSchedule',
+  'Constant',
+  'ConstantOne',
+  'PiecewiseConstantSchedule',
+  'PiecewiseConstant',
+  'LinearSchedule',
+  'ExponentialSchedule',
+  'StepwiseExponentialSchedule',
+  'ContinuousSchedule',
+  'LinearWarmup',
+  'TransformerSchedule',
+  'SqrtDecay',
+  'CosineSchedule',
+  'CosineDecay',
+  'LinearRampupCosineSchedule',
+  'WarmupExponentialDecay',
+  'LinearRampupExponentialDecay',
 ]
 
 
 def _Step(step, who):
   if step is None:
-    raise ValueError(f'{who}.Value(step) needs the step (e.g. the global '
-                     'step tensor); lingvo_gpipe has no implicit global step.')
+    raise ValueError(
+      f'{who}.Value(step) needs the step (e.g. the global '
+      'step tensor); lingvo_gpipe has no implicit global step.'
+    )
   return tf.cast(step, tf.float32)
 
 
@@ -58,9 +71,11 @@ class BaseSchedule:
 
   def __init__(self, params):
     if not isinstance(params, hyperparams.Params):
-      raise TypeError(f'{type(self).__name__} expects its Params, got '
-                      f'{type(params).__name__}; build it with '
-                      f'{type(self).__name__}.Params().Instantiate().')
+      raise TypeError(
+        f'{type(self).__name__} expects its Params, got '
+        f'{type(params).__name__}; build it with '
+        f'{type(self).__name__}.Params().Instantiate().'
+      )
     self._params = params.Copy().Freeze()
     self._Validate(self._params)
 
@@ -117,8 +132,9 @@ class PiecewiseConstantSchedule(BaseSchedule):
     b, v = list(p.boundaries or []), list(p.values or [])
     if len(v) != len(b) + 1:
       raise self._Error(
-          f'{len(b)} boundaries {b} need {len(b) + 1} values, got {len(v)} '
-          f'{v}', 'give one value per interval.')
+        f'{len(b)} boundaries {b} need {len(b) + 1} values, got {len(v)} {v}',
+        'give one value per interval.',
+      )
     if sorted(b) != b:
       raise self._Error(f'boundaries {b} are not increasing', 'sort them.')
 
@@ -147,9 +163,10 @@ class LinearSchedule(BaseSchedule):
 
   def _Validate(self, p):
     if not p.start[0] < p.limit[0]:
-      raise self._Error(f'start step {p.start[0]} >= limit step '
-                        f'{p.limit[0]}', 'use start=(x0, y0), limit=(x1, y1) '
-                        'with x0 < x1.')
+      raise self._Error(
+        f'start step {p.start[0]} >= limit step {p.limit[0]}',
+        'use start=(x0, y0), limit=(x1, y1) with x0 < x1.',
+      )
 
   def Value(self, step):
     p = self.params
@@ -171,11 +188,14 @@ class ExponentialSchedule(BaseSchedule):
 
   def _Validate(self, p):
     if not p.start[0] < p.limit[0]:
-      raise self._Error(f'start step {p.start[0]} >= limit step '
-                        f'{p.limit[0]}', 'use x0 < x1.')
+      raise self._Error(
+        f'start step {p.start[0]} >= limit step {p.limit[0]}', 'use x0 < x1.'
+      )
     if p.start[1] <= 0 or p.limit[1] <= 0:
-      raise self._Error(f'values {p.start[1]}, {p.limit[1]} must be > 0',
-                        'an exponential never reaches 0.')
+      raise self._Error(
+        f'values {p.start[1]}, {p.limit[1]} must be > 0',
+        'an exponential never reaches 0.',
+      )
 
   def Value(self, step):
     p = self.params
@@ -197,14 +217,17 @@ class StepwiseExponentialSchedule(BaseSchedule):
 
   def _Validate(self, p):
     if p.num_steps_per_decay <= 0:
-      raise self._Error(f'num_steps_per_decay = {p.num_steps_per_decay}',
-                        'it must be > 0.')
+      raise self._Error(
+        f'num_steps_per_decay = {p.num_steps_per_decay}', 'it must be > 0.'
+      )
 
   def Value(self, step):
     p = self.params
     x = _Step(step, type(self).__name__)
-    return tf.pow(tf.constant(p.decay, tf.float32),
-                  tf.floor(x / float(p.num_steps_per_decay)))
+    return tf.pow(
+      tf.constant(p.decay, tf.float32),
+      tf.floor(x / float(p.num_steps_per_decay)),
+    )
 
 
 class ContinuousSchedule(BaseSchedule):
@@ -225,14 +248,16 @@ class ContinuousSchedule(BaseSchedule):
   def _Validate(self, p):
     if p.half_life_steps <= 0 or not 0 < p.min <= 1:
       raise self._Error(
-          f'half_life_steps = {p.half_life_steps}, min = {p.min}',
-          'use half_life_steps > 0 and 0 < min <= 1.')
+        f'half_life_steps = {p.half_life_steps}, min = {p.min}',
+        'use half_life_steps > 0 and 0 < min <= 1.',
+      )
 
   def Value(self, step):
     p = self.params
     x = _Step(step, type(self).__name__)
-    decayed = tf.pow(0.5, tf.maximum(x - p.start_step, 0.0) /
-                     float(p.half_life_steps))
+    decayed = tf.pow(
+      0.5, tf.maximum(x - p.start_step, 0.0) / float(p.half_life_steps)
+    )
     return p.initial_value * tf.maximum(decayed, p.min)
 
 
@@ -275,8 +300,10 @@ class TransformerSchedule(BaseSchedule):
 
   def _Validate(self, p):
     if p.warmup_steps <= 0 or p.model_dim <= 0:
-      raise self._Error(f'warmup_steps = {p.warmup_steps}, model_dim = '
-                        f'{p.model_dim}', 'both must be > 0.')
+      raise self._Error(
+        f'warmup_steps = {p.warmup_steps}, model_dim = {p.model_dim}',
+        'both must be > 0.',
+      )
 
   def Value(self, step):
     p = self.params
@@ -285,8 +312,9 @@ class TransformerSchedule(BaseSchedule):
       x = tf.minimum(x, float(p.decay_end))
     warmup = float(p.warmup_steps * p.worker_replicas)
     return p.model_dim**-0.5 * tf.minimum(
-        (x + 1.0) * warmup**(p.decay_factor - 1.0),
-        tf.pow(x + p.start_step + 1.0, p.decay_factor))
+      (x + 1.0) * warmup ** (p.decay_factor - 1.0),
+      tf.pow(x + p.start_step + 1.0, p.decay_factor),
+    )
 
 
 class SqrtDecay(BaseSchedule):
@@ -302,14 +330,17 @@ class SqrtDecay(BaseSchedule):
 
   def _Validate(self, p):
     if p.warmup_steps <= 0:
-      raise self._Error(f'warmup_steps = {p.warmup_steps}', 'it must be > 0 '
-                        '(rsqrt of 0 is infinite).')
+      raise self._Error(
+        f'warmup_steps = {p.warmup_steps}',
+        'it must be > 0 (rsqrt of 0 is infinite).',
+      )
 
   def Value(self, step):
     p = self.params
     x = _Step(step, type(self).__name__)
     return p.multiplier * tf.math.rsqrt(
-        tf.maximum(x - p.offset, float(p.warmup_steps)))
+      tf.maximum(x - p.offset, float(p.warmup_steps))
+    )
 
 
 class CosineSchedule(BaseSchedule):
@@ -333,18 +364,22 @@ class CosineSchedule(BaseSchedule):
 
   def _Validate(self, p):
     if p.total_steps <= 0:
-      raise self._Error(f'total_steps = {p.total_steps}',
-                        'set total_steps > 0, e.g. the max training steps.')
+      raise self._Error(
+        f'total_steps = {p.total_steps}',
+        'set total_steps > 0, e.g. the max training steps.',
+      )
 
   def Value(self, step):
     p = self.params
     x = _Step(step, type(self).__name__)
     angle = math.pi * tf.minimum(x, float(p.total_steps)) / p.total_steps
     value = p.final_value + 0.5 * (p.initial_value - p.final_value) * (
-        1.0 + tf.cos(angle))
+      1.0 + tf.cos(angle)
+    )
     if p.warmup_steps > 0:
       ramp = p.warmup_init + (p.initial_value - p.warmup_init) * tf.minimum(
-          x / float(p.warmup_steps), 1.0)
+        x / float(p.warmup_steps), 1.0
+      )
       value = tf.minimum(value, ramp)
     return value
 
@@ -376,8 +411,9 @@ class WarmupExponentialDecay(BaseSchedule):
   def _Validate(self, p):
     if p.decay_steps <= 0 or not 0 < p.decay_rate <= 1:
       raise self._Error(
-          f'decay_steps = {p.decay_steps}, decay_rate = {p.decay_rate}',
-          'use decay_steps > 0 and 0 < decay_rate <= 1.')
+        f'decay_steps = {p.decay_steps}, decay_rate = {p.decay_rate}',
+        'use decay_steps > 0 and 0 < decay_rate <= 1.',
+      )
 
   def Value(self, step):
     p = self.params
@@ -386,7 +422,8 @@ class WarmupExponentialDecay(BaseSchedule):
     if p.staircase:
       exponent = tf.floor(exponent)
     value = tf.maximum(
-        tf.pow(tf.constant(p.decay_rate, tf.float32), exponent), p.min_value)
+      tf.pow(tf.constant(p.decay_rate, tf.float32), exponent), p.min_value
+    )
     if p.warmup_steps > 0:
       ramp = p.warmup_init + (1.0 - p.warmup_init) * x / float(p.warmup_steps)
       value = tf.where(x < p.warmup_steps, ramp, value)
@@ -417,11 +454,13 @@ class LinearRampupExponentialDecay(BaseSchedule):
     x = _Step(step, type(self).__name__)
     decay_start = max(p.warmup + 1.0, float(p.decay_start))
     decay_end = max(decay_start + 1.0, float(p.decay_end))
-    frac = tf.clip_by_value((x - decay_start) / (decay_end - decay_start), 0.,
-                            1.)
+    frac = tf.clip_by_value(
+      (x - decay_start) / (decay_end - decay_start), 0.0, 1.0
+    )
     value = tf.exp(math.log(p.min) * frac)
     if p.warmup > 0:
       ramp = p.warmup_init + (1.0 - p.warmup_init) * tf.minimum(
-          x / float(p.warmup), 1.0)
+        x / float(p.warmup), 1.0
+      )
       value = tf.minimum(value, ramp)
     return tf.minimum(value, float(p.max))

@@ -54,9 +54,17 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 
-__all__ = ['TOPOLOGIES', 'MakeTopology', 'ComputationShape',
-           'BuildDeviceAssignment', 'DescribeAssignment', 'CreateTPUStrategy',
-           'IsTPUStrategy', 'NumCoresPerReplica', 'LogicalDeviceAssigner']
+__all__ = [
+  'TOPOLOGIES',
+  'MakeTopology',
+  'ComputationShape',
+  'BuildDeviceAssignment',
+  'DescribeAssignment',
+  'CreateTPUStrategy',
+  'IsTPUStrategy',
+  'NumCoresPerReplica',
+  'LogicalDeviceAssigner',
+]
 
 # Cloud TPU slices by name: mesh_shape is [x, y, z, TF cores per chip] and
 # num_tasks the TPU hosts (TensorFlow tasks). Shapes as in the Cloud TPU
@@ -66,11 +74,11 @@ __all__ = ['TOPOLOGIES', 'MakeTopology', 'ComputationShape',
 # chips. The order of TPU ordinals inside a host is this module's convention
 # (chips x-first, cores fastest), not necessarily the hardware's.
 TOPOLOGIES = {
-    'v2-8': dict(mesh_shape=[2, 2, 1, 2], num_tasks=1),
-    'v3-8': dict(mesh_shape=[2, 2, 1, 2], num_tasks=1),
-    'v3-32': dict(mesh_shape=[4, 4, 1, 2], num_tasks=4),
-    'v4-8': dict(mesh_shape=[2, 2, 1, 1], num_tasks=1),
-    'v4-32': dict(mesh_shape=[2, 2, 4, 1], num_tasks=4),
+  'v2-8': dict(mesh_shape=[2, 2, 1, 2], num_tasks=1),
+  'v3-8': dict(mesh_shape=[2, 2, 1, 2], num_tasks=1),
+  'v3-32': dict(mesh_shape=[4, 4, 1, 2], num_tasks=4),
+  'v4-8': dict(mesh_shape=[2, 2, 1, 1], num_tasks=1),
+  'v4-32': dict(mesh_shape=[2, 2, 4, 1], num_tasks=4),
 }
 
 # Environment variables that name a TPU, as TensorFlow's TPU client reads
@@ -104,8 +112,11 @@ def _CompactBlock(dims, n):
 
 
 def _CheckPositiveInt(name, value):
-  if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or
-      value < 1):
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, np.integer))
+    or value < 1
+  ):
     raise ValueError(f'{name} must be a positive integer; got {value!r}.')
   return int(value)
 
@@ -135,9 +146,11 @@ def MakeTopology(mesh_shape, cores_per_chip=None, num_tasks=None):
   """
   if isinstance(mesh_shape, str):
     if mesh_shape not in TOPOLOGIES:
-      raise ValueError(f'Unknown TPU topology {mesh_shape!r}; known: '
-                       f'{sorted(TOPOLOGIES)}. Or give a mesh shape '
-                       '[x, y, z, cores per chip].')
+      raise ValueError(
+        f'Unknown TPU topology {mesh_shape!r}; known: '
+        f'{sorted(TOPOLOGIES)}. Or give a mesh shape '
+        '[x, y, z, cores per chip].'
+      )
     preset = TOPOLOGIES[mesh_shape]
     if num_tasks is None:
       num_tasks = preset['num_tasks']
@@ -146,40 +159,52 @@ def MakeTopology(mesh_shape, cores_per_chip=None, num_tasks=None):
   if len(mesh) == 3:
     if cores_per_chip is None:
       raise ValueError(
-          f'mesh_shape={mesh} gives the chips only; also give cores_per_chip '
-          '(2 for TPU v2/v3, 1 for v4 in megacore mode), or a 4-entry '
-          'mesh_shape [x, y, z, cores per chip].')
+        f'mesh_shape={mesh} gives the chips only; also give cores_per_chip '
+        '(2 for TPU v2/v3, 1 for v4 in megacore mode), or a 4-entry '
+        'mesh_shape [x, y, z, cores per chip].'
+      )
     mesh.append(cores_per_chip)
   elif len(mesh) != 4:
-    raise ValueError(f'mesh_shape must be [x, y, z] chips or [x, y, z, cores '
-                     f'per chip]; got {mesh_shape!r}.')
+    raise ValueError(
+      f'mesh_shape must be [x, y, z] chips or [x, y, z, cores '
+      f'per chip]; got {mesh_shape!r}.'
+    )
   elif cores_per_chip is not None and cores_per_chip != mesh[3]:
-    raise ValueError(f'cores_per_chip={cores_per_chip} contradicts '
-                     f'mesh_shape={mesh} (last entry = cores per chip).')
+    raise ValueError(
+      f'cores_per_chip={cores_per_chip} contradicts '
+      f'mesh_shape={mesh} (last entry = cores per chip).'
+    )
   mesh = [_CheckPositiveInt('Each entry of mesh_shape', m) for m in mesh]
-  num_tasks = _CheckPositiveInt('num_tasks', 1 if num_tasks is None
-                                else num_tasks)
+  num_tasks = _CheckPositiveInt(
+    'num_tasks', 1 if num_tasks is None else num_tasks
+  )
 
   chips, cores = mesh[:3], mesh[3]
   num_chips = int(np.prod(chips))
-  host = (_CompactBlock(chips, num_chips // num_tasks)
-          if num_chips % num_tasks == 0 else None)
+  host = (
+    _CompactBlock(chips, num_chips // num_tasks)
+    if num_chips % num_tasks == 0
+    else None
+  )
   if host is None:
     raise ValueError(
-        f'num_tasks={num_tasks} hosts cannot split the {num_chips} chips of '
-        f'mesh {mesh} into equal blocks. Use a number of hosts that divides '
-        f'{num_chips} into blocks whose sides divide {chips}.')
+      f'num_tasks={num_tasks} hosts cannot split the {num_chips} chips of '
+      f'mesh {mesh} into equal blocks. Use a number of hosts that divides '
+      f'{num_chips} into blocks whose sides divide {chips}.'
+    )
   grid = [c // h for c, h in zip(chips, host)]
   coords = []
   for hz, hy, hx in itertools.product(*[range(g) for g in reversed(grid)]):
     task = []
     for z, y, x in itertools.product(*[range(h) for h in reversed(host)]):
       for core in range(cores):
-        task.append([hx * host[0] + x, hy * host[1] + y, hz * host[2] + z,
-                     core])
+        task.append(
+          [hx * host[0] + x, hy * host[1] + y, hz * host[2] + z, core]
+        )
     coords.append(task)
   return tf.tpu.experimental.Topology(
-      mesh_shape=mesh, device_coordinates=np.array(coords, dtype=np.int32))
+    mesh_shape=mesh, device_coordinates=np.array(coords, dtype=np.int32)
+  )
 
 
 def _NumCores(topology):
@@ -188,8 +213,12 @@ def _NumCores(topology):
 
 
 def _ValidCoresPerReplica(mesh):
-  return sorted({int(np.prod(s)) for s in itertools.product(
-      *[_Divisors(int(m)) for m in mesh])})
+  return sorted(
+    {
+      int(np.prod(s))
+      for s in itertools.product(*[_Divisors(int(m)) for m in mesh])
+    }
+  )
 
 
 def ComputationShape(topology, num_cores_per_replica):
@@ -222,10 +251,11 @@ def ComputationShape(topology, num_cores_per_replica):
     if chips is not None:
       return list(chips) + [cores]
   raise ValueError(
-      f'num_cores_per_replica={k} cannot tile the TPU mesh {mesh} '
-      f'([x, y, z, cores per chip], {_NumCores(topology)} cores): one replica '
-      'must be a block of cores whose sides divide the mesh. Valid values: '
-      f'{valid}. Choose a number of pipeline stages among them.')
+    f'num_cores_per_replica={k} cannot tile the TPU mesh {mesh} '
+    f'([x, y, z, cores per chip], {_NumCores(topology)} cores): one replica '
+    'must be a block of cores whose sides divide the mesh. Valid values: '
+    f'{valid}. Choose a number of pipeline stages among them.'
+  )
 
 
 def BuildDeviceAssignment(topology, num_cores_per_replica, num_replicas=None):
@@ -255,12 +285,14 @@ def BuildDeviceAssignment(topology, num_cores_per_replica, num_replicas=None):
     r = _CheckPositiveInt('num_replicas', num_replicas)
   if r * k > total or r > fit:
     raise ValueError(
-        f'num_replicas={r} x num_cores_per_replica={k} = {r * k} TPU cores, '
-        f'but the topology (mesh {mesh}) has {total} cores. Use at most '
-        f'{min(fit, total // k)} replicas (num_replicas=None takes all that '
-        'fit) or fewer cores per replica.')
+      f'num_replicas={r} x num_cores_per_replica={k} = {r * k} TPU cores, '
+      f'but the topology (mesh {mesh}) has {total} cores. Use at most '
+      f'{min(fit, total // k)} replicas (num_replicas=None takes all that '
+      'fit) or fewer cores per replica.'
+    )
   return tf.tpu.experimental.DeviceAssignment.build(
-      topology, computation_shape=shape, num_replicas=r)
+    topology, computation_shape=shape, num_replicas=r
+  )
 
 
 def DescribeAssignment(device_assignment, job=None):
@@ -273,19 +305,37 @@ def DescribeAssignment(device_assignment, job=None):
   da = device_assignment
   topology = da.topology
   mesh = [int(m) for m in topology.mesh_shape]
-  lines = [f'TPU device assignment: {da.num_replicas} replicas x '
-           f'{da.num_cores_per_replica} logical cores (pipeline stages) on '
-           f'mesh {mesh} ({_NumCores(topology)} cores, '
-           f'{topology.num_tasks} tasks).']
-  rows = [('replica', 'core', 'coordinates', 'task', 'ordinal', 'tpu device',
-           'host device')]
+  lines = [
+    f'TPU device assignment: {da.num_replicas} replicas x '
+    f'{da.num_cores_per_replica} logical cores (pipeline stages) on '
+    f'mesh {mesh} ({_NumCores(topology)} cores, '
+    f'{topology.num_tasks} tasks).'
+  ]
+  rows = [
+    (
+      'replica',
+      'core',
+      'coordinates',
+      'task',
+      'ordinal',
+      'tpu device',
+      'host device',
+    )
+  ]
   for r in range(da.num_replicas):
     for c in range(da.num_cores_per_replica):
       coords = tuple(int(v) for v in da.coordinates(r, c))
-      rows.append((str(r), str(c), '(' + ', '.join(map(str, coords)) + ')',
-                   str(int(topology.task_ordinal_at_coordinates(coords))),
-                   str(int(da.tpu_ordinal(r, c))),
-                   da.tpu_device(r, c, job=job), da.host_device(r, c, job=job)))
+      rows.append(
+        (
+          str(r),
+          str(c),
+          '(' + ', '.join(map(str, coords)) + ')',
+          str(int(topology.task_ordinal_at_coordinates(coords))),
+          str(int(da.tpu_ordinal(r, c))),
+          da.tpu_device(r, c, job=job),
+          da.host_device(r, c, job=job),
+        )
+      )
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   for row in rows:
     lines.append('  '.join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
@@ -320,24 +370,28 @@ def _CallWithDeadline(fn, timeout_s, what):
 def _ProbeAddress(address, deadline):
   """Raises RuntimeError unless a gRPC server answers at host:port in time."""
   import grpc  # pylint: disable=g-import-not-at-top
+
   host, _, port = address.rpartition(':')
   if not host or not port.isdigit():
     raise RuntimeError(f'the TPU worker address {address!r} is not host:port')
   try:
     with socket.create_connection(
-        (host, int(port)), timeout=max(0.1, deadline - time.time())):
+      (host, int(port)), timeout=max(0.1, deadline - time.time())
+    ):
       pass
   except OSError as e:
     raise RuntimeError(f'cannot open a TCP connection to {address}: {e}') from e
   channel = grpc.insecure_channel(address)
   try:
     grpc.channel_ready_future(channel).result(
-        timeout=max(0.1, deadline - time.time()))
+      timeout=max(0.1, deadline - time.time())
+    )
   except grpc.FutureTimeoutError:
     raise RuntimeError(
-        f'{address} accepts TCP connections but no gRPC server answered '
-        'there within timeout_s; it is not a TPU worker '
-        '(port 8470) or it is not ready') from None
+      f'{address} accepts TCP connections but no gRPC server answered '
+      'there within timeout_s; it is not a TPU worker '
+      '(port 8470) or it is not ready'
+    ) from None
   finally:
     channel.close()
 
@@ -369,10 +423,11 @@ def _HasLocalTPU():
 
 def _NoTPU(tpu, reason):
   return RuntimeError(
-      f'No TPU was found for tpu={tpu!r}: {reason}. On a TPU VM pass '
-      'tpu=\'\' or \'local\'; for a TPU node pass its name or '
-      '\'grpc://<ip>:8470\' (or set TPU_NAME). Without a TPU run on CPU or '
-      'GPU instead (trainer flag --run_locally=cpu or --run_locally=gpu).')
+    f'No TPU was found for tpu={tpu!r}: {reason}. On a TPU VM pass '
+    "tpu='' or 'local'; for a TPU node pass its name or "
+    "'grpc://<ip>:8470' (or set TPU_NAME). Without a TPU run on CPU or "
+    'GPU instead (trainer flag --run_locally=cpu or --run_locally=gpu).'
+  )
 
 
 def _ResolveTPU(tpu, timeout_s):
@@ -381,11 +436,16 @@ def _ResolveTPU(tpu, timeout_s):
   name = _TPUName(tpu)
   if name in ('', 'local'):
     if not _HasLocalTPU():
-      raise _NoTPU(tpu, (
-          'this machine has no TPU devices' if name == 'local' else
-          'no TPU is named (by the argument, TPU_NAME, '
+      raise _NoTPU(
+        tpu,
+        (
+          'this machine has no TPU devices'
+          if name == 'local'
+          else 'no TPU is named (by the argument, TPU_NAME, '
           'KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS or TPU_CONFIG) and this machine '
-          'has no TPU devices'))
+          'has no TPU devices'
+        ),
+      )
     return resolver_cls(tpu='local')
   deadline = time.time() + timeout_s
 
@@ -396,21 +456,31 @@ def _ResolveTPU(tpu, timeout_s):
     return resolver, resolver.cluster_spec()
 
   try:
-    resolver, spec = _CallWithDeadline(Resolve, timeout_s,
-                                       f'Looking up TPU {name!r}')
+    resolver, spec = _CallWithDeadline(
+      Resolve, timeout_s, f'Looking up TPU {name!r}'
+    )
   except TimeoutError as e:
-    raise _NoTPU(tpu, f'{str(e).rstrip(".")}; a Cloud TPU name is resolved '
-                 'through the GCE metadata server and the Cloud TPU API, so '
-                 'off Google Cloud give \'grpc://<ip>:8470\'') from None
+    raise _NoTPU(
+      tpu,
+      f'{str(e).rstrip(".")}; a Cloud TPU name is resolved '
+      'through the GCE metadata server and the Cloud TPU API, so '
+      "off Google Cloud give 'grpc://<ip>:8470'",
+    ) from None
   except ImportError as e:
-    raise _NoTPU(tpu, f'looking up a Cloud TPU name needs {e.name} (pip '
-                 'install google-api-python-client), or give '
-                 '\'grpc://<ip>:8470\'') from e
+    raise _NoTPU(
+      tpu,
+      f'looking up a Cloud TPU name needs {e.name} (pip '
+      'install google-api-python-client), or give '
+      "'grpc://<ip>:8470'",
+    ) from e
   except Exception as e:  # pylint: disable=broad-except
-    raise _NoTPU(tpu, f'looking up the TPU {name!r} failed '
-                 f'({type(e).__name__}: {e}); a Cloud TPU name is resolved '
-                 'through the GCE metadata server and the Cloud TPU API, so '
-                 'off Google Cloud give \'grpc://<ip>:8470\'') from e
+    raise _NoTPU(
+      tpu,
+      f'looking up the TPU {name!r} failed '
+      f'({type(e).__name__}: {e}); a Cloud TPU name is resolved '
+      'through the GCE metadata server and the Cloud TPU API, so '
+      "off Google Cloud give 'grpc://<ip>:8470'",
+    ) from e
   for job in spec.jobs:
     for address in spec.job_tasks(job):
       try:
@@ -420,8 +490,9 @@ def _ResolveTPU(tpu, timeout_s):
   return resolver
 
 
-def CreateTPUStrategy(tpu='', num_cores_per_replica=1, num_replicas=None,
-                      timeout_s=30.0):
+def CreateTPUStrategy(
+  tpu='', num_cores_per_replica=1, num_replicas=None, timeout_s=30.0
+):
   """A TPUStrategy of R replicas with K cores (pipeline stages) each.
 
   Resolves and connects to the TPU, initializes the TPU system (which gives
@@ -454,10 +525,11 @@ def CreateTPUStrategy(tpu='', num_cores_per_replica=1, num_replicas=None,
     topology = tf.tpu.experimental.initialize_tpu_system(resolver)
   except tf.errors.OpError as e:
     raise RuntimeError(
-        f'Initializing the TPU system for tpu={tpu!r} failed: '
-        f'{type(e).__name__}: {e.message.splitlines()[0] if e.message else e}'
-        '. Check that the TPU exists, is healthy and that no other process '
-        'holds it; without a TPU use --run_locally=cpu.') from e
+      f'Initializing the TPU system for tpu={tpu!r} failed: '
+      f'{type(e).__name__}: {e.message.splitlines()[0] if e.message else e}'
+      '. Check that the TPU exists, is healthy and that no other process '
+      'holds it; without a TPU use --run_locally=cpu.'
+    ) from e
   da = BuildDeviceAssignment(topology, num_cores_per_replica, num_replicas)
   logging.info('%s', DescribeAssignment(da))
   return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=da)
@@ -465,8 +537,10 @@ def CreateTPUStrategy(tpu='', num_cores_per_replica=1, num_replicas=None,
 
 def _TPUStrategyTypes():
   types = [tf.distribute.TPUStrategy]
-  for owner in (tf.distribute.experimental,
-                tf.compat.v1.distribute.experimental):
+  for owner in (
+    tf.distribute.experimental,
+    tf.compat.v1.distribute.experimental,
+  ):
     cls = getattr(owner, 'TPUStrategy', None)
     if cls is not None:
       types.append(cls)
@@ -534,16 +608,24 @@ def LogicalDeviceAssigner(strategy=None):
     return None
 
   def Assign(structure, logical_core):
-    if (isinstance(logical_core, bool) or
-        not isinstance(logical_core, (int, np.integer)) or
-        not 0 <= logical_core < num_cores):
+    if (
+      isinstance(logical_core, bool)
+      or not isinstance(logical_core, (int, np.integer))
+      or not 0 <= logical_core < num_cores
+    ):
       raise ValueError(
-          f'logical_core={logical_core!r} is not a logical core of this '
-          f'TPUStrategy, whose replicas have {num_cores} cores (0 to '
-          f'{num_cores - 1}). Use at most {num_cores} pipeline stages or '
-          'build the strategy with more cores per replica.')
+        f'logical_core={logical_core!r} is not a logical core of this '
+        f'TPUStrategy, whose replicas have {num_cores} cores (0 to '
+        f'{num_cores - 1}). Use at most {num_cores} pipeline stages or '
+        'build the strategy with more cores per replica.'
+      )
     return tf.nest.map_structure(
-        lambda t: (strategy.experimental_assign_to_logical_device(
-            t, int(logical_core)) if tf.is_tensor(t) else t), structure)
+      lambda t: (
+        strategy.experimental_assign_to_logical_device(t, int(logical_core))
+        if tf.is_tensor(t)
+        else t
+      ),
+      structure,
+    )
 
   return Assign

@@ -36,20 +36,24 @@ _MAX_PIXEL = 16.0
 def _LoadAll():
   """(images float32 [1797, 8, 8] in [0, 1], labels int32 [1797])."""
   from sklearn import datasets  # pylint: disable=g-import-not-at-top
+
   digits = datasets.load_digits()
   images = np.asarray(digits.images, np.float32) / _MAX_PIXEL
   labels = np.asarray(digits.target, np.int32)
   if images.shape != (NUM_EXAMPLES, _RAW_SIZE, _RAW_SIZE):
-    raise ValueError(f'Unexpected digits data of shape {images.shape}; '
-                     f'expected ({NUM_EXAMPLES}, 8, 8). Check scikit-learn.')
+    raise ValueError(
+      f'Unexpected digits data of shape {images.shape}; '
+      f'expected ({NUM_EXAMPLES}, 8, 8). Check scikit-learn.'
+    )
   return images, labels
 
 
 def LoadSplit(split, split_seed=1234):
   """(images float32 [n, 8, 8, 1], labels int32 [n]) of one split."""
   if split not in SPLIT_SIZES:
-    raise ValueError(f'Unknown digits split {split!r}; use one of '
-                     f'{sorted(SPLIT_SIZES)}.')
+    raise ValueError(
+      f'Unknown digits split {split!r}; use one of {sorted(SPLIT_SIZES)}.'
+    )
   images, labels = _LoadAll()
   perm = np.random.RandomState(split_seed).permutation(NUM_EXAMPLES)
   start = 0
@@ -57,7 +61,7 @@ def LoadSplit(split, split_seed=1234):
     if name == split:
       break
     start += SPLIT_SIZES[name]
-  idx = perm[start:start + SPLIT_SIZES[split]]
+  idx = perm[start : start + SPLIT_SIZES[split]]
   return images[idx][..., None], labels[idx]
 
 
@@ -70,15 +74,23 @@ class DigitsInput(base_input_generator.BaseInputGenerator):
     p.batch_size = 64
     p.shuffle_buffer_size = 2048
     p.Define('split', 'train', 'Which split: "train", "dev" or "test".')
-    p.Define('split_seed', 1234,
-             'Seed of the fixed permutation that defines the splits; keep it '
-             'fixed so dev/test never overlap train.')
-    p.Define('image_size', _RAW_SIZE,
-             'Side of the output images; > 8 resizes bilinearly (for conv '
-             'nets).')
-    p.Define('random_translate', 0,
-             'If > 0, shift each image by up to this many pixels (of the '
-             '8x8 original) in each direction, zero-filled. Training only.')
+    p.Define(
+      'split_seed',
+      1234,
+      'Seed of the fixed permutation that defines the splits; keep it '
+      'fixed so dev/test never overlap train.',
+    )
+    p.Define(
+      'image_size',
+      _RAW_SIZE,
+      'Side of the output images; > 8 resizes bilinearly (for conv nets).',
+    )
+    p.Define(
+      'random_translate',
+      0,
+      'If > 0, shift each image by up to this many pixels (of the '
+      '8x8 original) in each direction, zero-filled. Training only.',
+    )
     p.Define('num_classes', NUM_CLASSES, 'Number of classes (fixed: 10).')
     return p
 
@@ -86,25 +98,34 @@ class DigitsInput(base_input_generator.BaseInputGenerator):
     super().__init__(params)
     p = self.params
     if p.split not in SPLIT_SIZES:
-      raise ValueError(f'DigitsInput {self.path!r}: split = {p.split!r}; use '
-                       f'one of {sorted(SPLIT_SIZES)}.')
+      raise ValueError(
+        f'DigitsInput {self.path!r}: split = {p.split!r}; use '
+        f'one of {sorted(SPLIT_SIZES)}.'
+      )
     if not isinstance(p.image_size, int) or p.image_size < _RAW_SIZE:
-      raise ValueError(f'DigitsInput {self.path!r}: image_size = '
-                       f'{p.image_size!r}; use an int >= 8.')
+      raise ValueError(
+        f'DigitsInput {self.path!r}: image_size = '
+        f'{p.image_size!r}; use an int >= 8.'
+      )
     if not 0 <= p.random_translate < _RAW_SIZE:
-      raise ValueError(f'DigitsInput {self.path!r}: random_translate = '
-                       f'{p.random_translate!r}; use 0 (off) to 7 pixels.')
+      raise ValueError(
+        f'DigitsInput {self.path!r}: random_translate = '
+        f'{p.random_translate!r}; use 0 (off) to 7 pixels.'
+      )
     if p.num_classes != NUM_CLASSES:
-      raise ValueError(f'DigitsInput {self.path!r}: num_classes = '
-                       f'{p.num_classes}; the digits have exactly 10.')
+      raise ValueError(
+        f'DigitsInput {self.path!r}: num_classes = '
+        f'{p.num_classes}; the digits have exactly 10.'
+      )
 
   @classmethod
   def EvalParams(cls, train_params, dataset):
     """Params of the 'Dev'/'Test' split: one pass, unshuffled, padded."""
     split = dataset.lower()
     if split not in SPLIT_SIZES:
-      raise ValueError(f'DigitsInput has no dataset {dataset!r}; use Train, '
-                       'Dev or Test.')
+      raise ValueError(
+        f'DigitsInput has no dataset {dataset!r}; use Train, Dev or Test.'
+      )
     p = cls.SetEvalSettings(train_params.Copy())
     p.split = split
     p.random_translate = 0
@@ -119,7 +140,8 @@ class DigitsInput(base_input_generator.BaseInputGenerator):
   def _DataSource(self):
     images, labels = LoadSplit(self.params.split, self.params.split_seed)
     return tf.data.Dataset.from_tensor_slices(
-        NestedMap(image=images, label=labels))
+      NestedMap(image=images, label=labels)
+    )
 
   def _Preprocess(self, example):
     p = self.params
@@ -128,12 +150,18 @@ class DigitsInput(base_input_generator.BaseInputGenerator):
     if t:
       padded = tf.pad(image, [[t, t], [t, t], [0, 0]])
       offset = tf.random.stateless_uniform(
-          [2], self.ExampleSeed('translate'), minval=0, maxval=2 * t + 1,
-          dtype=tf.int32)
-      image = tf.slice(padded, tf.concat([offset, [0]], 0),
-                       [_RAW_SIZE, _RAW_SIZE, 1])
+        [2],
+        self.ExampleSeed('translate'),
+        minval=0,
+        maxval=2 * t + 1,
+        dtype=tf.int32,
+      )
+      image = tf.slice(
+        padded, tf.concat([offset, [0]], 0), [_RAW_SIZE, _RAW_SIZE, 1]
+      )
     if p.image_size != _RAW_SIZE:
-      image = tf.image.resize(image, [p.image_size, p.image_size],
-                              method='bilinear')
+      image = tf.image.resize(
+        image, [p.image_size, p.image_size], method='bilinear'
+      )
     image = tf.ensure_shape(image, [p.image_size, p.image_size, 1])
     return NestedMap(image=image, label=example.label)

@@ -35,16 +35,43 @@ from absl import logging
 from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_vocab
 
-__all__ = ['DEMO_LANGUAGES', 'DefaultDemoDir', 'BuildDemoCorpus',
-           'EnsureDemoCorpus', 'DemoSettings', 'MANIFEST', 'VOCAB_PREFIX']
+__all__ = [
+  'DEMO_LANGUAGES',
+  'DefaultDemoDir',
+  'BuildDemoCorpus',
+  'EnsureDemoCorpus',
+  'DemoSettings',
+  'MANIFEST',
+  'VOCAB_PREFIX',
+]
 
 # ISO 639-1 code -> num2words language code.
 # In order of decreasing training data ("high" to "low resource").
 DEMO_LANGUAGES = {
-    'de': 'de', 'fr': 'fr', 'es': 'es', 'ru': 'ru', 'it': 'it', 'pt': 'pt',
-    'nl': 'nl', 'pl': 'pl', 'tr': 'tr', 'sv': 'sv', 'cs': 'cs', 'id': 'id',
-    'ro': 'ro', 'hu': 'hu', 'da': 'da', 'fi': 'fi', 'uk': 'uk', 'no': 'no',
-    'vi': 'vi', 'sr': 'sr', 'lt': 'lt', 'sl': 'sl', 'lv': 'lv', 'kk': 'kz',
+  'de': 'de',
+  'fr': 'fr',
+  'es': 'es',
+  'ru': 'ru',
+  'it': 'it',
+  'pt': 'pt',
+  'nl': 'nl',
+  'pl': 'pl',
+  'tr': 'tr',
+  'sv': 'sv',
+  'cs': 'cs',
+  'id': 'id',
+  'ro': 'ro',
+  'hu': 'hu',
+  'da': 'da',
+  'fi': 'fi',
+  'uk': 'uk',
+  'no': 'no',
+  'vi': 'vi',
+  'sr': 'sr',
+  'lt': 'lt',
+  'sl': 'sl',
+  'lv': 'lv',
+  'kk': 'kz',
 }
 MANIFEST = 'manifest.json'
 VOCAB_PREFIX = 'spm'
@@ -55,13 +82,20 @@ _SPLITS = ('train', 'dev', 'test')
 def DefaultDemoDir():
   """$XDG_CACHE_HOME (or ~/.cache)/lingvo_gpipe/demo_mt."""
   root = os.environ.get('XDG_CACHE_HOME') or os.path.join(
-      os.path.expanduser('~'), '.cache')
+    os.path.expanduser('~'), '.cache'
+  )
   return os.path.join(root, 'lingvo_gpipe', 'demo_mt')
 
 
-def DemoSettings(languages=None, seed=1234, max_train_pairs=4000,
-                 eval_pairs=100, max_digits=4, vocab_size=1000,
-                 held_out_fraction=0.1):
+def DemoSettings(
+  languages=None,
+  seed=1234,
+  max_train_pairs=4000,
+  eval_pairs=100,
+  max_digits=4,
+  vocab_size=1000,
+  held_out_fraction=0.1,
+):
   """The settings dict a demo corpus is built from (stored in its manifest).
 
   Args:
@@ -82,35 +116,51 @@ def DemoSettings(languages=None, seed=1234, max_train_pairs=4000,
   for lang in languages:
     mt_corpus.CheckLanguage(lang)
     if lang not in DEMO_LANGUAGES:
-      raise ValueError(f'The demo corpus has no language {lang!r}; choose '
-                       f'from {sorted(DEMO_LANGUAGES)}.')
+      raise ValueError(
+        f'The demo corpus has no language {lang!r}; choose '
+        f'from {sorted(DEMO_LANGUAGES)}.'
+      )
   if not 1 <= max_digits <= 7:
     raise ValueError(f'max_digits = {max_digits}; use 1 .. 7.')
   if not 0 < held_out_fraction < 0.5:
-    raise ValueError(f'held_out_fraction = {held_out_fraction}; use a value '
-                     'in (0, 0.5), e.g. 0.1.')
-  return dict(version=_FORMAT_VERSION, languages=languages, seed=int(seed),
-              max_train_pairs=int(max_train_pairs), eval_pairs=int(eval_pairs),
-              max_digits=int(max_digits), vocab_size=int(vocab_size),
-              held_out_fraction=float(held_out_fraction), target='en')
+    raise ValueError(
+      f'held_out_fraction = {held_out_fraction}; use a value '
+      'in (0, 0.5), e.g. 0.1.'
+    )
+  return dict(
+    version=_FORMAT_VERSION,
+    languages=languages,
+    seed=int(seed),
+    max_train_pairs=int(max_train_pairs),
+    eval_pairs=int(eval_pairs),
+    max_digits=int(max_digits),
+    vocab_size=int(vocab_size),
+    held_out_fraction=float(held_out_fraction),
+    target='en',
+  )
 
 
 def _NumberPools(settings):
   """{'train' | 'dev' | 'test': sorted list of numbers}, disjoint."""
   rng = random.Random(settings['seed'])
-  numbers = list(range(10**settings['max_digits']))
+  numbers = list(range(10 ** settings['max_digits']))
   rng.shuffle(numbers)
   k = max(1, int(len(numbers) * settings['held_out_fraction']))
-  return {'dev': sorted(numbers[:k]), 'test': sorted(numbers[k:2 * k]),
-          'train': sorted(numbers[2 * k:])}
+  return {
+    'dev': sorted(numbers[:k]),
+    'test': sorted(numbers[k : 2 * k]),
+    'train': sorted(numbers[2 * k :]),
+  }
 
 
 def _Draw(rng, pool_by_digits, count):
   """`count` numbers of a pool; d digits with probability ~ 2^d."""
   digits = sorted(d for d, nums in pool_by_digits.items() if nums)
   weights = [2.0**d for d in digits]
-  return [rng.choice(pool_by_digits[rng.choices(digits, weights)[0]])
-          for _ in range(count)]
+  return [
+    rng.choice(pool_by_digits[rng.choices(digits, weights)[0]])
+    for _ in range(count)
+  ]
 
 
 def _ByDigits(pool):
@@ -122,6 +172,7 @@ def _ByDigits(pool):
 
 def _Render(n, lang):
   from num2words import num2words  # pylint: disable=g-import-not-at-top
+
   return ' '.join(num2words(n, lang=lang).split())
 
 
@@ -131,8 +182,10 @@ def TrainSizes(settings):
   top = settings['max_train_pairs']
   if len(langs) == 1:
     return {langs[0]: top}
-  return {lang: max(1, round(top * 0.1**(i / (len(langs) - 1))))
-          for i, lang in enumerate(langs)}
+  return {
+    lang: max(1, round(top * 0.1 ** (i / (len(langs) - 1))))
+    for i, lang in enumerate(langs)
+  }
 
 
 def _Write(out_dir, settings):
@@ -144,16 +197,20 @@ def _Write(out_dir, settings):
     for split in _SPLITS:
       count = sizes[lang] if split == 'train' else settings['eval_pairs']
       numbers = _Draw(rng, pools[split], count)
-      pairs = [(_Render(n, DEMO_LANGUAGES[lang]), _Render(n, 'en'))
-               for n in numbers]
-      mt_corpus.WriteTsv(os.path.join(out_dir, f'{lang}-en.{split}.tsv'),
-                         pairs)
+      pairs = [
+        (_Render(n, DEMO_LANGUAGES[lang]), _Render(n, 'en')) for n in numbers
+      ]
+      mt_corpus.WriteTsv(os.path.join(out_dir, f'{lang}-en.{split}.tsv'), pairs)
       counts[f'{lang}-en.{split}'] = len(pairs)
       if split == 'train':
         texts.extend(s for pair in pairs for s in pair)
-  mt_vocab.TrainVocabulary(texts, os.path.join(out_dir, VOCAB_PREFIX),
-                           settings['vocab_size'], target_languages=['en'],
-                           seed=settings['seed'])
+  mt_vocab.TrainVocabulary(
+    texts,
+    os.path.join(out_dir, VOCAB_PREFIX),
+    settings['vocab_size'],
+    target_languages=['en'],
+    seed=settings['seed'],
+  )
   manifest = dict(settings, counts=counts)
   with open(os.path.join(out_dir, MANIFEST), 'w') as f:
     json.dump(manifest, f, indent=1, sort_keys=True)
@@ -174,8 +231,9 @@ def BuildDemoCorpus(out_dir=None, force=False, **settings):
   out_dir = os.path.abspath(out_dir or DefaultDemoDir())
   settings = DemoSettings(**settings)
   if os.path.exists(out_dir) and not force:
-    raise FileExistsError(f'{out_dir} exists; pass force=True (--force) to '
-                          'rebuild it.')
+    raise FileExistsError(
+      f'{out_dir} exists; pass force=True (--force) to rebuild it.'
+    )
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   start = time.time()
@@ -193,8 +251,12 @@ def BuildDemoCorpus(out_dir=None, force=False, **settings):
   finally:
     if os.path.exists(tmp):
       shutil.rmtree(tmp, ignore_errors=True)
-  logging.info('Built the demo corpus %s (%d languages) in %.1f s.', out_dir,
-               len(settings['languages']), time.time() - start)
+  logging.info(
+    'Built the demo corpus %s (%d languages) in %.1f s.',
+    out_dir,
+    len(settings['languages']),
+    time.time() - start,
+  )
   return manifest
 
 
@@ -217,8 +279,10 @@ def EnsureDemoCorpus(out_dir=None, **settings):
   wanted = DemoSettings(**settings)
   if not os.path.exists(os.path.join(out_dir, MANIFEST)):
     if os.path.exists(out_dir) and os.listdir(out_dir):
-      raise ValueError(f'{out_dir} is not empty but has no {MANIFEST}; it is '
-                       'not a demo corpus. Point data_dir elsewhere.')
+      raise ValueError(
+        f'{out_dir} is not empty but has no {MANIFEST}; it is '
+        'not a demo corpus. Point data_dir elsewhere.'
+      )
     if os.path.isdir(out_dir):
       os.rmdir(out_dir)
     logging.info('Building the demo corpus in %s (once; cached).', out_dir)
@@ -228,8 +292,9 @@ def EnsureDemoCorpus(out_dir=None, **settings):
   if have != wanted:
     diff = {k: (have[k], wanted[k]) for k in wanted if have[k] != wanted[k]}
     raise ValueError(
-        f'The demo corpus in {out_dir} was built with other settings '
-        f'(cached, wanted): {diff}. Rebuild it with `python '
-        f'tools/make_demo_corpus.py --output={out_dir} --force` and the '
-        'settings you want, or use another data_dir.')
+      f'The demo corpus in {out_dir} was built with other settings '
+      f'(cached, wanted): {diff}. Rebuild it with `python '
+      f'tools/make_demo_corpus.py --output={out_dir} --force` and the '
+      'settings you want, or use another data_dir.'
+    )
   return manifest

@@ -56,8 +56,11 @@ from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_demo
 from lingvo_gpipe.input import mt_vocab
 
-__all__ = ['MultilingualMTInput', 'TemperatureSamplingProbs',
-           'LONG_SENTENCE_POLICIES']
+__all__ = [
+  'MultilingualMTInput',
+  'TemperatureSamplingProbs',
+  'LONG_SENTENCE_POLICIES',
+]
 
 LONG_SENTENCE_POLICIES = ('drop', 'truncate')
 _STAT_KEYS = ('read', 'kept', 'empty', 'malformed', 'too_long', 'truncated')
@@ -67,12 +70,15 @@ def TemperatureSamplingProbs(sizes, temperature):
   """q_i ~ (n_i / sum n)^(1 / temperature), normalized (float64 array)."""
   sizes = np.asarray(sizes, np.float64)
   if not temperature or temperature <= 0:
-    raise ValueError(f'sampling_temperature = {temperature!r}; use a number '
-                     '> 0 (1: proportional to the data, 5: the paper\'s).')
+    raise ValueError(
+      f'sampling_temperature = {temperature!r}; use a number '
+      "> 0 (1: proportional to the data, 5: the paper's)."
+    )
   if sizes.ndim != 1 or not len(sizes) or np.any(sizes < 0) or not sizes.sum():
-    raise ValueError(f'Corpus sizes {sizes.tolist()} must be >= 0 with a '
-                     'positive sum.')
-  q = (sizes / sizes.sum())**(1.0 / temperature)
+    raise ValueError(
+      f'Corpus sizes {sizes.tolist()} must be >= 0 with a positive sum.'
+    )
+  q = (sizes / sizes.sum()) ** (1.0 / temperature)
   return q / q.sum()
 
 
@@ -103,17 +109,20 @@ class _Corpus:
 
   def Arrays(self, include_text, rows=None):
     """NestedMap of numpy arrays (rows: an index array, None: all)."""
+
     def Take(x, dtype):
       a = np.asarray(x, dtype)
       return a if rows is None else a[rows]
+
     n = len(self.src) if rows is None else len(rows)
     out = NestedMap(
-        src=Take(self.src, np.int32).reshape([n, self.width]),
-        tgt_in=Take(self.tgt_in, np.int32).reshape([n, self.width]),
-        tgt_out=Take(self.tgt_out, np.int32).reshape([n, self.width]),
-        src_len=Take(self.src_len, np.int32),
-        tgt_len=Take(self.tgt_len, np.int32),
-        lang=np.full([n], self.index, np.int32))
+      src=Take(self.src, np.int32).reshape([n, self.width]),
+      tgt_in=Take(self.tgt_in, np.int32).reshape([n, self.width]),
+      tgt_out=Take(self.tgt_out, np.int32).reshape([n, self.width]),
+      src_len=Take(self.src_len, np.int32),
+      tgt_len=Take(self.tgt_len, np.int32),
+      lang=np.full([n], self.index, np.int32),
+    )
     if include_text:
       out.src_text = Take(self.src_text, object)
       out.tgt_text = Take(self.tgt_text, object)
@@ -127,49 +136,92 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
   def Params(cls):
     p = super().Params()
     p.batch_size = 64
-    p.Define('data_dir', '',
-             'Directory of <src>-<tgt>.<split>.tsv (or .tfrecord) corpora '
-             'and, by default, the vocabulary spm.model.')
+    p.Define(
+      'data_dir',
+      '',
+      'Directory of <src>-<tgt>.<split>.tsv (or .tfrecord) corpora '
+      'and, by default, the vocabulary spm.model.',
+    )
     p.Define('split', 'train', 'Which files of data_dir: train, dev, test.')
-    p.Define('corpora', [],
-             'Explicit corpora "SRC-TGT:FILE_PATTERN" (TSV or TFRecord); '
-             'when set, data_dir is not searched.')
-    p.Define('vocab_path', '',
-             'The sentencepiece .model file; "": <data_dir>/spm.model.')
-    p.Define('vocab_size', 0,
-             'The model\'s vocabulary size; the vocabulary must have exactly '
-             'this many pieces.')
-    p.Define('target_language_token', True,
-             'Prepend <2xx> (xx = the target language) to each source.')
-    p.Define('sampling_temperature', 5.0,
-             'T of the temperature sampling over language pairs (training).')
-    p.Define('bucket_upper_bound', [32],
-             'Increasing max lengths (in pieces, with <2xx>, <s>, </s>) of '
-             'the length buckets; batches are padded to their bucket\'s '
-             'bound.')
-    p.Define('bucket_batch_limit', None,
-             'Batch size of each bucket (list as long as bucket_upper_bound); '
-             'None: batch_size for all.')
-    p.Define('long_sentence_policy', 'drop',
-             'Pairs longer than the largest bucket: "drop" them or '
-             '"truncate" them; counted either way.')
-    p.Define('max_examples_per_language', 0,
-             'If > 0, use at most this many examples of each pair.')
-    p.Define('include_text', None,
-             'Add src.text / tgt.text (the raw sentences) to the batches; '
-             'None: for finite (eval) inputs only.')
-    p.Define('tfrecord_keys', ['source', 'target'],
-             'Feature names of the source and target in TFRecord corpora.')
-    p.Define('demo_corpus', False,
-             'Build the num2words demo corpus (and its vocabulary of '
-             'vocab_size pieces) into data_dir (default: '
-             '~/.cache/lingvo_gpipe/demo_mt) if it is not there.')
+    p.Define(
+      'corpora',
+      [],
+      'Explicit corpora "SRC-TGT:FILE_PATTERN" (TSV or TFRecord); '
+      'when set, data_dir is not searched.',
+    )
+    p.Define(
+      'vocab_path',
+      '',
+      'The sentencepiece .model file; "": <data_dir>/spm.model.',
+    )
+    p.Define(
+      'vocab_size',
+      0,
+      "The model's vocabulary size; the vocabulary must have exactly "
+      'this many pieces.',
+    )
+    p.Define(
+      'target_language_token',
+      True,
+      'Prepend <2xx> (xx = the target language) to each source.',
+    )
+    p.Define(
+      'sampling_temperature',
+      5.0,
+      'T of the temperature sampling over language pairs (training).',
+    )
+    p.Define(
+      'bucket_upper_bound',
+      [32],
+      'Increasing max lengths (in pieces, with <2xx>, <s>, </s>) of '
+      "the length buckets; batches are padded to their bucket's "
+      'bound.',
+    )
+    p.Define(
+      'bucket_batch_limit',
+      None,
+      'Batch size of each bucket (list as long as bucket_upper_bound); '
+      'None: batch_size for all.',
+    )
+    p.Define(
+      'long_sentence_policy',
+      'drop',
+      'Pairs longer than the largest bucket: "drop" them or '
+      '"truncate" them; counted either way.',
+    )
+    p.Define(
+      'max_examples_per_language',
+      0,
+      'If > 0, use at most this many examples of each pair.',
+    )
+    p.Define(
+      'include_text',
+      None,
+      'Add src.text / tgt.text (the raw sentences) to the batches; '
+      'None: for finite (eval) inputs only.',
+    )
+    p.Define(
+      'tfrecord_keys',
+      ['source', 'target'],
+      'Feature names of the source and target in TFRecord corpora.',
+    )
+    p.Define(
+      'demo_corpus',
+      False,
+      'Build the num2words demo corpus (and its vocabulary of '
+      'vocab_size pieces) into data_dir (default: '
+      '~/.cache/lingvo_gpipe/demo_mt) if it is not there.',
+    )
     p.Define('demo', hyperparams.Params(), 'Settings of the demo corpus.')
-    p.demo.Define('languages', [],
-                  'Source languages (mt_demo.DEMO_LANGUAGES keys); []: all.')
+    p.demo.Define(
+      'languages',
+      [],
+      'Source languages (mt_demo.DEMO_LANGUAGES keys); []: all.',
+    )
     p.demo.Define('seed', 1234, 'Seed of the demo corpus.')
-    p.demo.Define('max_train_pairs', 4000,
-                  'Training pairs of the largest language.')
+    p.demo.Define(
+      'max_train_pairs', 4000, 'Training pairs of the largest language.'
+    )
     p.demo.Define('eval_pairs', 100, 'Dev and test pairs per language.')
     p.demo.Define('max_digits', 4, 'Numbers have up to this many digits.')
     return p
@@ -179,23 +231,36 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
     p = self.params
     who = f'MultilingualMTInput {self.path!r}'
     bounds = list(p.bucket_upper_bound or [])
-    if not bounds or any(not isinstance(b, int) or b < 3 for b in bounds) or (
-        bounds != sorted(set(bounds))):
-      raise ValueError(f'{who}: bucket_upper_bound = {bounds!r}; use '
-                       'increasing ints >= 3, e.g. [16, 32, 64].')
+    if (
+      not bounds
+      or any(not isinstance(b, int) or b < 3 for b in bounds)
+      or (bounds != sorted(set(bounds)))
+    ):
+      raise ValueError(
+        f'{who}: bucket_upper_bound = {bounds!r}; use '
+        'increasing ints >= 3, e.g. [16, 32, 64].'
+      )
     limits = p.bucket_batch_limit
-    if limits is not None and (len(limits) != len(bounds) or any(
-        not isinstance(b, int) or b < 1 for b in limits)):
-      raise ValueError(f'{who}: bucket_batch_limit = {limits!r}; give one '
-                       f'positive batch size per bucket ({len(bounds)}).')
+    if limits is not None and (
+      len(limits) != len(bounds)
+      or any(not isinstance(b, int) or b < 1 for b in limits)
+    ):
+      raise ValueError(
+        f'{who}: bucket_batch_limit = {limits!r}; give one '
+        f'positive batch size per bucket ({len(bounds)}).'
+      )
     if p.long_sentence_policy not in LONG_SENTENCE_POLICIES:
-      raise ValueError(f'{who}: long_sentence_policy = '
-                       f'{p.long_sentence_policy!r}; use one of '
-                       f'{LONG_SENTENCE_POLICIES}.')
+      raise ValueError(
+        f'{who}: long_sentence_policy = '
+        f'{p.long_sentence_policy!r}; use one of '
+        f'{LONG_SENTENCE_POLICIES}.'
+      )
     TemperatureSamplingProbs([1], p.sampling_temperature)  # Validates T.
     if not isinstance(p.vocab_size, int) or p.vocab_size <= 0:
-      raise ValueError(f'{who}: vocab_size = {p.vocab_size!r}; set it to the '
-                       'model\'s vocabulary size.')
+      raise ValueError(
+        f'{who}: vocab_size = {p.vocab_size!r}; set it to the '
+        "model's vocabulary size."
+      )
     for spec in p.corpora:
       mt_corpus.ParseCorpusSpec(spec)  # Bad specs and languages fail early.
     object.__setattr__(self, '_data', None)
@@ -216,9 +281,14 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
       return
     d = p.demo
     mt_demo.EnsureDemoCorpus(
-        self.data_dir, languages=list(d.languages) or None, seed=d.seed,
-        max_train_pairs=d.max_train_pairs, eval_pairs=d.eval_pairs,
-        max_digits=d.max_digits, vocab_size=p.vocab_size)
+      self.data_dir,
+      languages=list(d.languages) or None,
+      seed=d.seed,
+      max_train_pairs=d.max_train_pairs,
+      eval_pairs=d.eval_pairs,
+      max_digits=d.max_digits,
+      vocab_size=p.vocab_size,
+    )
 
   @property
   def vocab(self):
@@ -226,11 +296,13 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
     if self._vocab is None:
       self._EnsureDemo()
       p = self.params
-      path = p.vocab_path or (os.path.join(self.data_dir, 'spm.model')
-                              if self.data_dir else '')
+      path = p.vocab_path or (
+        os.path.join(self.data_dir, 'spm.model') if self.data_dir else ''
+      )
       vocab = mt_vocab.Vocabulary(path)
-      mt_vocab.CheckVocabSize(vocab, p.vocab_size,
-                              f'MultilingualMTInput {self.path!r}')
+      mt_vocab.CheckVocabSize(
+        vocab, p.vocab_size, f'MultilingualMTInput {self.path!r}'
+      )
       object.__setattr__(self, '_vocab', vocab)
     return self._vocab
 
@@ -256,8 +328,9 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
   def sampling_probs(self):
     """{pair: probability} of the temperature sampling (training)."""
     corpora = self._Load()
-    q = TemperatureSamplingProbs([len(c.src) for c in corpora],
-                                 self.params.sampling_temperature)
+    q = TemperatureSamplingProbs(
+      [len(c.src) for c in corpora], self.params.sampling_temperature
+    )
     return {c.name: float(x) for c, x in zip(corpora, q)}
 
   def _Load(self):
@@ -276,23 +349,34 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
       by_pair[name][1].extend(files)
     corpora = []
     for index, (name, (tgt_lang, files)) in enumerate(by_pair.items()):
-      lang_tok = ([vocab.TargetLanguageId(tgt_lang)]
-                  if p.target_language_token else [])
+      lang_tok = (
+        [vocab.TargetLanguageId(tgt_lang)] if p.target_language_token else []
+      )
       corpus = _Corpus(name, index, width)
       for path in files:
         self._ReadFile(corpus, path, vocab, lang_tok)
       stats = corpus.stats
-      logging.info('Corpus %s (%s): %s', name, ', '.join(files), ', '.join(
-          f'{v} {k}' for k, v in stats.items()))
+      logging.info(
+        'Corpus %s (%s): %s',
+        name,
+        ', '.join(files),
+        ', '.join(f'{v} {k}' for k, v in stats.items()),
+      )
       if stats['malformed']:
-        logging.warning('Corpus %s: skipped %d malformed records (first: %s).',
-                        name, stats['malformed'], corpus.first_bad)
+        logging.warning(
+          'Corpus %s: skipped %d malformed records (first: %s).',
+          name,
+          stats['malformed'],
+          corpus.first_bad,
+        )
       if not stats['kept']:
         raise ValueError(
-            f'Corpus {name} ({", ".join(files)}) has no usable pair: '
-            + ', '.join(f'{v} {k}' for k, v in stats.items()) + '. Check '
-            'the format (source<TAB>target per line, or TFRecords with '
-            f'features {list(p.tfrecord_keys)}) and bucket_upper_bound.')
+          f'Corpus {name} ({", ".join(files)}) has no usable pair: '
+          + ', '.join(f'{v} {k}' for k, v in stats.items())
+          + '. Check '
+          'the format (source<TAB>target per line, or TFRecords with '
+          f'features {list(p.tfrecord_keys)}) and bucket_upper_bound.'
+        )
       corpora.append(corpus)
     object.__setattr__(self, '_data', corpora)
     return corpora
@@ -321,8 +405,8 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
           stats['too_long'] += 1
           continue
         stats['truncated'] += 1
-        src_ids = src_ids[:width - 1] + [mt_vocab.EOS_ID]
-        tgt_pieces = tgt_pieces[:width - 1]
+        src_ids = src_ids[: width - 1] + [mt_vocab.EOS_ID]
+        tgt_pieces = tgt_pieces[: width - 1]
       stats['kept'] += 1
       corpus.Add(src_ids, tgt_pieces, src, tgt)
 
@@ -330,15 +414,18 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
 
   def _IncludeText(self):
     p = self.params
-    return p.num_epochs is not None if p.include_text is None else bool(
-        p.include_text)
+    return (
+      p.num_epochs is not None
+      if p.include_text is None
+      else bool(p.include_text)
+    )
 
   def _Bucket(self, corpus):
     """Bucket index of each example (by its longer side)."""
-    longest = np.maximum(np.asarray(corpus.src_len),
-                         np.asarray(corpus.tgt_len))
-    return np.searchsorted(np.asarray(self.params.bucket_upper_bound),
-                           longest, side='left')
+    longest = np.maximum(np.asarray(corpus.src_len), np.asarray(corpus.tgt_len))
+    return np.searchsorted(
+      np.asarray(self.params.bucket_upper_bound), longest, side='left'
+    )
 
   @staticmethod
   def _Slice(arrays, bound):
@@ -351,8 +438,9 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
     p = self.params
     bounds = list(p.bucket_upper_bound)
     limits = list(p.bucket_batch_limit or [p.batch_size] * len(bounds))
-    q = TemperatureSamplingProbs([len(c.src) for c in corpora],
-                                 p.sampling_temperature)
+    q = TemperatureSamplingProbs(
+      [len(c.src) for c in corpora], p.sampling_temperature
+    )
     include_text = self._IncludeText()
     buckets, bucket_mass = [], []
     for b, bound in enumerate(bounds):
@@ -364,36 +452,46 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
         arrays = self._Slice(corpus.Arrays(include_text, rows), bound)
         ds = tf.data.Dataset.from_tensor_slices(arrays)
         if p.shuffle:
-          ds = ds.shuffle(min(len(rows), p.shuffle_buffer_size),
-                          seed=self.seed + 7919 * i + b,
-                          reshuffle_each_iteration=True)
+          ds = ds.shuffle(
+            min(len(rows), p.shuffle_buffer_size),
+            seed=self.seed + 7919 * i + b,
+            reshuffle_each_iteration=True,
+          )
         parts.append(ds.repeat())
         weights.append(q[i] * len(rows) / len(corpus.src))
       if not parts:
         continue
       mass = float(np.sum(weights))
-      ds = parts[0] if len(parts) == 1 else tf.data.Dataset.sample_from_datasets(
-          parts, weights=list(np.asarray(weights) / mass),
-          seed=self.seed + b)
+      ds = (
+        parts[0]
+        if len(parts) == 1
+        else tf.data.Dataset.sample_from_datasets(
+          parts, weights=list(np.asarray(weights) / mass), seed=self.seed + b
+        )
+      )
       buckets.append(ds.batch(limits[b], drop_remainder=True))
       bucket_mass.append(mass / limits[b])
     if len(buckets) == 1:
       return buckets[0]
     return tf.data.Dataset.sample_from_datasets(
-        buckets, weights=list(np.asarray(bucket_mass) / sum(bucket_mass)),
-        seed=self.seed)
+      buckets,
+      weights=list(np.asarray(bucket_mass) / sum(bucket_mass)),
+      seed=self.seed,
+    )
 
   def _EvalDataset(self, corpora):
     p = self.params
     parts = [corpus.Arrays(self._IncludeText()) for corpus in corpora]
-    arrays = NestedMap({k: np.concatenate([a[k] for a in parts])
-                        for k in parts[0]})
+    arrays = NestedMap(
+      {k: np.concatenate([a[k] for a in parts]) for k in parts[0]}
+    )
     ds = tf.data.Dataset.from_tensor_slices(arrays)
     if p.num_samples and p.num_samples > 0:
       ds = ds.take(p.num_samples)
     if p.shuffle:
-      ds = ds.shuffle(p.shuffle_buffer_size, seed=self.seed,
-                      reshuffle_each_iteration=True)
+      ds = ds.shuffle(
+        p.shuffle_buffer_size, seed=self.seed, reshuffle_each_iteration=True
+      )
     ds = ds.repeat(p.num_epochs)
     ds = ds.batch(p.batch_size, drop_remainder=(p.remainder == 'drop'))
     if p.remainder == 'pad':
@@ -408,8 +506,12 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
     src_pad = tf.cast(pos >= elem.src_len[:, tf.newaxis], tf.float32)
     tgt_pad = tf.cast(pos >= elem.tgt_len[:, tf.newaxis], tf.float32)
     src = NestedMap(ids=elem.src, paddings=src_pad)
-    tgt = NestedMap(ids=elem.tgt_in, labels=elem.tgt_out, paddings=tgt_pad,
-                    weights=1.0 - tgt_pad)
+    tgt = NestedMap(
+      ids=elem.tgt_in,
+      labels=elem.tgt_out,
+      paddings=tgt_pad,
+      weights=1.0 - tgt_pad,
+    )
     if 'src_text' in elem:
       src.text = elem.src_text
       tgt.text = elem.tgt_text
@@ -438,9 +540,10 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
     p.long_sentence_policy = 'truncate'
     if p.corpora:
       raise NotImplementedError(
-          f'MultilingualMTInput cannot derive the {dataset!r} input from '
-          'explicit training corpora; define Dev()/Test() in the model '
-          'params with their own input.corpora.')
+        f'MultilingualMTInput cannot derive the {dataset!r} input from '
+        'explicit training corpora; define Dev()/Test() in the model '
+        'params with their own input.corpora.'
+      )
     p.split = dataset.lower()
     p.include_text = True
     return p

@@ -20,8 +20,16 @@ import random
 
 from absl import logging
 
-__all__ = ['PAD_ID', 'BOS_ID', 'EOS_ID', 'UNK_ID', 'Vocabulary',
-           'TrainVocabulary', 'TargetLanguageToken', 'CheckVocabSize']
+__all__ = [
+  'PAD_ID',
+  'BOS_ID',
+  'EOS_ID',
+  'UNK_ID',
+  'Vocabulary',
+  'TrainVocabulary',
+  'TargetLanguageToken',
+  'CheckVocabSize',
+]
 
 PAD_ID = 0
 BOS_ID = 1
@@ -39,8 +47,9 @@ def _Spm():
     import sentencepiece  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(
-        'The multilingual MT input needs the sentencepiece package: '
-        'pip install "sentencepiece>=0.2.0".') from e
+      'The multilingual MT input needs the sentencepiece package: '
+      'pip install "sentencepiece>=0.2.0".'
+    ) from e
   return sentencepiece
 
 
@@ -50,26 +59,30 @@ class Vocabulary:
   def __init__(self, path):
     if not path or not os.path.exists(path):
       raise FileNotFoundError(
-          f'Vocabulary file {path!r} does not exist. Build it with `python '
-          'tools/build_vocab.py --corpora=... --vocab_size=N --output=PREFIX` '
-          '(it writes PREFIX.model) and set input.vocab_path.')
+        f'Vocabulary file {path!r} does not exist. Build it with `python '
+        'tools/build_vocab.py --corpora=... --vocab_size=N --output=PREFIX` '
+        '(it writes PREFIX.model) and set input.vocab_path.'
+      )
     spm = _Spm()
     self._sp = spm.SentencePieceProcessor()
     try:
       self._sp.Load(path)
     except (OSError, RuntimeError) as e:
-      raise ValueError(f'{path!r} is not a sentencepiece model ({e}); point '
-                       'input.vocab_path at the .model file that '
-                       'tools/build_vocab.py wrote.') from e
+      raise ValueError(
+        f'{path!r} is not a sentencepiece model ({e}); point '
+        'input.vocab_path at the .model file that '
+        'tools/build_vocab.py wrote.'
+      ) from e
     self.path = path
-    expected = {PAD_ID: '<pad>', BOS_ID: '<s>', EOS_ID: '</s>',
-                UNK_ID: '<unk>'}
-    got = {i: self._sp.IdToPiece(i) for i in expected
-           if i < self._sp.GetPieceSize()}
+    expected = {PAD_ID: '<pad>', BOS_ID: '<s>', EOS_ID: '</s>', UNK_ID: '<unk>'}
+    got = {
+      i: self._sp.IdToPiece(i) for i in expected if i < self._sp.GetPieceSize()
+    }
     if got != expected:
       raise ValueError(
-          f'Vocabulary {path!r} has special pieces {got}; this library '
-          f'expects {expected}. Rebuild it with tools/build_vocab.py.')
+        f'Vocabulary {path!r} has special pieces {got}; this library '
+        f'expects {expected}. Rebuild it with tools/build_vocab.py.'
+      )
 
   @property
   def size(self):
@@ -88,10 +101,11 @@ class Vocabulary:
     i = self.PieceToId(TargetLanguageToken(lang))
     if i is None:
       raise ValueError(
-          f'Vocabulary {self.path!r} has no token '
-          f'{TargetLanguageToken(lang)!r} for target language {lang!r}. '
-          'Rebuild it with tools/build_vocab.py --target_languages=... '
-          f'including {lang!r}.')
+        f'Vocabulary {self.path!r} has no token '
+        f'{TargetLanguageToken(lang)!r} for target language {lang!r}. '
+        'Rebuild it with tools/build_vocab.py --target_languages=... '
+        f'including {lang!r}.'
+      )
     return i
 
   def Encode(self, text):
@@ -100,9 +114,13 @@ class Vocabulary:
 
   def Decode(self, ids):
     """Text of piece ids; special ids (pad, <s>, </s>, <2xx>) are dropped."""
-    keep = [int(i) for i in ids
-            if int(i) > UNK_ID and not self._sp.IsControl(int(i)) and
-            not self._IsLanguageToken(int(i))]
+    keep = [
+      int(i)
+      for i in ids
+      if int(i) > UNK_ID
+      and not self._sp.IsControl(int(i))
+      and not self._IsLanguageToken(int(i))
+    ]
     return self._sp.DecodeIds(keep)
 
   def _IsLanguageToken(self, i):
@@ -114,16 +132,24 @@ def CheckVocabSize(vocab, vocab_size, who='input'):
   """ValueError unless the vocabulary has exactly the model's vocab_size."""
   if vocab.size != vocab_size:
     raise ValueError(
-        f'{who}: the vocabulary {vocab.path!r} has {vocab.size} pieces but the '
-        f'model\'s vocab_size is {vocab_size}. The embedding and softmax are '
-        'sized by vocab_size, so they must agree: rebuild the vocabulary with '
-        f'`python tools/build_vocab.py --vocab_size={vocab_size} ...`, or set '
-        f'the model\'s vocab_size to {vocab.size}.')
+      f'{who}: the vocabulary {vocab.path!r} has {vocab.size} pieces but the '
+      f"model's vocab_size is {vocab_size}. The embedding and softmax are "
+      'sized by vocab_size, so they must agree: rebuild the vocabulary with '
+      f'`python tools/build_vocab.py --vocab_size={vocab_size} ...`, or set '
+      f"the model's vocab_size to {vocab.size}."
+    )
 
 
-def TrainVocabulary(sentences, prefix, vocab_size, target_languages=('en',),
-                    model_type='unigram', character_coverage=1.0,
-                    max_sentences=2_000_000, seed=0):
+def TrainVocabulary(
+  sentences,
+  prefix,
+  vocab_size,
+  target_languages=('en',),
+  model_type='unigram',
+  character_coverage=1.0,
+  max_sentences=2_000_000,
+  seed=0,
+):
   """Trains the shared sentencepiece vocabulary.
 
   Args:
@@ -144,8 +170,10 @@ def TrainVocabulary(sentences, prefix, vocab_size, target_languages=('en',),
   spm = _Spm()
   data = [s.strip() for s in sentences if s and s.strip()]
   if not data:
-    raise ValueError('TrainVocabulary: no non-empty sentences to learn the '
-                     'vocabulary from; check the corpora.')
+    raise ValueError(
+      'TrainVocabulary: no non-empty sentences to learn the '
+      'vocabulary from; check the corpora.'
+    )
   if len(data) > max_sentences:
     data = random.Random(seed).sample(data, max_sentences)
   else:
@@ -155,18 +183,35 @@ def TrainVocabulary(sentences, prefix, vocab_size, target_languages=('en',),
   symbols = [TargetLanguageToken(t) for t in target_languages]
   try:
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(data), model_prefix=prefix,
-        vocab_size=vocab_size, model_type=model_type,
-        character_coverage=character_coverage, pad_id=PAD_ID, bos_id=BOS_ID,
-        eos_id=EOS_ID, unk_id=UNK_ID, pad_piece='<pad>', bos_piece='<s>',
-        eos_piece='</s>', unk_piece='<unk>', user_defined_symbols=symbols,
-        hard_vocab_limit=True, num_threads=2, minloglevel=2)
+      sentence_iterator=iter(data),
+      model_prefix=prefix,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      character_coverage=character_coverage,
+      pad_id=PAD_ID,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      unk_id=UNK_ID,
+      pad_piece='<pad>',
+      bos_piece='<s>',
+      eos_piece='</s>',
+      unk_piece='<unk>',
+      user_defined_symbols=symbols,
+      hard_vocab_limit=True,
+      num_threads=2,
+      minloglevel=2,
+    )
   except RuntimeError as e:
     raise ValueError(
-        f'sentencepiece could not build a vocabulary of {vocab_size} pieces '
-        f'from {len(data)} sentences: {str(e).rstrip(".")}. A small corpus '
-        'supports only a '
-        'small vocabulary: lower --vocab_size (and the model\'s).') from e
-  logging.info('Wrote the %d-piece vocabulary %s.model from %d sentences.',
-               vocab_size, prefix, len(data))
+      f'sentencepiece could not build a vocabulary of {vocab_size} pieces '
+      f'from {len(data)} sentences: {str(e).rstrip(".")}. A small corpus '
+      'supports only a '
+      "small vocabulary: lower --vocab_size (and the model's)."
+    ) from e
+  logging.info(
+    'Wrote the %d-piece vocabulary %s.model from %d sentences.',
+    vocab_size,
+    prefix,
+    len(data),
+  )
   return prefix + '.model'

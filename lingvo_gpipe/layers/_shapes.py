@@ -18,8 +18,15 @@ Dims = meta.Dims
 LayerName = meta.LayerName
 CheckShape = meta.CheckShape
 
-__all__ = ['ToShape', 'Dims', 'NumElements', 'CheckShape', 'LayerName',
-           'CastFloat', 'CheckPositive']
+__all__ = [
+  'ToShape',
+  'Dims',
+  'NumElements',
+  'CheckShape',
+  'LayerName',
+  'CastFloat',
+  'CheckPositive',
+]
 
 
 def NumElements(dims):
@@ -28,18 +35,24 @@ def NumElements(dims):
   FPropMeta flops are then per unit of every unknown dim, which keeps the
   relative costs of layers (what the pipeline balances) right.
   """
-  return int(np.prod([1 if d is None else int(d) for d in dims],
-                     dtype=np.int64))
+  return int(
+    np.prod([1 if d is None else int(d) for d in dims], dtype=np.int64)
+  )
 
 
 def CheckPositive(p, *names):
   """Raises ValueError naming the layer unless each `p.<name>` is an int > 0."""
   for name in names:
     value = p.Get(name)
-    if not isinstance(value, (int, np.integer)) or isinstance(
-        value, bool) or value <= 0:
-      raise ValueError(f'{LayerName(p)}: p.{name} = {value!r}; it must be a '
-                       f'positive int. Set p.{name} in the layer Params.')
+    if (
+      not isinstance(value, (int, np.integer))
+      or isinstance(value, bool)
+      or value <= 0
+    ):
+      raise ValueError(
+        f'{LayerName(p)}: p.{name} = {value!r}; it must be a '
+        f'positive int. Set p.{name} in the layer Params.'
+      )
 
 
 def CastFloat(x, dtype):

@@ -14,31 +14,48 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.layers import _shapes
 
-__all__ = ['ACTIVATIONS', 'GetFn', 'IsSupported', 'FlopsPerElement',
-           'CheckActivation', 'ActivationLayer']
+__all__ = [
+  'ACTIVATIONS',
+  'GetFn',
+  'IsSupported',
+  'FlopsPerElement',
+  'CheckActivation',
+  'ActivationLayer',
+]
 
 ACTIVATIONS = {
-    'NONE': tf.identity,
-    'RELU': tf.nn.relu,
-    'RELU6': tf.nn.relu6,
-    'SIGMOID': tf.sigmoid,
-    'TANH': tf.tanh,
-    'GELU': functools.partial(tf.nn.gelu, approximate=False),
-    'GELU_APPROXIMATE': functools.partial(tf.nn.gelu, approximate=True),
-    'SWISH': tf.nn.silu,
-    'SILU': tf.nn.silu,
-    'LEAKY_RELU': functools.partial(tf.nn.leaky_relu, alpha=0.2),
-    'SOFTPLUS': tf.nn.softplus,
-    'ELU': tf.nn.elu,
-    'SELU': tf.nn.selu,
-    'SQUARED_RELU': lambda x: tf.square(tf.nn.relu(x)),
+  'NONE': tf.identity,
+  'RELU': tf.nn.relu,
+  'RELU6': tf.nn.relu6,
+  'SIGMOID': tf.sigmoid,
+  'TANH': tf.tanh,
+  'GELU': functools.partial(tf.nn.gelu, approximate=False),
+  'GELU_APPROXIMATE': functools.partial(tf.nn.gelu, approximate=True),
+  'SWISH': tf.nn.silu,
+  'SILU': tf.nn.silu,
+  'LEAKY_RELU': functools.partial(tf.nn.leaky_relu, alpha=0.2),
+  'SOFTPLUS': tf.nn.softplus,
+  'ELU': tf.nn.elu,
+  'SELU': tf.nn.selu,
+  'SQUARED_RELU': lambda x: tf.square(tf.nn.relu(x)),
 }
 
 # Rough flops per element, for FPropMeta (a transcendental counts 4).
 _FLOPS = {
-    'NONE': 0, 'RELU': 1, 'RELU6': 2, 'SIGMOID': 4, 'TANH': 4, 'GELU': 8,
-    'GELU_APPROXIMATE': 8, 'SWISH': 5, 'SILU': 5, 'LEAKY_RELU': 2,
-    'SOFTPLUS': 5, 'ELU': 5, 'SELU': 6, 'SQUARED_RELU': 2,
+  'NONE': 0,
+  'RELU': 1,
+  'RELU6': 2,
+  'SIGMOID': 4,
+  'TANH': 4,
+  'GELU': 8,
+  'GELU_APPROXIMATE': 8,
+  'SWISH': 5,
+  'SILU': 5,
+  'LEAKY_RELU': 2,
+  'SOFTPLUS': 5,
+  'ELU': 5,
+  'SELU': 6,
+  'SQUARED_RELU': 2,
 }
 
 
@@ -50,8 +67,9 @@ def IsSupported(name):
 def GetFn(name):
   """The activation function called `name` (e.g. 'RELU')."""
   if not IsSupported(name):
-    raise ValueError(f'Unknown activation {name!r}; use one of '
-                     f'{sorted(ACTIVATIONS)}.')
+    raise ValueError(
+      f'Unknown activation {name!r}; use one of {sorted(ACTIVATIONS)}.'
+    )
   return ACTIVATIONS[name]
 
 
@@ -65,8 +83,10 @@ def CheckActivation(p, field='activation'):
   """Raises ValueError naming the layer if `p.<field>` is not supported."""
   name = p.Get(field)
   if not IsSupported(name):
-    raise ValueError(f'{_shapes.LayerName(p)}: p.{field} = {name!r} is not a '
-                     f'known activation; use one of {sorted(ACTIVATIONS)}.')
+    raise ValueError(
+      f'{_shapes.LayerName(p)}: p.{field} = {name!r} is not a '
+      f'known activation; use one of {sorted(ACTIVATIONS)}.'
+    )
 
 
 class ActivationLayer(base_layer.BaseLayer):
@@ -75,8 +95,9 @@ class ActivationLayer(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('activation', 'RELU',
-             f'Activation name, one of {sorted(ACTIVATIONS)}.')
+    p.Define(
+      'activation', 'RELU', f'Activation name, one of {sorted(ACTIVATIONS)}.'
+    )
     return p
 
   def __init__(self, params):

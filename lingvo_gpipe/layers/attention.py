@@ -19,8 +19,11 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.layers import dropout
 
-__all__ = ['MultiHeadedProjectionLayer', 'MultiHeadedAttention',
-           'CausalPaddings']
+__all__ = [
+  'MultiHeadedProjectionLayer',
+  'MultiHeadedAttention',
+  'CausalPaddings',
+]
 
 
 def CausalPaddings(query_len, key_len, dtype=tf.float32):
@@ -43,9 +46,11 @@ class MultiHeadedProjectionLayer(base_layer.BaseLayer):
     p.Define('input_dim', 0, 'Model dimension d.')
     p.Define('num_heads', 0, 'Number of heads n.')
     p.Define('dim_per_head', 0, 'Size of each head h.')
-    p.Define('is_output_projection', False,
-             'True: [b, t, n, h] -> [b, t, d]; False: [b, t, d] -> '
-             '[b, t, n, h].')
+    p.Define(
+      'is_output_projection',
+      False,
+      'True: [b, t, n, h] -> [b, t, d]; False: [b, t, d] -> [b, t, n, h].',
+    )
     p.Define('use_bias', True, 'Whether to add a bias.')
     return p
 
@@ -53,27 +58,40 @@ class MultiHeadedProjectionLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     _shapes.CheckPositive(p, 'input_dim', 'num_heads', 'dim_per_head')
-    self.CreateVariable('w', py_utils.WeightParams(
-        [p.input_dim, p.num_heads, p.dim_per_head]))
+    self.CreateVariable(
+      'w', py_utils.WeightParams([p.input_dim, p.num_heads, p.dim_per_head])
+    )
     if p.use_bias:
-      shape = ([p.input_dim] if p.is_output_projection else
-               [p.num_heads, p.dim_per_head])
-      self.CreateVariable('b', py_utils.WeightParams(
-          shape, py_utils.WeightInit.Constant(0.0)))
+      shape = (
+        [p.input_dim]
+        if p.is_output_projection
+        else [p.num_heads, p.dim_per_head]
+      )
+      self.CreateVariable(
+        'b', py_utils.WeightParams(shape, py_utils.WeightInit.Constant(0.0))
+      )
 
   def FProp(self, theta, inputs):
     """[b, t, d] -> [b, t, n, h] (or [b, t, n, h] -> [b, t, d])."""
     p = self.params
     inputs = _shapes.CastFloat(inputs, self.fprop_dtype)
     if p.is_output_projection:
-      _shapes.CheckShape(self, 'inputs', inputs.shape,
-                         [None, None, p.num_heads, p.dim_per_head],
-                         'Expected [batch, time, num_heads, dim_per_head].')
+      _shapes.CheckShape(
+        self,
+        'inputs',
+        inputs.shape,
+        [None, None, p.num_heads, p.dim_per_head],
+        'Expected [batch, time, num_heads, dim_per_head].',
+      )
       out = tf.einsum('BTNH,DNH->BTD', inputs, theta.w)
     else:
-      _shapes.CheckShape(self, 'inputs', inputs.shape,
-                         [None, None, p.input_dim],
-                         f'Expected [batch, time, input_dim={p.input_dim}].')
+      _shapes.CheckShape(
+        self,
+        'inputs',
+        inputs.shape,
+        [None, None, p.input_dim],
+        f'Expected [batch, time, input_dim={p.input_dim}].',
+      )
       out = tf.einsum('BTD,DNH->BTNH', inputs, theta.w)
     if p.use_bias:
       out += theta.b
@@ -93,16 +111,28 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     p.Define('input_dim', 0, 'Model dimension d of query/key/value vectors.')
     p.Define('hidden_dim', 0, 'Total size of the heads, num_heads * h.')
     p.Define('num_heads', 1, 'Number of heads n.')
-    p.Define('dim_per_head', None,
-             'Size h of each head; None: hidden_dim // num_heads.')
-    p.Define('atten_dropout_prob', 0.0,
-             'Dropout probability of the attention probabilities.')
-    p.Define('enable_query_scale', True,
-             'Whether to scale the queries by 1 / sqrt(dim_per_head).')
+    p.Define(
+      'dim_per_head',
+      None,
+      'Size h of each head; None: hidden_dim // num_heads.',
+    )
+    p.Define(
+      'atten_dropout_prob',
+      0.0,
+      'Dropout probability of the attention probabilities.',
+    )
+    p.Define(
+      'enable_query_scale',
+      True,
+      'Whether to scale the queries by 1 / sqrt(dim_per_head).',
+    )
     p.Define('use_bias', True, 'Whether the projections have biases.')
-    p.Define('causal', False,
-             'Default of FProp\'s `causal`: True masks keys after the query '
-             'position (self-attention of a decoder).')
+    p.Define(
+      'causal',
+      False,
+      "Default of FProp's `causal`: True masks keys after the query "
+      'position (self-attention of a decoder).',
+    )
     return p
 
   @classmethod
@@ -114,42 +144,77 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     _shapes.CheckPositive(p, 'input_dim', 'hidden_dim', 'num_heads')
     if p.dim_per_head is None and p.hidden_dim % p.num_heads:
       raise ValueError(
-          f'{_shapes.LayerName(p)}: hidden_dim = {p.hidden_dim} is not '
-          f'divisible by num_heads = {p.num_heads}; change one of them or set '
-          'dim_per_head.')
+        f'{_shapes.LayerName(p)}: hidden_dim = {p.hidden_dim} is not '
+        f'divisible by num_heads = {p.num_heads}; change one of them or set '
+        'dim_per_head.'
+      )
     if not 0.0 <= p.atten_dropout_prob < 1.0:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.atten_dropout_prob = '
-                       f'{p.atten_dropout_prob!r} must be in [0, 1).')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.atten_dropout_prob = '
+        f'{p.atten_dropout_prob!r} must be in [0, 1).'
+      )
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     self._Validate(p)
     proj = MultiHeadedProjectionLayer.Params().Set(
-        input_dim=p.input_dim, num_heads=p.num_heads,
-        dim_per_head=self._DimPerHead(p), use_bias=p.use_bias)
+      input_dim=p.input_dim,
+      num_heads=p.num_heads,
+      dim_per_head=self._DimPerHead(p),
+      use_bias=p.use_bias,
+    )
     self.CreateChild('query', proj)
     self.CreateChild('key', proj)
     self.CreateChild('value', proj)
     self.CreateChild('post', proj.Copy().Set(is_output_projection=True))
-    self.CreateChild('atten_dropout', dropout.DropoutLayer.Params().Set(
-        keep_prob=1.0 - p.atten_dropout_prob))
+    self.CreateChild(
+      'atten_dropout',
+      dropout.DropoutLayer.Params().Set(keep_prob=1.0 - p.atten_dropout_prob),
+    )
 
   def _CheckInputs(self, query_vec, key_vec, value_vec, paddings):
     d = self.params.input_dim
-    q = _shapes.CheckShape(self, 'query_vec', query_vec.shape, [None, None, d],
-                           f'Expected [batch, time, input_dim={d}].')
-    k = _shapes.CheckShape(self, 'key_vec', key_vec.shape,
-                           [q[0], None, d],
-                           f'Expected [batch, src_time, input_dim={d}] with '
-                           'the batch of query_vec.')
-    _shapes.CheckShape(self, 'value_vec', value_vec.shape, k,
-                       'value_vec must have the shape of key_vec.')
-    _shapes.CheckShape(self, 'paddings', paddings.shape, k[:2],
-                       'paddings must be [batch, src_time] of key_vec.')
+    q = _shapes.CheckShape(
+      self,
+      'query_vec',
+      query_vec.shape,
+      [None, None, d],
+      f'Expected [batch, time, input_dim={d}].',
+    )
+    k = _shapes.CheckShape(
+      self,
+      'key_vec',
+      key_vec.shape,
+      [q[0], None, d],
+      f'Expected [batch, src_time, input_dim={d}] with the batch of query_vec.',
+    )
+    _shapes.CheckShape(
+      self,
+      'value_vec',
+      value_vec.shape,
+      k,
+      'value_vec must have the shape of key_vec.',
+    )
+    _shapes.CheckShape(
+      self,
+      'paddings',
+      paddings.shape,
+      k[:2],
+      'paddings must be [batch, src_time] of key_vec.',
+    )
 
-  def FProp(self, theta, query_vec, key_vec, value_vec, paddings,
-            segment_mask=None, per_step_padding=None, causal=None):
+  def FProp(
+    self,
+    theta,
+    query_vec,
+    key_vec,
+    value_vec,
+    paddings,
+    segment_mask=None,
+    per_step_padding=None,
+    causal=None,
+  ):
     """Attends from queries to keys/values.
 
     Args:
@@ -169,26 +234,31 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     if causal is None:
       causal = p.causal
     dtype = self.fprop_dtype
-    query_vec, key_vec, value_vec = (_shapes.CastFloat(x, dtype) for x in
-                                     (query_vec, key_vec, value_vec))
+    query_vec, key_vec, value_vec = (
+      _shapes.CastFloat(x, dtype) for x in (query_vec, key_vec, value_vec)
+    )
     paddings = tf.cast(paddings, dtype)
     self._CheckInputs(query_vec, key_vec, value_vec, paddings)
     q = self.query.FProp(theta.query, query_vec)
     k = self.key.FProp(theta.key, key_vec)
     v = self.value.FProp(theta.value, value_vec)
     if p.enable_query_scale:
-      q *= tf.cast(self._DimPerHead(p)**-0.5, q.dtype)
+      q *= tf.cast(self._DimPerHead(p) ** -0.5, q.dtype)
     logits = tf.einsum('BTNH,BSNH->BNTS', q, k)
     if segment_mask is not None:
       logits += tf.cast(segment_mask, logits.dtype)
     mask = paddings[:, tf.newaxis, tf.newaxis, :]
     if per_step_padding is not None:
-      _shapes.CheckShape(self, 'per_step_padding', per_step_padding.shape,
-                         [query_vec.shape[0], query_vec.shape[1],
-                          key_vec.shape[1]],
-                         'per_step_padding must be [batch, time, src_time].')
+      _shapes.CheckShape(
+        self,
+        'per_step_padding',
+        per_step_padding.shape,
+        [query_vec.shape[0], query_vec.shape[1], key_vec.shape[1]],
+        'per_step_padding must be [batch, time, src_time].',
+      )
       mask = tf.maximum(
-          mask, tf.cast(per_step_padding, dtype)[:, tf.newaxis, :, :])
+        mask, tf.cast(per_step_padding, dtype)[:, tf.newaxis, :, :]
+      )
     if causal:
       causal_pad = CausalPaddings(tf.shape(q)[1], tf.shape(k)[1], dtype)
       mask = tf.maximum(mask, causal_pad[tf.newaxis, tf.newaxis])
@@ -204,21 +274,40 @@ class MultiHeadedAttention(base_layer.BaseLayer):
   def FPropMeta(cls, p, query_vec, key_vec, value_vec, paddings, *unused):
     cls._Validate(p)
     d = p.input_dim
-    q = _shapes.CheckShape(p, 'query_vec', query_vec, [None, None, d],
-                           f'Expected [batch, time, input_dim={d}].')
-    k = _shapes.CheckShape(p, 'key_vec', key_vec, [q[0], None, d],
-                           f'Expected [batch, src_time, input_dim={d}].')
-    _shapes.CheckShape(p, 'value_vec', value_vec, k,
-                       'value_vec must have the shape of key_vec.')
-    _shapes.CheckShape(p, 'paddings', paddings, k[:2],
-                       'paddings must be [batch, src_time] of key_vec.')
+    q = _shapes.CheckShape(
+      p,
+      'query_vec',
+      query_vec,
+      [None, None, d],
+      f'Expected [batch, time, input_dim={d}].',
+    )
+    k = _shapes.CheckShape(
+      p,
+      'key_vec',
+      key_vec,
+      [q[0], None, d],
+      f'Expected [batch, src_time, input_dim={d}].',
+    )
+    _shapes.CheckShape(
+      p, 'value_vec', value_vec, k, 'value_vec must have the shape of key_vec.'
+    )
+    _shapes.CheckShape(
+      p,
+      'paddings',
+      paddings,
+      k[:2],
+      'paddings must be [batch, src_time] of key_vec.',
+    )
     n, h = p.num_heads, cls._DimPerHead(p)
     bt = _shapes.NumElements(q[:2])
     bs = _shapes.NumElements(k[:2])
     bnts = bt * n * _shapes.NumElements(k[1:2])
-    flops = (2 * bt * d * n * h * 2      # query and post projections
-             + 2 * bs * d * n * h * 2    # key and value projections
-             + 2 * bnts * h * 2          # logits and context
-             + 6 * bnts)                 # scale, mask, softmax
-    return meta.Meta(flops, tf.TensorShape(q),
-                     tf.TensorShape([q[0], n, q[1], k[1]]))
+    flops = (
+      2 * bt * d * n * h * 2  # query and post projections
+      + 2 * bs * d * n * h * 2  # key and value projections
+      + 2 * bnts * h * 2  # logits and context
+      + 6 * bnts
+    )  # scale, mask, softmax
+    return meta.Meta(
+      flops, tf.TensorShape(q), tf.TensorShape([q[0], n, q[1], k[1]])
+    )

@@ -19,8 +19,12 @@ from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.layers import activations
 from lingvo_gpipe.layers import normalizations
 
-__all__ = ['Conv2DLayer', 'DepthwiseConv2DLayer', 'SeparableConv2DLayer',
-           'ConvOutputSize']
+__all__ = [
+  'Conv2DLayer',
+  'DepthwiseConv2DLayer',
+  'SeparableConv2DLayer',
+  'ConvOutputSize',
+]
 
 PADDING_ALGORITHMS = ('SAME', 'VALID')
 
@@ -45,7 +49,7 @@ def ConvOutputPaddings(paddings, kernel, stride, dilation, padding_algorithm):
     return paddings[:, ::stride]
   # Output i covers inputs [i * stride, i * stride + (kernel - 1) * dilation]:
   # it is padded when its last input is.
-  return paddings[:, (kernel - 1) * dilation::stride]
+  return paddings[:, (kernel - 1) * dilation :: stride]
 
 
 class _BaseConv2D(base_layer.BaseLayer):
@@ -54,18 +58,27 @@ class _BaseConv2D(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('filter_shape', (0, 0, 0, 0),
-             'Filter shape [height, width, in_channels, out_channels] '
-             '(depthwise: [height, width, in_channels, channel_multiplier]).')
+    p.Define(
+      'filter_shape',
+      (0, 0, 0, 0),
+      'Filter shape [height, width, in_channels, out_channels] '
+      '(depthwise: [height, width, in_channels, channel_multiplier]).',
+    )
     p.Define('filter_stride', (1, 1), 'Strides [height, width].')
-    p.Define('dilation_rate', (1, 1),
-             'Dilation [height, width]; > 1 requires filter_stride (1, 1).')
+    p.Define(
+      'dilation_rate',
+      (1, 1),
+      'Dilation [height, width]; > 1 requires filter_stride (1, 1).',
+    )
     p.Define('padding_algorithm', 'SAME', 'Padding: SAME or VALID.')
     p.Define('activation', 'RELU', 'Activation applied last, by Lingvo name.')
     p.Define('bias', False, 'Whether to add a bias `b` [output channels].')
-    p.Define('batch_norm', False,
-             'Whether to batch-normalize the conv outputs before the '
-             'activation (a BatchNormLayer child `bn`).')
+    p.Define(
+      'batch_norm',
+      False,
+      'Whether to batch-normalize the conv outputs before the '
+      'activation (a BatchNormLayer child `bn`).',
+    )
     p.Define('bn_decay', 0.999, 'Decay of the batch norm moving averages.')
     return p
 
@@ -81,23 +94,34 @@ class _BaseConv2D(base_layer.BaseLayer):
   @classmethod
   def _Validate(cls, p):
     name = _shapes.LayerName(p)
-    fs, st, dil = (list(p.filter_shape), list(p.filter_stride),
-                   list(p.dilation_rate))
+    fs, st, dil = (
+      list(p.filter_shape),
+      list(p.filter_stride),
+      list(p.dilation_rate),
+    )
     if len(fs) != 4 or not all(isinstance(d, int) and d > 0 for d in fs):
-      raise ValueError(f'{name}: p.filter_shape = {p.filter_shape!r}; it must '
-                       'be 4 positive ints [height, width, in, out].')
+      raise ValueError(
+        f'{name}: p.filter_shape = {p.filter_shape!r}; it must '
+        'be 4 positive ints [height, width, in, out].'
+      )
     for field, v in (('filter_stride', st), ('dilation_rate', dil)):
       if len(v) != 2 or not all(isinstance(d, int) and d > 0 for d in v):
-        raise ValueError(f'{name}: p.{field} = {v!r}; it must be 2 positive '
-                         'ints [height, width].')
+        raise ValueError(
+          f'{name}: p.{field} = {v!r}; it must be 2 positive '
+          'ints [height, width].'
+        )
     if any(d > 1 for d in dil) and any(s > 1 for s in st):
-      raise ValueError(f'{name}: dilation_rate {dil} and filter_stride {st} '
-                       'are both > 1; TensorFlow supports one or the other: '
-                       'set one of them to (1, 1).')
+      raise ValueError(
+        f'{name}: dilation_rate {dil} and filter_stride {st} '
+        'are both > 1; TensorFlow supports one or the other: '
+        'set one of them to (1, 1).'
+      )
     if p.padding_algorithm not in PADDING_ALGORITHMS:
-      raise ValueError(f'{name}: p.padding_algorithm = '
-                       f'{p.padding_algorithm!r}; use one of '
-                       f'{PADDING_ALGORITHMS}.')
+      raise ValueError(
+        f'{name}: p.padding_algorithm = '
+        f'{p.padding_algorithm!r}; use one of '
+        f'{PADDING_ALGORITHMS}.'
+      )
     activations.CheckActivation(p)
 
   def __init__(self, params):
@@ -107,11 +131,14 @@ class _BaseConv2D(base_layer.BaseLayer):
     self.CreateVariable('w', py_utils.WeightParams(self.WeightShape(p)))
     out_c = self.OutputChannels(p)
     if p.bias:
-      self.CreateVariable('b', py_utils.WeightParams(
-          [out_c], py_utils.WeightInit.Constant(0.0)))
+      self.CreateVariable(
+        'b', py_utils.WeightParams([out_c], py_utils.WeightInit.Constant(0.0))
+      )
     if p.batch_norm:
-      self.CreateChild('bn', normalizations.BatchNormLayer.Params().Set(
-          dim=out_c, decay=p.bn_decay))
+      self.CreateChild(
+        'bn',
+        normalizations.BatchNormLayer.Params().Set(dim=out_c, decay=p.bn_decay),
+      )
 
   def _Conv(self, theta, inputs):
     raise NotImplementedError(type(self).__name__)
@@ -120,19 +147,31 @@ class _BaseConv2D(base_layer.BaseLayer):
   def _OutShape(cls, p, dims):
     """Output dims for input dims [b, h, w, c]; checks the channels."""
     _shapes.CheckShape(
-        p, 'inputs', dims, [None, None, None, p.filter_shape[2]],
-        f'Inputs must be NHWC [batch, height, width, {p.filter_shape[2]}] '
-        '(channels = filter_shape[2]); fix p.filter_shape or the inputs.')
+      p,
+      'inputs',
+      dims,
+      [None, None, None, p.filter_shape[2]],
+      f'Inputs must be NHWC [batch, height, width, {p.filter_shape[2]}] '
+      '(channels = filter_shape[2]); fix p.filter_shape or the inputs.',
+    )
     dims = _shapes.Dims(dims)
-    out_hw = [ConvOutputSize(dims[1 + i], p.filter_shape[i],
-                             p.filter_stride[i], p.dilation_rate[i],
-                             p.padding_algorithm) for i in range(2)]
+    out_hw = [
+      ConvOutputSize(
+        dims[1 + i],
+        p.filter_shape[i],
+        p.filter_stride[i],
+        p.dilation_rate[i],
+        p.padding_algorithm,
+      )
+      for i in range(2)
+    ]
     if any(d == 0 for d in out_hw):
       raise ValueError(
-          f'{_shapes.LayerName(p)}: inputs {dims} are smaller than the '
-          f'filter {list(p.filter_shape[:2])} (dilation '
-          f'{list(p.dilation_rate)}) with VALID padding, so the output is '
-          'empty; use bigger inputs or padding_algorithm SAME.')
+        f'{_shapes.LayerName(p)}: inputs {dims} are smaller than the '
+        f'filter {list(p.filter_shape[:2])} (dilation '
+        f'{list(p.dilation_rate)}) with VALID padding, so the output is '
+        'empty; use bigger inputs or padding_algorithm SAME.'
+      )
     return [dims[0]] + out_hw + [cls.OutputChannels(p)]
 
   def FProp(self, theta, inputs, paddings=None):
@@ -152,20 +191,31 @@ class _BaseConv2D(base_layer.BaseLayer):
     self._OutShape(p, inputs.shape)
     out_paddings = None
     if paddings is not None:
-      _shapes.CheckShape(self, 'paddings', paddings.shape,
-                         inputs.shape.as_list()[:2],
-                         'Paddings must be [batch, height] of the inputs.')
+      _shapes.CheckShape(
+        self,
+        'paddings',
+        paddings.shape,
+        inputs.shape.as_list()[:2],
+        'Paddings must be [batch, height] of the inputs.',
+      )
       paddings = tf.cast(paddings, inputs.dtype)
       inputs *= 1.0 - paddings[:, :, tf.newaxis, tf.newaxis]
-      out_paddings = ConvOutputPaddings(paddings, p.filter_shape[0],
-                                        p.filter_stride[0], p.dilation_rate[0],
-                                        p.padding_algorithm)
+      out_paddings = ConvOutputPaddings(
+        paddings,
+        p.filter_shape[0],
+        p.filter_stride[0],
+        p.dilation_rate[0],
+        p.padding_algorithm,
+      )
     out = self._Conv(theta, inputs)
     if p.bias:
       out = tf.nn.bias_add(out, theta.b)
     if p.batch_norm:
-      bn_paddings = (None if out_paddings is None else
-                     out_paddings[:, :, tf.newaxis, tf.newaxis])
+      bn_paddings = (
+        None
+        if out_paddings is None
+        else out_paddings[:, :, tf.newaxis, tf.newaxis]
+      )
       out = self.bn.FProp(theta.bn, out, bn_paddings)
     out = activations.GetFn(p.activation)(out)
     if out_paddings is None:
@@ -199,9 +249,13 @@ class Conv2DLayer(_BaseConv2D):
 
   def _Conv(self, theta, inputs):
     p = self.params
-    return tf.nn.conv2d(inputs, theta.w, strides=list(p.filter_stride),
-                        padding=p.padding_algorithm,
-                        dilations=list(p.dilation_rate))
+    return tf.nn.conv2d(
+      inputs,
+      theta.w,
+      strides=list(p.filter_stride),
+      padding=p.padding_algorithm,
+      dilations=list(p.dilation_rate),
+    )
 
   @classmethod
   def _MacsPerOutput(cls, p):
@@ -222,8 +276,12 @@ class DepthwiseConv2DLayer(_BaseConv2D):
   def _Conv(self, theta, inputs):
     p = self.params
     return tf.nn.depthwise_conv2d(
-        inputs, theta.w, strides=[1] + list(p.filter_stride) + [1],
-        padding=p.padding_algorithm, dilations=list(p.dilation_rate))
+      inputs,
+      theta.w,
+      strides=[1] + list(p.filter_stride) + [1],
+      padding=p.padding_algorithm,
+      dilations=list(p.dilation_rate),
+    )
 
   @classmethod
   def _MacsPerOutput(cls, p):
@@ -243,21 +301,24 @@ class SeparableConv2DLayer(Conv2DLayer):
   def Params(cls):
     p = super().Params()
     p.Define('depth_multiplier', 1, 'Channel multiplier of the depthwise conv.')
-    p.Define('depthwise_tpl',
-             DepthwiseConv2DLayer.Params().Set(activation='NONE'),
-             'Params of the depthwise child; its filter_shape, stride, '
-             'dilation and padding are set from this layer.')
+    p.Define(
+      'depthwise_tpl',
+      DepthwiseConv2DLayer.Params().Set(activation='NONE'),
+      'Params of the depthwise child; its filter_shape, stride, '
+      'dilation and padding are set from this layer.',
+    )
     return p
 
   @classmethod
   def _DepthwiseParams(cls, p):
     h, w, c_in, _ = p.filter_shape
     return p.depthwise_tpl.Copy().Set(
-        name='depthwise_conv',
-        filter_shape=(h, w, c_in, p.depth_multiplier),
-        filter_stride=tuple(p.filter_stride),
-        dilation_rate=tuple(p.dilation_rate),
-        padding_algorithm=p.padding_algorithm)
+      name='depthwise_conv',
+      filter_shape=(h, w, c_in, p.depth_multiplier),
+      filter_stride=tuple(p.filter_stride),
+      dilation_rate=tuple(p.dilation_rate),
+      padding_algorithm=p.padding_algorithm,
+    )
 
   @classmethod
   def WeightShape(cls, p):

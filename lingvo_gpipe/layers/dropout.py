@@ -38,8 +38,9 @@ def StatelessDropout(inputs, keep_prob, seed_pair, noise_shape=None):
     noise_shape = tf.shape(inputs)
   # Philox explicitly: the default algorithm differs under XLA, which would
   # give a compiled step other masks than an uncompiled one.
-  u = tf.random.stateless_uniform(noise_shape, seed=seed_pair,
-                                  dtype=tf.float32, alg='philox')
+  u = tf.random.stateless_uniform(
+    noise_shape, seed=seed_pair, dtype=tf.float32, alg='philox'
+  )
   keep = tf.cast(u < keep_prob, inputs.dtype)
   return inputs * keep * tf.cast(1.0 / keep_prob, inputs.dtype)
 
@@ -51,28 +52,37 @@ class DropoutLayer(base_layer.BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define('keep_prob', 1.0, 'Probability of keeping an element.')
-    p.Define('noise_shape', None,
-             'Shape of the mask (a list, broadcastable to the inputs); None: '
-             'the inputs\' shape.')
-    p.Define('noise_shape_broadcast_dims', None,
-             'Dims (ints) where the mask has size 1 and is broadcast, e.g. '
-             '[1] to drop the same channels at every time step of '
-             '[batch, time, dim]. Ignored if noise_shape is set.')
+    p.Define(
+      'noise_shape',
+      None,
+      'Shape of the mask (a list, broadcastable to the inputs); None: '
+      "the inputs' shape.",
+    )
+    p.Define(
+      'noise_shape_broadcast_dims',
+      None,
+      'Dims (ints) where the mask has size 1 and is broadcast, e.g. '
+      '[1] to drop the same channels at every time step of '
+      '[batch, time, dim]. Ignored if noise_shape is set.',
+    )
     p.Define('dropout_at_eval', False, 'Whether to apply dropout in eval too.')
     return p
 
   @classmethod
   def _Validate(cls, p):
     if not 0.0 < p.keep_prob <= 1.0:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.keep_prob = '
-                       f'{p.keep_prob!r} must be in (0, 1] (1 = no dropout).')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.keep_prob = '
+        f'{p.keep_prob!r} must be in (0, 1] (1 = no dropout).'
+      )
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     self._Validate(p)
-    self._layer_seed = py_utils.StableHash(p.random_seed or 0, self.path,
-                                           'dropout')
+    self._layer_seed = py_utils.StableHash(
+      p.random_seed or 0, self.path, 'dropout'
+    )
 
   @property
   def layer_seed(self):
@@ -90,10 +100,11 @@ class DropoutLayer(base_layer.BaseLayer):
     for d in p.noise_shape_broadcast_dims:
       if not -rank <= d < rank:
         raise ValueError(
-            f'{_shapes.LayerName(self)}: noise_shape_broadcast_dims '
-            f'{p.noise_shape_broadcast_dims} has dim {d} but the inputs have '
-            f'shape {inputs.shape.as_list()} (rank {rank}); use dims in '
-            f'[{-rank}, {rank}).')
+          f'{_shapes.LayerName(self)}: noise_shape_broadcast_dims '
+          f'{p.noise_shape_broadcast_dims} has dim {d} but the inputs have '
+          f'shape {inputs.shape.as_list()} (rank {rank}); use dims in '
+          f'[{-rank}, {rank}).'
+        )
       dims[d] = 1
     return tf.stack([tf.cast(d, tf.int32) for d in dims])
 
@@ -104,8 +115,7 @@ class DropoutLayer(base_layer.BaseLayer):
     if p.keep_prob >= 1.0 or (self.do_eval and not p.dropout_at_eval):
       return inputs
     seed = py_utils.GenerateStepSeedPair(self._layer_seed)
-    return StatelessDropout(inputs, p.keep_prob, seed,
-                            self._NoiseShape(inputs))
+    return StatelessDropout(inputs, p.keep_prob, seed, self._NoiseShape(inputs))
 
   @classmethod
   def FPropMeta(cls, p, inputs):

@@ -26,12 +26,18 @@ class SimpleEmbeddingLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('vocab_size', 0, 'Number of rows of the table (ids in [0, V)).')
     p.Define('embedding_dim', 0, 'Width of each embedding.')
-    p.Define('scale_sqrt_depth', False,
-             'If True, multiply the embeddings by sqrt(embedding_dim).')
-    p.Define('shared_weight_name', None,
-             'If set, the table is shared (tied) with every layer under the '
-             'same root that creates a weight with this shared name, e.g. a '
-             'SimpleFullSoftmax.')
+    p.Define(
+      'scale_sqrt_depth',
+      False,
+      'If True, multiply the embeddings by sqrt(embedding_dim).',
+    )
+    p.Define(
+      'shared_weight_name',
+      None,
+      'If set, the table is shared (tied) with every layer under the '
+      'same root that creates a weight with this shared name, e.g. a '
+      'SimpleFullSoftmax.',
+    )
     return p
 
   @classmethod
@@ -42,8 +48,12 @@ class SimpleEmbeddingLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     self._Validate(p)
-    self.CreateVariable('wm', py_utils.WeightParams(
-        [p.vocab_size, p.embedding_dim], shared_name=p.shared_weight_name))
+    self.CreateVariable(
+      'wm',
+      py_utils.WeightParams(
+        [p.vocab_size, p.embedding_dim], shared_name=p.shared_weight_name
+      ),
+    )
 
   def EmbLookup(self, theta, ids):
     """Looks up `ids` (any shape, integer) -> [..., embedding_dim]."""
@@ -51,9 +61,10 @@ class SimpleEmbeddingLayer(base_layer.BaseLayer):
     ids = tf.convert_to_tensor(ids)
     if not ids.dtype.is_integer:
       raise TypeError(
-          f'{_shapes.LayerName(self)}: ids have dtype {ids.dtype.name}; they '
-          'must be integers (e.g. int32). Cast them with tf.cast(ids, '
-          'tf.int32) if they hold whole numbers.')
+        f'{_shapes.LayerName(self)}: ids have dtype {ids.dtype.name}; they '
+        'must be integers (e.g. int32). Cast them with tf.cast(ids, '
+        'tf.int32) if they hold whole numbers.'
+      )
     out = tf.gather(theta.wm, ids)
     if p.scale_sqrt_depth:
       out *= tf.cast(p.embedding_dim**0.5, out.dtype)

@@ -49,15 +49,24 @@ class ProjectionLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('input_dim', 0, 'Depth of the input.')
     p.Define('output_dim', 0, 'Depth of the output.')
-    p.Define('activation', 'RELU',
-             'Activation applied last, by Lingvo name (RELU, TANH, NONE, ...).')
+    p.Define(
+      'activation',
+      'RELU',
+      'Activation applied last, by Lingvo name (RELU, TANH, NONE, ...).',
+    )
     p.Define('has_bias', True, 'Whether to add a bias `b` [output_dim].')
-    p.Define('batch_norm', False,
-             'Whether to batch-normalize the projection before the '
-             'activation (a BatchNormLayer child `bn`).')
+    p.Define(
+      'batch_norm',
+      False,
+      'Whether to batch-normalize the projection before the '
+      'activation (a BatchNormLayer child `bn`).',
+    )
     p.Define('bias_init', 0.0, 'Initial value of the bias.')
-    p.Define('bn_params', normalizations.BatchNormLayer.Params(),
-             'Params of the batch norm child; dim is set to output_dim.')
+    p.Define(
+      'bn_params',
+      normalizations.BatchNormLayer.Params(),
+      'Params of the batch norm child; dim is set to output_dim.',
+    )
     return p
 
   @classmethod
@@ -69,11 +78,14 @@ class ProjectionLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     self._Validate(p)
-    self.CreateVariable('w', py_utils.WeightParams([p.input_dim,
-                                                    p.output_dim]))
+    self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
     if p.has_bias:
-      self.CreateVariable('b', py_utils.WeightParams(
-          [p.output_dim], py_utils.WeightInit.Constant(p.bias_init)))
+      self.CreateVariable(
+        'b',
+        py_utils.WeightParams(
+          [p.output_dim], py_utils.WeightInit.Constant(p.bias_init)
+        ),
+      )
     if p.batch_norm:
       self.CreateChild('bn', p.bn_params.Copy().Set(dim=p.output_dim))
 
@@ -92,9 +104,13 @@ class ProjectionLayer(base_layer.BaseLayer):
     p = self.params
     inputs = _shapes.CastFloat(inputs, self.fprop_dtype)
     _shapes.CheckShape(
-        self, 'inputs', inputs.shape, [..., p.input_dim],
-        f'The last dim of the inputs must equal p.input_dim = {p.input_dim}; '
-        'fix p.input_dim or the previous layer\'s output dim.')
+      self,
+      'inputs',
+      inputs.shape,
+      [..., p.input_dim],
+      f'The last dim of the inputs must equal p.input_dim = {p.input_dim}; '
+      "fix p.input_dim or the previous layer's output dim.",
+    )
     out = ProjectLastDim(inputs, theta.w)
     if p.has_bias:
       out += theta.b
@@ -110,8 +126,12 @@ class ProjectionLayer(base_layer.BaseLayer):
     del paddings
     cls._Validate(p)
     dims = _shapes.CheckShape(
-        p, 'inputs', inputs, [..., p.input_dim],
-        f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.')
+      p,
+      'inputs',
+      inputs,
+      [..., p.input_dim],
+      f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.',
+    )
     rows = _shapes.NumElements(dims[:-1])
     n_out = rows * p.output_dim
     flops = 2 * rows * p.input_dim * p.output_dim
@@ -148,22 +168,34 @@ class BiasLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     _shapes.CheckPositive(p, 'dims')
-    self.CreateVariable('b', py_utils.WeightParams(
-        [p.dims], py_utils.WeightInit.Constant(p.bias_init)))
+    self.CreateVariable(
+      'b',
+      py_utils.WeightParams(
+        [p.dims], py_utils.WeightInit.Constant(p.bias_init)
+      ),
+    )
 
   def FProp(self, theta, inputs):
     """[..., dims] -> inputs + b, [..., dims]."""
     p = self.params
     inputs = _shapes.CastFloat(inputs, self.fprop_dtype)
-    _shapes.CheckShape(self, 'inputs', inputs.shape, [..., p.dims],
-                       f'The last dim of the inputs must equal p.dims = '
-                       f'{p.dims}.')
+    _shapes.CheckShape(
+      self,
+      'inputs',
+      inputs.shape,
+      [..., p.dims],
+      f'The last dim of the inputs must equal p.dims = {p.dims}.',
+    )
     return inputs + theta.b
 
   @classmethod
   def FPropMeta(cls, p, inputs):
     _shapes.CheckPositive(p, 'dims')
-    dims = _shapes.CheckShape(p, 'inputs', inputs, [..., p.dims],
-                              f'The last dim of the inputs must equal p.dims = '
-                              f'{p.dims}.')
+    dims = _shapes.CheckShape(
+      p,
+      'inputs',
+      inputs,
+      [..., p.dims],
+      f'The last dim of the inputs must equal p.dims = {p.dims}.',
+    )
     return meta.Meta(_shapes.NumElements(dims), tf.TensorShape(dims))

@@ -46,14 +46,17 @@ def MergeMoments(stats_list):
   counts = [tf.cast(c, dtype) for c in counts]
   total = tf.add_n(counts)
   sum_x = tf.add_n([n * s.mean for n, s in zip(counts, stats_list)])
-  sum_xx = tf.add_n([n * (s.variance + tf.square(s.mean))
-                     for n, s in zip(counts, stats_list)])
+  sum_xx = tf.add_n(
+    [n * (s.variance + tf.square(s.mean)) for n, s in zip(counts, stats_list)]
+  )
   # Under a tf.distribute strategy: the moments of every replica's batch.
   sum_x, sum_xx, total = py_utils.CrossReplicaReduce(
-      [sum_x, sum_xx, total], tf.distribute.ReduceOp.SUM)
+    [sum_x, sum_xx, total], tf.distribute.ReduceOp.SUM
+  )
   mean = tf.math.divide_no_nan(sum_x, total)
   variance = tf.maximum(
-      tf.math.divide_no_nan(sum_xx, total) - tf.square(mean), 0.)
+    tf.math.divide_no_nan(sum_xx, total) - tf.square(mean), 0.0
+  )
   return mean, variance, total
 
 
@@ -69,27 +72,40 @@ class BatchNormLayer(base_layer.BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define('dim', 0, 'Depth of the input/output (the last dim).')
-    p.Define('decay', 0.999,
-             'Decay of the moving averages: moving = decay * moving + '
-             '(1 - decay) * batch statistic.')
+    p.Define(
+      'decay',
+      0.999,
+      'Decay of the moving averages: moving = decay * moving + '
+      '(1 - decay) * batch statistic.',
+    )
     p.Define('epsilon', 0.001, 'Added to the variance before rsqrt.')
-    p.Define('use_moving_avg_in_training', False,
-             'If True, normalize with the moving averages in training too '
-             '(they are still updated); the layer then has no beta/gamma, as '
-             'in Lingvo.')
-    p.Define('set_padded_output_to_zero', True,
-             'If True, outputs at padded positions (paddings = 1) are 0.')
+    p.Define(
+      'use_moving_avg_in_training',
+      False,
+      'If True, normalize with the moving averages in training too '
+      '(they are still updated); the layer then has no beta/gamma, as '
+      'in Lingvo.',
+    )
+    p.Define(
+      'set_padded_output_to_zero',
+      True,
+      'If True, outputs at padded positions (paddings = 1) are 0.',
+    )
     return p
 
   @classmethod
   def _Validate(cls, p):
     _shapes.CheckPositive(p, 'dim')
     if not 0.0 <= p.decay <= 1.0:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.decay = {p.decay!r} must '
-                       'be in [0, 1], e.g. 0.999.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.decay = {p.decay!r} must '
+        'be in [0, 1], e.g. 0.999.'
+      )
     if p.epsilon <= 0:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.epsilon = {p.epsilon!r} '
-                       'must be > 0, e.g. 0.001.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.epsilon = {p.epsilon!r} '
+        'must be > 0, e.g. 0.001.'
+      )
 
   def __init__(self, params):
     super().__init__(params)
@@ -100,30 +116,38 @@ class BatchNormLayer(base_layer.BaseLayer):
     if not p.use_moving_avg_in_training:
       self.CreateVariable('beta', py_utils.WeightParams([p.dim], zeros))
       self.CreateVariable('gamma', py_utils.WeightParams([p.dim], ones))
-    self.CreateVariable('moving_mean', py_utils.WeightParams([p.dim], zeros),
-                        trainable=False)
-    self.CreateVariable('moving_variance',
-                        py_utils.WeightParams([p.dim], ones), trainable=False)
+    self.CreateVariable(
+      'moving_mean', py_utils.WeightParams([p.dim], zeros), trainable=False
+    )
+    self.CreateVariable(
+      'moving_variance', py_utils.WeightParams([p.dim], ones), trainable=False
+    )
 
   def _CheckInputs(self, inputs, paddings):
     p = self.params
     dims = _shapes.CheckShape(
-        self, 'inputs', inputs.shape, [..., p.dim],
-        f'The last dim of the inputs must equal p.dim = {p.dim}.')
+      self,
+      'inputs',
+      inputs.shape,
+      [..., p.dim],
+      f'The last dim of the inputs must equal p.dim = {p.dim}.',
+    )
     if paddings is None or dims is None:
       return
     pdims = paddings.shape.as_list()
     ok = len(pdims) <= len(dims) and all(
-        a is None or b is None or a == b or b == 1
-        for a, b in zip(dims[:len(pdims)], pdims))
+      a is None or b is None or a == b or b == 1
+      for a, b in zip(dims[: len(pdims)], pdims)
+    )
     if len(pdims) == len(dims):
       ok = ok and pdims[-1] in (1, None)
     if not ok:
       raise ValueError(
-          f'{_shapes.LayerName(self)}: paddings have shape {pdims} but the '
-          f'inputs have shape {dims}; paddings must match the leading dims '
-          'of the inputs (e.g. [batch, time] or [batch, time, 1] for inputs '
-          '[batch, time, dim]).')
+        f'{_shapes.LayerName(self)}: paddings have shape {pdims} but the '
+        f'inputs have shape {dims}; paddings must match the leading dims '
+        'of the inputs (e.g. [batch, time] or [batch, time, 1] for inputs '
+        '[batch, time, dim]).'
+      )
 
   @staticmethod
   def _ExpandPaddings(paddings, rank):
@@ -152,13 +176,16 @@ class BatchNormLayer(base_layer.BaseLayer):
       count = tf.cast(tf.size(inputs) // tf.shape(inputs)[-1], inputs.dtype)
       return mean, variance, count
     mask = 1.0 - self._ExpandPaddings(
-        tf.cast(paddings, inputs.dtype), inputs.shape.rank)
-    mask = tf.broadcast_to(mask, tf.concat(
-        [tf.shape(inputs)[:-1], [1]], axis=0))
+      tf.cast(paddings, inputs.dtype), inputs.shape.rank
+    )
+    mask = tf.broadcast_to(
+      mask, tf.concat([tf.shape(inputs)[:-1], [1]], axis=0)
+    )
     count = tf.reduce_sum(mask)
     mean = tf.math.divide_no_nan(tf.reduce_sum(inputs * mask, axes), count)
     variance = tf.math.divide_no_nan(
-        tf.reduce_sum(tf.square(inputs - mean) * mask, axes), count)
+      tf.reduce_sum(tf.square(inputs - mean) * mask, axes), count
+    )
     return mean, variance, count
 
   def FProp(self, theta, inputs, paddings=None):
@@ -184,9 +211,14 @@ class BatchNormLayer(base_layer.BaseLayer):
       variance = tf.cast(theta.moving_variance, inputs.dtype)
     if not self.do_eval:
       b_mean, b_var, count = self.ComputeMoments(inputs, paddings)
-      py_utils.AddDeferredUpdate(self, NestedMap(
-          mean=tf.stop_gradient(b_mean), variance=tf.stop_gradient(b_var),
-          count=tf.stop_gradient(count)))
+      py_utils.AddDeferredUpdate(
+        self,
+        NestedMap(
+          mean=tf.stop_gradient(b_mean),
+          variance=tf.stop_gradient(b_var),
+          count=tf.stop_gradient(count),
+        ),
+      )
       if not p.use_moving_avg_in_training:
         mean = tf.cast(b_mean, inputs.dtype)
         variance = tf.cast(b_var, inputs.dtype)
@@ -194,11 +226,13 @@ class BatchNormLayer(base_layer.BaseLayer):
       beta, gamma = None, None
     else:
       beta, gamma = theta.beta, theta.gamma
-    out = tf.nn.batch_normalization(inputs, mean, variance, beta, gamma,
-                                    p.epsilon)
+    out = tf.nn.batch_normalization(
+      inputs, mean, variance, beta, gamma, p.epsilon
+    )
     if paddings is not None and p.set_padded_output_to_zero:
       mask = 1.0 - self._ExpandPaddings(
-          tf.cast(paddings, out.dtype), inputs.shape.rank)
+        tf.cast(paddings, out.dtype), inputs.shape.rank
+      )
       out *= mask
     return out
 
@@ -227,16 +261,22 @@ class BatchNormLayer(base_layer.BaseLayer):
       new = decay * var + (1.0 - decay) * value
       return tf.where(has_data, new, tf.convert_to_tensor(var))
 
-    return tf.group(moving_mean.assign(Updated(moving_mean, mean)),
-                    moving_var.assign(Updated(moving_var, variance)))
+    return tf.group(
+      moving_mean.assign(Updated(moving_mean, mean)),
+      moving_var.assign(Updated(moving_var, variance)),
+    )
 
   @classmethod
   def FPropMeta(cls, p, inputs, paddings=None):
     del paddings  # Does not change the cost much.
     cls._Validate(p)
     _shapes.CheckShape(
-        p, 'inputs', inputs, [..., p.dim],
-        f'The last dim of the inputs must equal p.dim = {p.dim}.')
+      p,
+      'inputs',
+      inputs,
+      [..., p.dim],
+      f'The last dim of the inputs must equal p.dim = {p.dim}.',
+    )
     n = _shapes.NumElements(_shapes.Dims(inputs))
     # Moments (~4 per element) and normalization (~4 per element).
     return meta.Meta(8 * n, _shapes.ToShape(inputs))
@@ -260,10 +300,14 @@ class LayerNorm(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     _shapes.CheckPositive(p, 'input_dim')
-    self.CreateVariable('scale', py_utils.WeightParams(
-        [p.input_dim], py_utils.WeightInit.Constant(1.0)))
-    self.CreateVariable('bias', py_utils.WeightParams(
-        [p.input_dim], py_utils.WeightInit.Constant(0.0)))
+    self.CreateVariable(
+      'scale',
+      py_utils.WeightParams([p.input_dim], py_utils.WeightInit.Constant(1.0)),
+    )
+    self.CreateVariable(
+      'bias',
+      py_utils.WeightParams([p.input_dim], py_utils.WeightInit.Constant(0.0)),
+    )
 
   def FProp(self, theta, inputs, paddings=None):
     """Normalizes over the last dim.
@@ -280,8 +324,12 @@ class LayerNorm(base_layer.BaseLayer):
     p = self.params
     inputs = _shapes.CastFloat(inputs, self.fprop_dtype)
     _shapes.CheckShape(
-        self, 'inputs', inputs.shape, [..., p.input_dim],
-        f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.')
+      self,
+      'inputs',
+      inputs.shape,
+      [..., p.input_dim],
+      f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.',
+    )
     mean, variance = tf.nn.moments(inputs, [-1], keepdims=True)
     normed = (inputs - mean) * tf.math.rsqrt(variance + p.epsilon)
     return normed * theta.scale + theta.bias
@@ -291,7 +339,11 @@ class LayerNorm(base_layer.BaseLayer):
     del paddings
     _shapes.CheckPositive(p, 'input_dim')
     _shapes.CheckShape(
-        p, 'inputs', inputs, [..., p.input_dim],
-        f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.')
+      p,
+      'inputs',
+      inputs,
+      [..., p.input_dim],
+      f'The last dim of the inputs must equal p.input_dim = {p.input_dim}.',
+    )
     n = _shapes.NumElements(_shapes.Dims(inputs))
     return meta.Meta(8 * n, _shapes.ToShape(inputs))

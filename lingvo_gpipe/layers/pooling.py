@@ -14,14 +14,20 @@ POOLING_TYPES = ('MAX', 'AVG')
 
 def _CheckPoolingType(p):
   if p.pooling_type not in POOLING_TYPES:
-    raise ValueError(f'{_shapes.LayerName(p)}: p.pooling_type = '
-                     f'{p.pooling_type!r}; use one of {POOLING_TYPES}.')
+    raise ValueError(
+      f'{_shapes.LayerName(p)}: p.pooling_type = '
+      f'{p.pooling_type!r}; use one of {POOLING_TYPES}.'
+    )
 
 
 def _CheckNHWC(who, shape):
   return _shapes.CheckShape(
-      who, 'inputs', shape, [None, None, None, None],
-      'Pooling expects NHWC inputs [batch, height, width, channels].')
+    who,
+    'inputs',
+    shape,
+    [None, None, None, None],
+    'Pooling expects NHWC inputs [batch, height, width, channels].',
+  )
 
 
 class PoolingLayer(base_layer.BaseLayer):
@@ -42,13 +48,17 @@ class PoolingLayer(base_layer.BaseLayer):
     for field in ('window_shape', 'window_stride'):
       v = list(p.Get(field))
       if len(v) != 2 or not all(isinstance(d, int) and d > 0 for d in v):
-        raise ValueError(f'{name}: p.{field} = {p.Get(field)!r}; it must be '
-                         '2 positive ints [height, width].')
+        raise ValueError(
+          f'{name}: p.{field} = {p.Get(field)!r}; it must be '
+          '2 positive ints [height, width].'
+        )
     _CheckPoolingType(p)
     if p.padding_algorithm not in convolutions.PADDING_ALGORITHMS:
-      raise ValueError(f'{name}: p.padding_algorithm = '
-                       f'{p.padding_algorithm!r}; use one of '
-                       f'{convolutions.PADDING_ALGORITHMS}.')
+      raise ValueError(
+        f'{name}: p.padding_algorithm = '
+        f'{p.padding_algorithm!r}; use one of '
+        f'{convolutions.PADDING_ALGORITHMS}.'
+      )
 
   def __init__(self, params):
     super().__init__(params)
@@ -57,14 +67,22 @@ class PoolingLayer(base_layer.BaseLayer):
   @classmethod
   def _OutDims(cls, p, who, shape):
     dims = _CheckNHWC(who, shape)
-    out_hw = [convolutions.ConvOutputSize(
-        dims[1 + i], p.window_shape[i], p.window_stride[i], 1,
-        p.padding_algorithm) for i in range(2)]
+    out_hw = [
+      convolutions.ConvOutputSize(
+        dims[1 + i],
+        p.window_shape[i],
+        p.window_stride[i],
+        1,
+        p.padding_algorithm,
+      )
+      for i in range(2)
+    ]
     if any(d == 0 for d in out_hw):
       raise ValueError(
-          f'{_shapes.LayerName(who)}: inputs {dims} are smaller than the '
-          f'window {list(p.window_shape)} with VALID padding; use bigger '
-          'inputs, a smaller window or padding_algorithm SAME.')
+        f'{_shapes.LayerName(who)}: inputs {dims} are smaller than the '
+        f'window {list(p.window_shape)} with VALID padding; use bigger '
+        'inputs, a smaller window or padding_algorithm SAME.'
+      )
     return [dims[0]] + out_hw + [dims[3]]
 
   def FProp(self, theta, inputs):
@@ -72,10 +90,13 @@ class PoolingLayer(base_layer.BaseLayer):
     del theta  # No weights.
     p = self.params
     self._OutDims(p, self, inputs.shape)
-    return tf.nn.pool(inputs, window_shape=list(p.window_shape),
-                      pooling_type=p.pooling_type,
-                      strides=list(p.window_stride),
-                      padding=p.padding_algorithm)
+    return tf.nn.pool(
+      inputs,
+      window_shape=list(p.window_shape),
+      pooling_type=p.pooling_type,
+      strides=list(p.window_stride),
+      padding=p.padding_algorithm,
+    )
 
   @classmethod
   def FPropMeta(cls, p, inputs):
@@ -95,8 +116,9 @@ class GlobalPoolingLayer(base_layer.BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define('pooling_type', 'MAX', 'Pooling type: MAX or AVG.')
-    p.Define('keepdims', True,
-             'True: output [b, 1, 1, c] (as Lingvo); False: [b, c].')
+    p.Define(
+      'keepdims', True, 'True: output [b, 1, 1, c] (as Lingvo); False: [b, c].'
+    )
     return p
 
   def __init__(self, params):

@@ -21,8 +21,10 @@ class FlattenLayer(base_layer.BaseLayer):
   @classmethod
   def _OutDims(cls, who, dims):
     if dims is None or len(dims) < 1:
-      raise ValueError(f'{_shapes.LayerName(who)}: inputs have shape {dims}; '
-                       'FlattenLayer needs at least a batch dimension.')
+      raise ValueError(
+        f'{_shapes.LayerName(who)}: inputs have shape {dims}; '
+        'FlattenLayer needs at least a batch dimension.'
+      )
     rest = dims[1:]
     if any(d is None for d in rest):
       return [dims[0], None]

@@ -15,14 +15,21 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import _shapes
 
-__all__ = ['SequentialLayer', 'RepeatLayer', 'FeatureExtractionLayer',
-           'ChainFPropMeta', 'LayerMetas', 'FormatShapes']
+__all__ = [
+  'SequentialLayer',
+  'RepeatLayer',
+  'FeatureExtractionLayer',
+  'ChainFPropMeta',
+  'LayerMetas',
+  'FormatShapes',
+]
+
 
 def FormatShapes(shapes):
   """Shapes (TensorShapes, nested) as plain lists, for error messages."""
   return tf.nest.map_structure(
-      lambda s: tf.TensorShape(s).as_list() if s is not None else None,
-      shapes)
+    lambda s: tf.TensorShape(s).as_list() if s is not None else None, shapes
+  )
 
 
 def LayerMetas(layer_params, *input_shapes):
@@ -43,11 +50,15 @@ def LayerMetas(layer_params, *input_shapes):
     try:
       m = p.cls.FPropMeta(p, *shapes)
     except (ValueError, TypeError) as e:
-      prev = (f'the output of layer {i - 1} ({layer_params[i - 1].name or "?"})'
-              if i else 'the input')
+      prev = (
+        f'the output of layer {i - 1} ({layer_params[i - 1].name or "?"})'
+        if i
+        else 'the input'
+      )
       raise ValueError(
-          f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
-          f'shapes {FormatShapes(shapes)}: {e}') from e
+        f'Layer {i} ({p.name}, {p.cls.__name__}) cannot take {prev} with '
+        f'shapes {FormatShapes(shapes)}: {e}'
+      ) from e
     out.append((m.flops, shapes, m.out_shapes))
     shapes = py_utils.AsTuple(m.out_shapes)
   return out
@@ -84,8 +95,10 @@ class SequentialLayer(base_layer.BaseLayer):
   @classmethod
   def _Validate(cls, p):
     if not isinstance(p.sub, (list, tuple)) or not p.sub:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.sub = {p.sub!r}; give it a '
-                       'non-empty list of layer Params.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.sub = {p.sub!r}; give it a '
+        'non-empty list of layer Params.'
+      )
     for sub in p.sub:
       base_layer.LayerParams(sub)
 
@@ -122,8 +135,10 @@ class RepeatLayer(base_layer.BaseLayer):
   @classmethod
   def _Validate(cls, p):
     if p.body is None:
-      raise ValueError(f'{_shapes.LayerName(p)}: p.body is None; set it to '
-                       'the Params of the layer to repeat.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: p.body is None; set it to '
+        'the Params of the layer to repeat.'
+      )
     base_layer.LayerParams(p.body)
     _shapes.CheckPositive(p, 'repeat')
 
@@ -162,28 +177,42 @@ class FeatureExtractionLayer(SequentialLayer):
   """
 
   _UNSUPPORTED = {
-      'num_act_inputs': (0, 'remove it: FProp takes every input.'),
-      'num_act_outputs': (0, 'remove it: FProp returns every output.'),
-      'act_fetch_layers': ([], 'remove it and return the activations you '
-                           'need from the last sub layer (e.g. a NestedMap).'),
+    'num_act_inputs': (0, 'remove it: FProp takes every input.'),
+    'num_act_outputs': (0, 'remove it: FProp returns every output.'),
+    'act_fetch_layers': (
+      [],
+      'remove it and return the activations you '
+      'need from the last sub layer (e.g. a NestedMap).',
+    ),
   }
 
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('num_act_inputs', 0,
-             'Lingvo compatibility; only 0: FProp takes every input.')
-    p.Define('num_act_outputs', 0,
-             'Lingvo compatibility; only 0: FProp returns every output.')
-    p.Define('act_fetch_layers', [],
-             'Lingvo compatibility; only []: the cell returns only its last '
-             'layer\'s outputs.')
+    p.Define(
+      'num_act_inputs',
+      0,
+      'Lingvo compatibility; only 0: FProp takes every input.',
+    )
+    p.Define(
+      'num_act_outputs',
+      0,
+      'Lingvo compatibility; only 0: FProp returns every output.',
+    )
+    p.Define(
+      'act_fetch_layers',
+      [],
+      'Lingvo compatibility; only []: the cell returns only its last '
+      "layer's outputs.",
+    )
     return p
 
   @classmethod
   def _Validate(cls, p):
     base_layer.RejectUnsupportedParams(p, cls._UNSUPPORTED)
     if not p.sub:
-      raise ValueError(f'{_shapes.LayerName(p)} has no sub layers; an empty '
-                       'cell does nothing: give it layers or remove it.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)} has no sub layers; an empty '
+        'cell does nothing: give it layers or remove it.'
+      )
     super()._Validate(p)

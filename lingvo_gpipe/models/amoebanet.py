@@ -41,8 +41,15 @@ from lingvo_gpipe.models import amoebanet_ops
 from lingvo_gpipe.models import classifier
 from lingvo_gpipe.pipeline import pipelining_layer
 
-__all__ = ['AmoebaNet', 'AmoebaNetTask', 'BenchmarkCells', 'GENOTYPES',
-           'GetGenotype', 'ReductionIndices', 'STEM_TYPES']
+__all__ = [
+  'AmoebaNet',
+  'AmoebaNetTask',
+  'BenchmarkCells',
+  'GENOTYPES',
+  'GetGenotype',
+  'ReductionIndices',
+  'STEM_TYPES',
+]
 
 GENOTYPES = amoebanet_cells.GENOTYPES
 GetGenotype = amoebanet_cells.GetGenotype
@@ -51,8 +58,10 @@ STEM_TYPES = ('imagenet', 'cifar')
 
 def ReductionIndices(num_cells, num_reduction_layers):
   """Normal cells before which a reduction cell goes (TF's rule)."""
-  return [int(float(i) / (num_reduction_layers + 1) * num_cells)
-          for i in range(1, num_reduction_layers + 1)]
+  return [
+    int(float(i) / (num_reduction_layers + 1) * num_cells)
+    for i in range(1, num_reduction_layers + 1)
+  ]
 
 
 class AmoebaNet:
@@ -62,49 +71,84 @@ class AmoebaNet:
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
     p.Define('name', 'amoebanet', 'Name used in error messages.')
-    p.Define('genotype', 'amoeba_net_d',
-             f'A genotype name ({", ".join(GENOTYPES)}) or a '
-             'amoebanet_cells.Genotype(...) Params.')
-    p.Define('num_cells', 18,
-             'L: the total number of normal cells (over the 3 stacks).')
-    p.Define('num_filters', 208,
-             'D: filters of the first stack (x2 after each reduction); a '
-             'multiple of 8.')
-    p.Define('num_reduction_layers', 2,
-             'Reduction cells between the stacks of normal cells.')
+    p.Define(
+      'genotype',
+      'amoeba_net_d',
+      f'A genotype name ({", ".join(GENOTYPES)}) or a '
+      'amoebanet_cells.Genotype(...) Params.',
+    )
+    p.Define(
+      'num_cells',
+      18,
+      'L: the total number of normal cells (over the 3 stacks).',
+    )
+    p.Define(
+      'num_filters',
+      208,
+      'D: filters of the first stack (x2 after each reduction); a '
+      'multiple of 8.',
+    )
+    p.Define(
+      'num_reduction_layers',
+      2,
+      'Reduction cells between the stacks of normal cells.',
+    )
     p.Define('image_size', 224, 'Input height and width (int or pair).')
     p.Define('image_channels', 3, 'Input channels.')
-    p.Define('stem_type', 'imagenet',
-             'imagenet: conv 3x3/2 + num_stem_cells reduction cells; cifar: '
-             'conv 3x3/1 only.')
+    p.Define(
+      'stem_type',
+      'imagenet',
+      'imagenet: conv 3x3/2 + num_stem_cells reduction cells; cifar: '
+      'conv 3x3/1 only.',
+    )
     p.Define('stem_filters', 32, 'Channels of the stem conv.')
     p.Define('num_stem_cells', 2, 'Reduction cells of the ImageNet stem.')
-    p.Define('drop_path_keep_prob', 1.0,
-             'Drop-path keep probability (TF: 0.7); 1: off.')
-    p.Define('drop_path_scale_by_depth', False,
-             'If True, cell n of N keeps paths with 1 - (n + 1) / N * (1 - '
-             'drop_path_keep_prob) (TF\'s drop_connect_version v2).')
-    p.Define('dense_dropout_keep_prob', 1.0,
-             'Keep probability of the dropout before the classifier (TF: '
-             '0.5).')
-    p.Define('use_aux_head', False,
-             'Adds TF\'s auxiliary classifier after the last normal cell of '
-             'the second stack (needs num_classes).')
+    p.Define(
+      'drop_path_keep_prob',
+      1.0,
+      'Drop-path keep probability (TF: 0.7); 1: off.',
+    )
+    p.Define(
+      'drop_path_scale_by_depth',
+      False,
+      'If True, cell n of N keeps paths with 1 - (n + 1) / N * (1 - '
+      "drop_path_keep_prob) (TF's drop_connect_version v2).",
+    )
+    p.Define(
+      'dense_dropout_keep_prob',
+      1.0,
+      'Keep probability of the dropout before the classifier (TF: 0.5).',
+    )
+    p.Define(
+      'use_aux_head',
+      False,
+      "Adds TF's auxiliary classifier after the last normal cell of "
+      'the second stack (needs num_classes).',
+    )
     p.Define('aux_scaling', 0.4, 'Filter scaling of the auxiliary head.')
-    p.Define('num_classes', 0,
-             'Classes of the auxiliary head, and of the final FC when '
-             'head_logits is True.')
-    p.Define('head_logits', False,
-             'True: the last layer returns logits [b, num_classes]; False: '
-             'features [b, FeatureDim()] for a ClassifierTask softmax.')
+    p.Define(
+      'num_classes',
+      0,
+      'Classes of the auxiliary head, and of the final FC when '
+      'head_logits is True.',
+    )
+    p.Define(
+      'head_logits',
+      False,
+      'True: the last layer returns logits [b, num_classes]; False: '
+      'features [b, FeatureDim()] for a ClassifierTask softmax.',
+    )
     p.Define('bn_decay', 0.9997, 'Decay of every batch norm moving average.')
     return p
 
   def __init__(self, params):
     self._params = params.Copy().Freeze()
     p = self._params
-    self._genotype = (GetGenotype(p.genotype) if isinstance(p.genotype, str)
-                      else p.genotype.Copy())
+    self._genotype = (
+      GetGenotype(p.genotype)
+      if isinstance(p.genotype, str)
+      else p.genotype.Copy()
+    )
     self._Validate()
     self._layers, self._feature_dim = self._Build()
 
@@ -117,32 +161,39 @@ class AmoebaNet:
 
   def _Validate(self):
     p = self.params
-    for field in ('num_cells', 'num_filters', 'image_channels',
-                  'stem_filters'):
+    for field in ('num_cells', 'num_filters', 'image_channels', 'stem_filters'):
       v = p.Get(field)
       if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise self._Error(f'{field} = {v!r}', 'use a positive int.')
     if p.num_filters % 8:
       raise self._Error(
-          f'num_filters = {p.num_filters} is not a multiple of 8',
-          'the stem cells use D/4 filters and factorized reductions split '
-          'them in halves: use e.g. 8, 16, 208, 512.')
+        f'num_filters = {p.num_filters} is not a multiple of 8',
+        'the stem cells use D/4 filters and factorized reductions split '
+        'them in halves: use e.g. 8, 16, 208, 512.',
+      )
     if p.stem_type not in STEM_TYPES:
-      raise self._Error(f'stem_type = {p.stem_type!r}',
-                        f'use one of {STEM_TYPES}.')
+      raise self._Error(
+        f'stem_type = {p.stem_type!r}', f'use one of {STEM_TYPES}.'
+      )
     if p.num_reduction_layers < 0 or p.num_stem_cells < 0:
-      raise self._Error('num_reduction_layers and num_stem_cells must be >= 0',
-                        f'got {p.num_reduction_layers}, {p.num_stem_cells}.')
+      raise self._Error(
+        'num_reduction_layers and num_stem_cells must be >= 0',
+        f'got {p.num_reduction_layers}, {p.num_stem_cells}.',
+      )
     if p.use_aux_head and p.num_reduction_layers < 2:
-      raise self._Error('use_aux_head needs 2 reduction layers',
-                        'set num_reduction_layers = 2 or use_aux_head False.')
+      raise self._Error(
+        'use_aux_head needs 2 reduction layers',
+        'set num_reduction_layers = 2 or use_aux_head False.',
+      )
     if (p.use_aux_head or p.head_logits) and p.num_classes <= 0:
-      raise self._Error(f'num_classes = {p.num_classes}',
-                        'set num_classes > 0 for the auxiliary head and '
-                        'head_logits.')
+      raise self._Error(
+        f'num_classes = {p.num_classes}',
+        'set num_classes > 0 for the auxiliary head and head_logits.',
+      )
     for name in ('normal', 'reduction'):
-      amoebanet_cells.ValidateCellSpec(self._genotype.Get(name),
-                                       f'genotype {name} cell')
+      amoebanet_cells.ValidateCellSpec(
+        self._genotype.Get(name), f'genotype {name} cell'
+      )
 
   def ImageSize(self):
     """(height, width) of the input images."""
@@ -170,13 +221,21 @@ class AmoebaNet:
     h, w = self.ImageSize()
     min_size = self.MinImageSize()
     if h < 3 or w < 3:
-      raise self._Error(f'image_size = {p.image_size!r} is smaller than the '
-                        '3x3 stem conv', f'use at least {min_size}x{min_size}.')
+      raise self._Error(
+        f'image_size = {p.image_size!r} is smaller than the 3x3 stem conv',
+        f'use at least {min_size}x{min_size}.',
+      )
     layers = []
     stride = 2 if p.stem_type == 'imagenet' else 1
-    layers.append(amoebanet_heads.AmoebaStem.Params().Set(
-        name='stem', input_dim=p.image_channels, filters=p.stem_filters,
-        stride=stride, bn_decay=p.bn_decay))
+    layers.append(
+      amoebanet_heads.AmoebaStem.Params().Set(
+        name='stem',
+        input_dim=p.image_channels,
+        filters=p.stem_filters,
+        stride=stride,
+        bn_decay=p.bn_decay,
+      )
+    )
     h = convolutions.ConvOutputSize(h, 3, stride, 1, 'VALID')
     w = convolutions.ConvOutputSize(w, 3, stride, 1, 'VALID')
     # (channels, height, width) of state.prev and state.cur.
@@ -191,22 +250,31 @@ class AmoebaNet:
       c, ch, cw = st.cur
       if reduction and (ch < 2 or cw < 2):
         raise self._Error(
-            f'image_size = {p.image_size!r} leaves a {ch}x{cw} feature map at '
-            f'{name}, which a reduction cell cannot halve',
-            f'use an image_size of at least {min_size} (or fewer reduction/'
-            'stem cells).')
+          f'image_size = {p.image_size!r} leaves a {ch}x{cw} feature map at '
+          f'{name}, which a reduction cell cannot halve',
+          f'use an image_size of at least {min_size} (or fewer reduction/'
+          'stem cells).',
+        )
       keep = p.drop_path_keep_prob
       if p.drop_path_scale_by_depth:
         keep = 1.0 - (cell_num[0] + 1) / float(total) * (1.0 - keep)
       cp = amoebanet_cells.AmoebaCell.Params().Set(
-          name=name, cell_spec=spec.Copy(), filters=filters, cur_dim=c,
-          prev_dim=st.prev[0], prev_reduction=st.prev[1:] != st.cur[1:],
-          stride=2 if reduction else 1, drop_path_keep_prob=keep,
-          bn_decay=p.bn_decay)
+        name=name,
+        cell_spec=spec.Copy(),
+        filters=filters,
+        cur_dim=c,
+        prev_dim=st.prev[0],
+        prev_reduction=st.prev[1:] != st.cur[1:],
+        stride=2 if reduction else 1,
+        drop_path_keep_prob=keep,
+        bn_decay=p.bn_decay,
+      )
       out_dim = amoebanet_cells.AmoebaCell.OutputDim(cp)
       if reduction:
-        ch, cw = (amoebanet_ops.ReducedSize(ch, 2),
-                  amoebanet_ops.ReducedSize(cw, 2))
+        ch, cw = (
+          amoebanet_ops.ReducedSize(ch, 2),
+          amoebanet_ops.ReducedSize(cw, 2),
+        )
       st.prev, st.cur = st.cur, (out_dim, ch, cw)
       cell_num[0] += 1
       layers.append(cp)
@@ -219,27 +287,41 @@ class AmoebaNet:
     for n in range(p.num_cells):
       if n in reductions:
         scaling *= 2
-        AddCell(f'reduction_cell_{reductions.index(n)}',
-                int(p.num_filters * scaling), True)
+        AddCell(
+          f'reduction_cell_{reductions.index(n)}',
+          int(p.num_filters * scaling),
+          True,
+        )
       AddCell(f'cell_{n}', int(p.num_filters * scaling), False)
       if p.use_aux_head and n == reductions[1] - 1:
-        layers.append(amoebanet_heads.AmoebaAuxHead.Params().Set(
-            name=f'aux_{n}', input_dim=st.cur[0], input_size=st.cur[1:],
-            num_classes=p.num_classes, aux_scaling=p.aux_scaling,
-            bn_decay=p.bn_decay))
+        layers.append(
+          amoebanet_heads.AmoebaAuxHead.Params().Set(
+            name=f'aux_{n}',
+            input_dim=st.cur[0],
+            input_size=st.cur[1:],
+            num_classes=p.num_classes,
+            aux_scaling=p.aux_scaling,
+            bn_decay=p.bn_decay,
+          )
+        )
         # Validates the aux head's input size now, naming the fix.
         amoebanet_heads.AmoebaAuxHead.Children(layers[-1])
-    layers.append(amoebanet_heads.AmoebaHead.Params().Set(
-        name='head', input_dim=st.cur[0],
+    layers.append(
+      amoebanet_heads.AmoebaHead.Params().Set(
+        name='head',
+        input_dim=st.cur[0],
         dropout_keep_prob=p.dense_dropout_keep_prob,
-        num_classes=p.num_classes if p.head_logits else 0))
+        num_classes=p.num_classes if p.head_logits else 0,
+      )
+    )
     return layers, st.cur[0]
 
   def MinImageSize(self):
     """The smallest square image every reduction cell can halve."""
     p = self.params
     num_red = p.num_reduction_layers + (
-        p.num_stem_cells if p.stem_type == 'imagenet' else 0)
+      p.num_stem_cells if p.stem_type == 'imagenet' else 0
+    )
     size = 1  # Working backwards from the last reduction's output.
     for _ in range(num_red):
       size = max(2, 2 * size - 1)  # The smallest n with ceil(n / 2) >= size.
@@ -247,13 +329,25 @@ class AmoebaNet:
       return 2 * size + 1  # The smallest n with (n - 3) // 2 + 1 >= size.
     return size + 2
 
-  def PipelineParams(self, num_stages=1, num_micro_batches=1, devices=None,
-                     name='network', **kwargs):
+  def PipelineParams(
+    self,
+    num_stages=1,
+    num_micro_batches=1,
+    devices=None,
+    name='network',
+    **kwargs,
+  ):
     """PipeliningLayer Params of these layers, balanced by flops."""
     return pipelining_layer.PipeliningLayer.Params().Set(
-        name=name, layers=self.Layers(), num_stages=num_stages,
-        num_micro_batches=num_micro_batches, devices=devices,
-        balance_by='flops', input_shapes=[self.InputShape()], **kwargs)
+      name=name,
+      layers=self.Layers(),
+      num_stages=num_stages,
+      num_micro_batches=num_micro_batches,
+      devices=devices,
+      balance_by='flops',
+      input_shapes=[self.InputShape()],
+      **kwargs,
+    )
 
 
 class AmoebaNetTask(classifier.ClassifierTask):
@@ -269,7 +363,7 @@ class AmoebaNetTask(classifier.ClassifierTask):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('aux_loss_weight', 0.4, 'Weight of the auxiliary head\'s loss.')
+    p.Define('aux_loss_weight', 0.4, "Weight of the auxiliary head's loss.")
     return p
 
   def ComputePredictions(self, theta, input_batch):
@@ -280,23 +374,25 @@ class AmoebaNetTask(classifier.ClassifierTask):
     if isinstance(out, dict):
       if 'features' not in out:
         raise ValueError(
-            f'AmoebaNetTask {self.path!r}: the network returned keys '
-            f'{sorted(out)}; it must return features [b, dim] or '
-            'NestedMap(features, aux_logits). End it with an AmoebaHead '
-            'without num_classes.')
+          f'AmoebaNetTask {self.path!r}: the network returned keys '
+          f'{sorted(out)}; it must return features [b, dim] or '
+          'NestedMap(features, aux_logits). End it with an AmoebaHead '
+          'without num_classes.'
+        )
       aux = out.get('aux_logits')
       out = out['features']
     if out.shape.rank != 2:
-      raise ValueError(f'AmoebaNetTask {self.path!r}: the network returned '
-                       f'{out.shape}; it must return features [batch, dim].')
+      raise ValueError(
+        f'AmoebaNetTask {self.path!r}: the network returned '
+        f'{out.shape}; it must return features [batch, dim].'
+      )
     preds = NestedMap(logits=self.softmax.Logits(theta.softmax, out))
     if aux is not None:
       preds.aux_logits = aux
     return preds
 
   def ComputeLoss(self, theta, predictions, input_batch):
-    metrics, per_example = super().ComputeLoss(theta, predictions,
-                                               input_batch)
+    metrics, per_example = super().ComputeLoss(theta, predictions, input_batch)
     if 'aux_logits' not in predictions:
       return metrics, per_example
     p = self.params
@@ -309,8 +405,10 @@ class AmoebaNetTask(classifier.ClassifierTask):
       weights = tf.ones(tf.shape(labels), tf.float32)
     total = tf.reduce_sum(weights)
     aux = softmax_lib.SoftmaxCrossEntropyWithLabelSmoothing(
-        tf.cast(predictions.aux_logits, tf.float32), class_ids=labels,
-        label_smoothing=p.label_smoothing)
+      tf.cast(predictions.aux_logits, tf.float32),
+      class_ids=labels,
+      label_smoothing=p.label_smoothing,
+    )
     aux_loss = tf.math.divide_no_nan(tf.reduce_sum(aux * weights), total)
     main = metrics.loss[0]
     metrics.main_loss = (main, total)
@@ -331,8 +429,17 @@ def BenchmarkCells(args):
   Returns:
     (list of layer Params, input shape [batch, 32, 32, 3]).
   """
-  net = AmoebaNet.Params().Set(
-      num_cells=6, num_filters=16, image_size=32, stem_type='cifar',
-      stem_filters=16, num_classes=10, head_logits=True).Instantiate()
+  net = (
+    AmoebaNet.Params()
+    .Set(
+      num_cells=6,
+      num_filters=16,
+      image_size=32,
+      stem_type='cifar',
+      stem_filters=16,
+      num_classes=10,
+      head_logits=True,
+    )
+    .Instantiate()
+  )
   return net.Layers(), net.InputShape(int(args.batch_size))
-

@@ -35,20 +35,37 @@ from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.models import amoebanet_ops
 
-__all__ = ['CellSpec', 'Genotype', 'GENOTYPES', 'GetGenotype',
-           'ValidateCellSpec', 'CellShapes', 'DropPath', 'CheckState',
-           'AmoebaCell']
+__all__ = [
+  'CellSpec',
+  'Genotype',
+  'GENOTYPES',
+  'GetGenotype',
+  'ValidateCellSpec',
+  'CellShapes',
+  'DropPath',
+  'CheckState',
+  'AmoebaCell',
+]
 
 
 def CellSpec(operations=(), hiddenstate_indices=(), used_hiddenstates=()):
   """A Params describing one cell (TF AmoebaNet's model_specs lists)."""
   p = hyperparams.Params()
-  p.Define('operations', list(operations),
-           'Op names, two per combination (left, right).')
-  p.Define('hiddenstate_indices', list(hiddenstate_indices),
-           'Hidden state read by each op; combination i makes state 2 + i.')
-  p.Define('used_hiddenstates', list(used_hiddenstates),
-           '2 + B flags; the states flagged 0 are concatenated as output.')
+  p.Define(
+    'operations',
+    list(operations),
+    'Op names, two per combination (left, right).',
+  )
+  p.Define(
+    'hiddenstate_indices',
+    list(hiddenstate_indices),
+    'Hidden state read by each op; combination i makes state 2 + i.',
+  )
+  p.Define(
+    'used_hiddenstates',
+    list(used_hiddenstates),
+    '2 + B flags; the states flagged 0 are concatenated as output.',
+  )
   return p
 
 
@@ -65,30 +82,108 @@ def Genotype(name, normal, reduction):
 # models/official/amoeba_net/model_specs.py), from Real et al., "Regularized
 # Evolution for Image Classifier Architecture Search" (arXiv 1802.01548).
 _GENOTYPES = {
-    'amoeba_net_a': (
-        (['avg_pool_3x3', 'max_pool_3x3', 'separable_3x3_2', 'none', 'none',
-          'avg_pool_3x3', 'separable_3x3_2', 'separable_5x5_2',
-          'avg_pool_3x3', 'separable_3x3_2'],
-         [0, 0, 1, 1, 0, 1, 0, 2, 5, 0], [1, 0, 1, 0, 0, 1, 0]),
-        (['separable_3x3_2', 'avg_pool_3x3', 'max_pool_3x3',
-          'separable_7x7_2', 'max_pool_3x3', 'max_pool_3x3',
-          'separable_3x3_2', '1x7_7x1', 'avg_pool_3x3', 'separable_7x7_2'],
-         [1, 0, 0, 2, 1, 0, 4, 0, 1, 0], [1, 1, 0, 0, 0, 0, 0])),
-    'amoeba_net_b': (
-        (['1x1', 'max_pool_3x3', 'none', 'separable_3x3_2', '1x1',
-          'separable_3x3_2', '1x1', 'none', 'avg_pool_3x3', '1x1'],
-         [1, 1, 1, 0, 1, 0, 2, 2, 1, 5], [0, 1, 1, 0, 0, 1, 0]),
-        (['max_pool_2x2', 'max_pool_3x3', 'none', '3x3',
-          'dil_2_separable_5x5_2', 'max_pool_3x3', 'none', 'separable_3x3_2',
-          'avg_pool_3x3', '1x1'],
-         [0, 0, 2, 1, 2, 2, 3, 1, 4, 3], [1, 1, 1, 1, 1, 0, 0])),
-    'amoeba_net_d': (
-        (['1x1', 'max_pool_3x3', 'none', '1x7_7x1', '1x1', '1x7_7x1',
-          'max_pool_3x3', 'none', 'avg_pool_3x3', '1x1'],
-         [1, 1, 1, 0, 0, 0, 2, 2, 1, 5], [0, 1, 1, 0, 0, 1, 0]),
-        (['max_pool_2x2', 'max_pool_3x3', 'none', '3x3', '1x7_7x1',
-          'max_pool_3x3', 'none', 'max_pool_2x2', 'avg_pool_3x3', '1x1'],
-         [0, 0, 2, 1, 2, 2, 3, 1, 2, 3], [1, 1, 1, 1, 0, 0, 0])),
+  'amoeba_net_a': (
+    (
+      [
+        'avg_pool_3x3',
+        'max_pool_3x3',
+        'separable_3x3_2',
+        'none',
+        'none',
+        'avg_pool_3x3',
+        'separable_3x3_2',
+        'separable_5x5_2',
+        'avg_pool_3x3',
+        'separable_3x3_2',
+      ],
+      [0, 0, 1, 1, 0, 1, 0, 2, 5, 0],
+      [1, 0, 1, 0, 0, 1, 0],
+    ),
+    (
+      [
+        'separable_3x3_2',
+        'avg_pool_3x3',
+        'max_pool_3x3',
+        'separable_7x7_2',
+        'max_pool_3x3',
+        'max_pool_3x3',
+        'separable_3x3_2',
+        '1x7_7x1',
+        'avg_pool_3x3',
+        'separable_7x7_2',
+      ],
+      [1, 0, 0, 2, 1, 0, 4, 0, 1, 0],
+      [1, 1, 0, 0, 0, 0, 0],
+    ),
+  ),
+  'amoeba_net_b': (
+    (
+      [
+        '1x1',
+        'max_pool_3x3',
+        'none',
+        'separable_3x3_2',
+        '1x1',
+        'separable_3x3_2',
+        '1x1',
+        'none',
+        'avg_pool_3x3',
+        '1x1',
+      ],
+      [1, 1, 1, 0, 1, 0, 2, 2, 1, 5],
+      [0, 1, 1, 0, 0, 1, 0],
+    ),
+    (
+      [
+        'max_pool_2x2',
+        'max_pool_3x3',
+        'none',
+        '3x3',
+        'dil_2_separable_5x5_2',
+        'max_pool_3x3',
+        'none',
+        'separable_3x3_2',
+        'avg_pool_3x3',
+        '1x1',
+      ],
+      [0, 0, 2, 1, 2, 2, 3, 1, 4, 3],
+      [1, 1, 1, 1, 1, 0, 0],
+    ),
+  ),
+  'amoeba_net_d': (
+    (
+      [
+        '1x1',
+        'max_pool_3x3',
+        'none',
+        '1x7_7x1',
+        '1x1',
+        '1x7_7x1',
+        'max_pool_3x3',
+        'none',
+        'avg_pool_3x3',
+        '1x1',
+      ],
+      [1, 1, 1, 0, 0, 0, 2, 2, 1, 5],
+      [0, 1, 1, 0, 0, 1, 0],
+    ),
+    (
+      [
+        'max_pool_2x2',
+        'max_pool_3x3',
+        'none',
+        '3x3',
+        '1x7_7x1',
+        'max_pool_3x3',
+        'none',
+        'max_pool_2x2',
+        'avg_pool_3x3',
+        '1x1',
+      ],
+      [0, 0, 2, 1, 2, 2, 3, 1, 2, 3],
+      [1, 1, 1, 1, 0, 0, 0],
+    ),
+  ),
 }
 
 GENOTYPES = tuple(sorted(_GENOTYPES))
@@ -97,8 +192,10 @@ GENOTYPES = tuple(sorted(_GENOTYPES))
 def GetGenotype(name):
   """The Genotype Params of a named genotype, e.g. 'amoeba_net_d'."""
   if name not in _GENOTYPES:
-    raise ValueError(f'Unknown AmoebaNet genotype {name!r}; use one of '
-                     f'{list(GENOTYPES)}, or pass a Genotype(...) Params.')
+    raise ValueError(
+      f'Unknown AmoebaNet genotype {name!r}; use one of '
+      f'{list(GENOTYPES)}, or pass a Genotype(...) Params.'
+    )
   normal, reduction = _GENOTYPES[name]
   return Genotype(name, CellSpec(*normal), CellSpec(*reduction))
 
@@ -113,29 +210,41 @@ def ValidateCellSpec(spec, what='cell'):
   idx = list(spec.hiddenstate_indices)
   used = list(spec.used_hiddenstates)
   if not ops or len(ops) % 2:
-    raise ValueError(f'{what}: operations has {len(ops)} entries; give two '
-                     'ops (left, right) per combination, at least one pair.')
+    raise ValueError(
+      f'{what}: operations has {len(ops)} entries; give two '
+      'ops (left, right) per combination, at least one pair.'
+    )
   if len(idx) != len(ops):
-    raise ValueError(f'{what}: hiddenstate_indices has {len(idx)} entries '
-                     f'but operations has {len(ops)}; give one index per op.')
+    raise ValueError(
+      f'{what}: hiddenstate_indices has {len(idx)} entries '
+      f'but operations has {len(ops)}; give one index per op.'
+    )
   num_states = 2 + len(ops) // 2
   if len(used) != num_states:
-    raise ValueError(f'{what}: used_hiddenstates has {len(used)} flags; '
-                     f'{len(ops) // 2} combinations make {num_states} hidden '
-                     f'states, so give {num_states} flags.')
+    raise ValueError(
+      f'{what}: used_hiddenstates has {len(used)} flags; '
+      f'{len(ops) // 2} combinations make {num_states} hidden '
+      f'states, so give {num_states} flags.'
+    )
   for i, (op, j) in enumerate(zip(ops, idx)):
     amoebanet_ops.ParseOp(op)
     if not isinstance(j, int) or not 0 <= j < 2 + i // 2:
-      raise ValueError(f'{what}: op {i} ({op!r}) reads hidden state {j!r}, '
-                       f'but only states 0..{1 + i // 2} exist before '
-                       f'combination {i // 2}; fix hiddenstate_indices.')
+      raise ValueError(
+        f'{what}: op {i} ({op!r}) reads hidden state {j!r}, '
+        f'but only states 0..{1 + i // 2} exist before '
+        f'combination {i // 2}; fix hiddenstate_indices.'
+      )
   if any(u not in (0, 1) for u in used):
-    raise ValueError(f'{what}: used_hiddenstates = {used}; flags are 0 '
-                     '(concatenated into the output) or 1.')
+    raise ValueError(
+      f'{what}: used_hiddenstates = {used}; flags are 0 '
+      '(concatenated into the output) or 1.'
+    )
   concat = [i for i, u in enumerate(used) if not u]
   if not concat:
-    raise ValueError(f'{what}: every hidden state is flagged used, so the '
-                     'cell has no output; flag at least one with 0.')
+    raise ValueError(
+      f'{what}: every hidden state is flagged used, so the '
+      'cell has no output; flag at least one with 0.'
+    )
   return concat
 
 
@@ -159,10 +268,12 @@ def DropPath(inputs, keep_prob, layer_seed):
   """
   if keep_prob >= 1.0:
     return inputs
-  shape = tf.concat([tf.shape(inputs)[:1],
-                     tf.ones([inputs.shape.rank - 1], tf.int32)], 0)
+  shape = tf.concat(
+    [tf.shape(inputs)[:1], tf.ones([inputs.shape.rank - 1], tf.int32)], 0
+  )
   u = tf.random.stateless_uniform(
-      shape, py_utils.GenerateStepSeedPair(layer_seed), dtype=tf.float32)
+    shape, py_utils.GenerateStepSeedPair(layer_seed), dtype=tf.float32
+  )
   keep = tf.cast(u < keep_prob, inputs.dtype)
   return inputs * keep * tf.cast(1.0 / keep_prob, inputs.dtype)
 
@@ -171,9 +282,10 @@ def CheckState(who, state, extra=''):
   """Raises ValueError unless `state` is the NestedMap(prev, cur) state."""
   if not isinstance(state, dict) or 'prev' not in state or 'cur' not in state:
     raise ValueError(
-        f'{_shapes.LayerName(who)} takes the AmoebaNet state NestedMap(prev, '
-        f'cur) made by AmoebaStem, got {state!r}.{extra} Put an AmoebaStem '
-        'first in the layer list.')
+      f'{_shapes.LayerName(who)} takes the AmoebaNet state NestedMap(prev, '
+      f'cur) made by AmoebaStem, got {state!r}.{extra} Put an AmoebaStem '
+      'first in the layer list.'
+    )
 
 
 class AmoebaCell(base_layer.BaseLayer):
@@ -187,18 +299,24 @@ class AmoebaCell(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('cell_spec', CellSpec(), 'The cell\'s CellSpec (genotype data).')
+    p.Define('cell_spec', CellSpec(), "The cell's CellSpec (genotype data).")
     p.Define('filters', 0, 'Channels of every hidden state.')
     p.Define('cur_dim', 0, 'Channels of the current input (state.cur).')
     p.Define('prev_dim', 0, 'Channels of the previous input (state.prev).')
-    p.Define('prev_reduction', False,
-             'True if state.prev has twice the resolution of state.cur (a '
-             'reduction cell came in between): it is halved by a '
-             'factorized reduction.')
+    p.Define(
+      'prev_reduction',
+      False,
+      'True if state.prev has twice the resolution of state.cur (a '
+      'reduction cell came in between): it is halved by a '
+      'factorized reduction.',
+    )
     p.Define('stride', 1, '1: normal cell; 2: reduction cell.')
-    p.Define('drop_path_keep_prob', 1.0,
-             'Keep probability of drop-path after each op but "none" '
-             '(training only; 1: off).')
+    p.Define(
+      'drop_path_keep_prob',
+      1.0,
+      'Keep probability of drop-path after each op but "none" '
+      '(training only; 1: off).',
+    )
     p.Define('bn_decay', 0.9997, 'Decay of the batch norm moving averages.')
     return p
 
@@ -213,11 +331,15 @@ class AmoebaCell(base_layer.BaseLayer):
     name = _shapes.LayerName(p)
     _shapes.CheckPositive(p, 'filters', 'cur_dim', 'prev_dim')
     if p.stride not in (1, 2):
-      raise ValueError(f'{name}: stride = {p.stride!r}; use 1 (normal cell) '
-                       'or 2 (reduction cell).')
+      raise ValueError(
+        f'{name}: stride = {p.stride!r}; use 1 (normal cell) '
+        'or 2 (reduction cell).'
+      )
     if not 0.0 < p.drop_path_keep_prob <= 1.0:
-      raise ValueError(f'{name}: drop_path_keep_prob = '
-                       f'{p.drop_path_keep_prob!r}; use a value in (0, 1].')
+      raise ValueError(
+        f'{name}: drop_path_keep_prob = '
+        f'{p.drop_path_keep_prob!r}; use a value in (0, 1].'
+      )
     concat = ValidateCellSpec(p.cell_spec, name)
     factors = CellShapes(p)
     f = p.filters
@@ -225,20 +347,24 @@ class AmoebaCell(base_layer.BaseLayer):
     plan = NestedMap(concat=concat, prev=None, reduce={})
     if p.prev_reduction:
       if f % 2:
-        raise ValueError(f'{name}: filters = {f} is odd but the previous '
-                         'output is halved by a factorized reduction, which '
-                         'needs an even number of filters.')
-      plan.prev = Block('fr', 'prev_proj', p.prev_dim, f, (1, 1), (2, 2), 1,
-                        False, True, None)
+        raise ValueError(
+          f'{name}: filters = {f} is odd but the previous '
+          'output is halved by a factorized reduction, which '
+          'needs an even number of filters.'
+        )
+      plan.prev = Block(
+        'fr', 'prev_proj', p.prev_dim, f, (1, 1), (2, 2), 1, False, True, None
+      )
     elif p.prev_dim != f:
-      plan.prev = Block('conv', 'prev_proj', p.prev_dim, f, (1, 1), (1, 1),
-                        1, False, True, None)
-    plan.cur = Block('conv', 'cur_proj', p.cur_dim, f, (1, 1), (1, 1), 1,
-                     False, True, None)
+      plan.prev = Block(
+        'conv', 'prev_proj', p.prev_dim, f, (1, 1), (1, 1), 1, False, True, None
+      )
+    plan.cur = Block(
+      'conv', 'cur_proj', p.cur_dim, f, (1, 1), (1, 1), 1, False, True, None
+    )
     spec = p.cell_spec
     plan.ops = []
-    for i, (op, j) in enumerate(zip(spec.operations,
-                                    spec.hiddenstate_indices)):
+    for i, (op, j) in enumerate(zip(spec.operations, spec.hiddenstate_indices)):
       side = 'left' if i % 2 == 0 else 'right'
       stride = p.stride if j < 2 else 1
       amoebanet_ops.OpBlocks(op, f, f, stride, f'{name} op {i}')  # Validates.
@@ -246,8 +372,9 @@ class AmoebaCell(base_layer.BaseLayer):
     for j in concat:
       if factors[j] != factors[-1]:
         s = factors[-1] // factors[j]
-        plan.reduce[j] = Block('fr', f'reduction_{j}', f, f, (1, 1), (s, s),
-                               1, False, False, None)
+        plan.reduce[j] = Block(
+          'fr', f'reduction_{j}', f, f, (1, 1), (s, s), 1, False, False, None
+        )
     return plan
 
   @classmethod
@@ -263,34 +390,56 @@ class AmoebaCell(base_layer.BaseLayer):
     self._reduce_idx = sorted(plan.reduce)
     self._has_prev_proj = plan.prev is not None
     if plan.prev is not None:
-      self.CreateChild('prev_proj',
-                       amoebanet_ops.BlockParams(plan.prev, p.bn_decay))
-    self.CreateChild('cur_proj', amoebanet_ops.BlockParams(plan.cur,
-                                                           p.bn_decay))
-    self.CreateChildren('ops', [
+      self.CreateChild(
+        'prev_proj', amoebanet_ops.BlockParams(plan.prev, p.bn_decay)
+      )
+    self.CreateChild(
+      'cur_proj', amoebanet_ops.BlockParams(plan.cur, p.bn_decay)
+    )
+    self.CreateChildren(
+      'ops',
+      [
         amoebanet_ops.CellOp.Params().Set(
-            name=n, op=op, input_dim=p.filters, output_dim=p.filters,
-            stride=stride, bn_decay=p.bn_decay)
-        for n, op, stride in plan.ops])
+          name=n,
+          op=op,
+          input_dim=p.filters,
+          output_dim=p.filters,
+          stride=stride,
+          bn_decay=p.bn_decay,
+        )
+        for n, op, stride in plan.ops
+      ],
+    )
     if plan.reduce:
-      self.CreateChildren('reduce', [
+      self.CreateChildren(
+        'reduce',
+        [
           amoebanet_ops.BlockParams(plan.reduce[j], p.bn_decay)
-          for j in self._reduce_idx])
-    self._seeds = [py_utils.StableHash(p.random_seed or 0, self.path,
-                                       'drop_path', i)
-                   for i in range(len(plan.ops))]
+          for j in self._reduce_idx
+        ],
+      )
+    self._seeds = [
+      py_utils.StableHash(p.random_seed or 0, self.path, 'drop_path', i)
+      for i in range(len(plan.ops))
+    ]
 
   def _CheckInputs(self, state):
     p = self.params
     CheckState(self, state)
-    cur = _shapes.CheckShape(self, 'state.cur', state.cur.shape,
-                             [None, None, None, p.cur_dim],
-                             f'state.cur must have {p.cur_dim} channels '
-                             '(cur_dim).')
-    prev = _shapes.CheckShape(self, 'state.prev', state.prev.shape,
-                              [None, None, None, p.prev_dim],
-                              f'state.prev must have {p.prev_dim} channels '
-                              '(prev_dim).')
+    cur = _shapes.CheckShape(
+      self,
+      'state.cur',
+      state.cur.shape,
+      [None, None, None, p.cur_dim],
+      f'state.cur must have {p.cur_dim} channels (cur_dim).',
+    )
+    prev = _shapes.CheckShape(
+      self,
+      'state.prev',
+      state.prev.shape,
+      [None, None, None, p.prev_dim],
+      f'state.prev must have {p.prev_dim} channels (prev_dim).',
+    )
     if cur is None or prev is None:
       return
     _CheckResolutions(self, p, prev, cur)
@@ -330,14 +479,20 @@ class AmoebaCell(base_layer.BaseLayer):
   def FPropMeta(cls, p, state):
     CheckState(p, state)
     plan = cls._Plan(p)
-    cur = _shapes.CheckShape(p, 'state.cur', state.cur,
-                             [None, None, None, p.cur_dim],
-                             f'state.cur must have {p.cur_dim} channels '
-                             '(cur_dim).')
-    prev = _shapes.CheckShape(p, 'state.prev', state.prev,
-                              [None, None, None, p.prev_dim],
-                              f'state.prev must have {p.prev_dim} channels '
-                              '(prev_dim).')
+    cur = _shapes.CheckShape(
+      p,
+      'state.cur',
+      state.cur,
+      [None, None, None, p.cur_dim],
+      f'state.cur must have {p.cur_dim} channels (cur_dim).',
+    )
+    prev = _shapes.CheckShape(
+      p,
+      'state.prev',
+      state.prev,
+      [None, None, None, p.prev_dim],
+      f'state.prev must have {p.prev_dim} channels (prev_dim).',
+    )
     _CheckResolutions(p, p, prev, cur)
     flops, h0 = amoebanet_ops.BlockMeta(plan.cur, cur)
     h1 = prev
@@ -374,8 +529,10 @@ def _CheckResolutions(who, p, prev, cur):
     want = amoebanet_ops.ReducedSize(a, 2) if p.prev_reduction else a
     if want != b:
       raise ValueError(
-          f'{_shapes.LayerName(who)}: state.prev is {prev} and state.cur is '
-          f'{cur}, but prev_reduction = {p.prev_reduction} expects the '
-          'previous output at ' +
-          ('twice' if p.prev_reduction else 'the same') + ' resolution; set '
-          'prev_reduction to True right after a reduction cell, else False.')
+        f'{_shapes.LayerName(who)}: state.prev is {prev} and state.cur is '
+        f'{cur}, but prev_reduction = {p.prev_reduction} expects the '
+        'previous output at '
+        + ('twice' if p.prev_reduction else 'the same')
+        + ' resolution; set '
+        'prev_reduction to True right after a reduction cell, else False.'
+      )

@@ -42,9 +42,15 @@ class AmoebaStem(base_layer.BaseLayer):
   @classmethod
   def _ConvParams(cls, p):
     return convolutions.Conv2DLayer.Params().Set(
-        name='conv0', filter_shape=(3, 3, p.input_dim, p.filters),
-        filter_stride=(p.stride, p.stride), padding_algorithm='VALID',
-        activation='NONE', bias=False, batch_norm=True, bn_decay=p.bn_decay)
+      name='conv0',
+      filter_shape=(3, 3, p.input_dim, p.filters),
+      filter_stride=(p.stride, p.stride),
+      padding_algorithm='VALID',
+      activation='NONE',
+      bias=False,
+      batch_norm=True,
+      bn_decay=p.bn_decay,
+    )
 
   def __init__(self, params):
     super().__init__(params)
@@ -58,8 +64,9 @@ class AmoebaStem(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, images):
     m = cls._ConvParams(p).cls.FPropMeta(cls._ConvParams(p), images)
-    return meta.Meta(m.flops, NestedMap(prev=m.out_shapes[0],
-                                        cur=m.out_shapes[0]))
+    return meta.Meta(
+      m.flops, NestedMap(prev=m.out_shapes[0], cur=m.out_shapes[0])
+    )
 
 
 class AmoebaAuxHead(base_layer.BaseLayer):
@@ -89,22 +96,37 @@ class AmoebaAuxHead(base_layer.BaseLayer):
     h, w = [int(d) for d in p.input_size]
     if h < 5 or w < 5:
       raise ValueError(
-          f'{name}: the auxiliary head gets a {h}x{w} feature map but its '
-          '5x5 average pool needs at least 5x5; use a larger image_size or '
-          'use_aux_head = False.')
+        f'{name}: the auxiliary head gets a {h}x{w} feature map but its '
+        '5x5 average pool needs at least 5x5; use a larger image_size or '
+        'use_aux_head = False.'
+      )
     ph, pw = (h - 5) // 3 + 1, (w - 5) // 3 + 1
     c1, c2 = int(128 * p.aux_scaling), int(768 * p.aux_scaling)
     conv = convolutions.Conv2DLayer.Params().Set(
-        activation='RELU', bias=False, batch_norm=True, bn_decay=p.bn_decay,
-        padding_algorithm='VALID')
+      activation='RELU',
+      bias=False,
+      batch_norm=True,
+      bn_decay=p.bn_decay,
+      padding_algorithm='VALID',
+    )
     return [
-        ('pool', pooling.PoolingLayer.Params().Set(
-            window_shape=(5, 5), window_stride=(3, 3), pooling_type='AVG',
-            padding_algorithm='VALID')),
-        ('proj', conv.Copy().Set(filter_shape=(1, 1, p.input_dim, c1))),
-        ('conv', conv.Copy().Set(filter_shape=(ph, pw, c1, c2))),
-        ('fc', linears.ProjectionLayer.Params().Set(
-            input_dim=c2, output_dim=p.num_classes, activation='NONE')),
+      (
+        'pool',
+        pooling.PoolingLayer.Params().Set(
+          window_shape=(5, 5),
+          window_stride=(3, 3),
+          pooling_type='AVG',
+          padding_algorithm='VALID',
+        ),
+      ),
+      ('proj', conv.Copy().Set(filter_shape=(1, 1, p.input_dim, c1))),
+      ('conv', conv.Copy().Set(filter_shape=(ph, pw, c1, c2))),
+      (
+        'fc',
+        linears.ProjectionLayer.Params().Set(
+          input_dim=c2, output_dim=p.num_classes, activation='NONE'
+        ),
+      ),
     ]
 
   def __init__(self, params):
@@ -153,30 +175,46 @@ class AmoebaHead(base_layer.BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define('input_dim', 0, 'Channels of state.cur.')
-    p.Define('dropout_keep_prob', 1.0,
-             'Keep probability of the dropout on the pooled features.')
-    p.Define('num_classes', 0,
-             '> 0: a final FC layer `logits` to this many classes; 0: the '
-             'head returns features (a ClassifierTask softmax follows).')
+    p.Define(
+      'dropout_keep_prob',
+      1.0,
+      'Keep probability of the dropout on the pooled features.',
+    )
+    p.Define(
+      'num_classes',
+      0,
+      '> 0: a final FC layer `logits` to this many classes; 0: the '
+      'head returns features (a ClassifierTask softmax follows).',
+    )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     _shapes.CheckPositive(p, 'input_dim')
-    self.CreateChild('dropout', dropout.DropoutLayer.Params().Set(
-        keep_prob=p.dropout_keep_prob))
+    self.CreateChild(
+      'dropout',
+      dropout.DropoutLayer.Params().Set(keep_prob=p.dropout_keep_prob),
+    )
     if p.num_classes:
-      self.CreateChild('logits', linears.ProjectionLayer.Params().Set(
-          input_dim=p.input_dim, output_dim=p.num_classes, activation='NONE'))
+      self.CreateChild(
+        'logits',
+        linears.ProjectionLayer.Params().Set(
+          input_dim=p.input_dim, output_dim=p.num_classes, activation='NONE'
+        ),
+      )
 
   def FProp(self, theta, state):
     """Features [b, input_dim] (or logits); see the class docstring."""
     p = self.params
     amoebanet_cells.CheckState(self, state)
-    _shapes.CheckShape(self, 'state.cur', state.cur.shape,
-                       [None, None, None, p.input_dim],
-                       f'state.cur must have {p.input_dim} channels.')
+    _shapes.CheckShape(
+      self,
+      'state.cur',
+      state.cur.shape,
+      [None, None, None, p.input_dim],
+      f'state.cur must have {p.input_dim} channels.',
+    )
     x = tf.reduce_mean(tf.nn.relu(state.cur), axis=[1, 2])
     x = self.dropout.FProp(theta.dropout, x)
     key = 'features'
@@ -190,9 +228,13 @@ class AmoebaHead(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, state):
     amoebanet_cells.CheckState(p, state)
-    dims = _shapes.CheckShape(p, 'state.cur', state.cur,
-                              [None, None, None, p.input_dim],
-                              f'state.cur must have {p.input_dim} channels.')
+    dims = _shapes.CheckShape(
+      p,
+      'state.cur',
+      state.cur,
+      [None, None, None, p.input_dim],
+      f'state.cur must have {p.input_dim} channels.',
+    )
     flops = 2 * _shapes.NumElements(dims)
     out = tf.TensorShape([dims[0], p.input_dim])
     key = 'features'
@@ -201,6 +243,7 @@ class AmoebaHead(base_layer.BaseLayer):
       out = tf.TensorShape([dims[0], p.num_classes])
       key = 'logits'
     if 'aux_logits' in state:
-      return meta.Meta(flops, NestedMap({key: out,
-                                         'aux_logits': state.aux_logits}))
+      return meta.Meta(
+        flops, NestedMap({key: out, 'aux_logits': state.aux_logits})
+      )
     return meta.Meta(flops, out)

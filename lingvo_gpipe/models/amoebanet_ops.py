@@ -40,13 +40,32 @@ from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.layers import normalizations
 
-__all__ = ['ParseOp', 'KNOWN_OPS', 'Block', 'OpBlocks', 'BlockMeta',
-           'BlockParams', 'FusedBatchNorm', 'ReluConvBN',
-           'FactorizedReduction', 'CellOp', 'ReducedSize']
+__all__ = [
+  'ParseOp',
+  'KNOWN_OPS',
+  'Block',
+  'OpBlocks',
+  'BlockMeta',
+  'BlockParams',
+  'FusedBatchNorm',
+  'ReluConvBN',
+  'FactorizedReduction',
+  'CellOp',
+  'ReducedSize',
+]
 
-KNOWN_OPS = ('none', '1x1', 'avg_pool_KxK', 'max_pool_KxK',
-             'separable_KxK_N', 'dil_R_separable_KxK_N', '3x3', '1x7_7x1',
-             '1x3_3x1', 'dilated_3x3_rate_R')
+KNOWN_OPS = (
+  'none',
+  '1x1',
+  'avg_pool_KxK',
+  'max_pool_KxK',
+  'separable_KxK_N',
+  'dil_R_separable_KxK_N',
+  '3x3',
+  '1x7_7x1',
+  '1x3_3x1',
+  'dilated_3x3_rate_R',
+)
 
 _POOL_RE = re.compile(r'^(avg|max)_pool_(\d+)x(\d+)$')
 _SEP_RE = re.compile(r'^(?:dil_(\d+)_)?separable_(\d+)x(\d+)_(\d+)$')
@@ -54,23 +73,53 @@ _DILATED_RE = re.compile(r'^dilated_3x3_rate_(\d+)$')
 # Bottleneck convolutions: name -> [(kernel_h, kernel_w, strided along h,
 # strided along w)].
 _BOTTLENECK = {
-    '3x3': [(3, 3, 1, 1)],
-    '1x7_7x1': [(1, 7, 0, 1), (7, 1, 1, 0)],
-    '1x3_3x1': [(1, 3, 0, 1), (3, 1, 1, 0)],
+  '3x3': [(3, 3, 1, 1)],
+  '1x7_7x1': [(1, 7, 0, 1), (7, 1, 1, 0)],
+  '1x3_3x1': [(1, 3, 0, 1), (3, 1, 1, 0)],
 }
 _BN_FLOPS = 8  # Per element: moments and normalization.
 
 # One step of an op. kind: 'conv' (ReLU? -> conv -> BN), 'pool' or 'fr'
 # (factorized reduction).
 Block = collections.namedtuple(
-    'Block', ['kind', 'name', 'input_dim', 'output_dim', 'kernel', 'stride',
-              'dilation', 'separable', 'relu', 'pooling_type'])
+  'Block',
+  [
+    'kind',
+    'name',
+    'input_dim',
+    'output_dim',
+    'kernel',
+    'stride',
+    'dilation',
+    'separable',
+    'relu',
+    'pooling_type',
+  ],
+)
 
 
-def _Conv(name, cin, cout, kernel=(1, 1), stride=(1, 1), dilation=1,
-          separable=False, relu=True):
-  return Block('conv', name, cin, cout, tuple(kernel), tuple(stride),
-               dilation, separable, relu, None)
+def _Conv(
+  name,
+  cin,
+  cout,
+  kernel=(1, 1),
+  stride=(1, 1),
+  dilation=1,
+  separable=False,
+  relu=True,
+):
+  return Block(
+    'conv',
+    name,
+    cin,
+    cout,
+    tuple(kernel),
+    tuple(stride),
+    dilation,
+    separable,
+    relu,
+    None,
+  )
 
 
 def ReducedSize(size, stride):
@@ -82,9 +131,10 @@ def ReducedSize(size, stride):
 
 def _OpError(op, why=''):
   return ValueError(
-      f'Unknown AmoebaNet operation {op!r}{": " + why if why else ""}. Known '
-      f'forms: {", ".join(KNOWN_OPS)} (K, N, R integers), e.g. '
-      '"separable_3x3_2" or "max_pool_3x3". Fix the genotype.')
+    f'Unknown AmoebaNet operation {op!r}{": " + why if why else ""}. Known '
+    f'forms: {", ".join(KNOWN_OPS)} (K, N, R integers), e.g. '
+    '"separable_3x3_2" or "max_pool_3x3". Fix the genotype.'
+  )
 
 
 def ParseOp(op):
@@ -110,8 +160,9 @@ def ParseOp(op):
   if m:
     if m.group(2) != m.group(3) or int(m.group(2)) < 1:
       raise _OpError(op, 'pooling windows must be square and >= 1')
-    return NestedMap(kind='pool', pooling_type=m.group(1).upper(),
-                     window=int(m.group(2)))
+    return NestedMap(
+      kind='pool', pooling_type=m.group(1).upper(), window=int(m.group(2))
+    )
   m = _SEP_RE.match(op)
   if m:
     dilation = int(m.group(1) or 1)
@@ -119,16 +170,28 @@ def ParseOp(op):
       raise _OpError(op, 'separable kernels must be square and >= 1')
     if int(m.group(4)) < 1 or dilation < 1:
       raise _OpError(op, 'the layer count and dilation must be >= 1')
-    return NestedMap(kind='separable', kernel=int(m.group(2)),
-                     num_layers=int(m.group(4)), dilation=dilation)
+    return NestedMap(
+      kind='separable',
+      kernel=int(m.group(2)),
+      num_layers=int(m.group(4)),
+      dilation=dilation,
+    )
   if op in _BOTTLENECK:
     ratio = 3.0 / 8.0 if op == '1x3_3x1' else 0.25
-    return NestedMap(kind='bottleneck', convs=list(_BOTTLENECK[op]),
-                     dilation=1, reduce_ratio=ratio)
+    return NestedMap(
+      kind='bottleneck',
+      convs=list(_BOTTLENECK[op]),
+      dilation=1,
+      reduce_ratio=ratio,
+    )
   m = _DILATED_RE.match(op)
   if m and int(m.group(1)) >= 1:
-    return NestedMap(kind='bottleneck', convs=[(3, 3, 1, 1)],
-                     dilation=int(m.group(1)), reduce_ratio=0.25)
+    return NestedMap(
+      kind='bottleneck',
+      convs=[(3, 3, 1, 1)],
+      dilation=int(m.group(1)),
+      reduce_ratio=0.25,
+    )
   raise _OpError(op)
 
 
@@ -143,28 +206,50 @@ def OpBlocks(op, input_dim, output_dim, stride, who='CellOp'):
   if spec.kind == 'none':
     if s == 1 and c_in == c:
       return []
-    return [Block('fr', 'reduce', c_in, c, (1, 1), (s, s), 1, False, True,
-                  None)]
+    return [
+      Block('fr', 'reduce', c_in, c, (1, 1), (s, s), 1, False, True, None)
+    ]
   if spec.kind == '1x1':
     return [_Conv('conv', c_in, c, stride=(s, s))]
   if spec.kind == 'pool':
-    out = [Block('pool', 'pool', c_in, c_in, (spec.window, spec.window),
-                 (s, s), 1, False, False, spec.pooling_type)]
+    out = [
+      Block(
+        'pool',
+        'pool',
+        c_in,
+        c_in,
+        (spec.window, spec.window),
+        (s, s),
+        1,
+        False,
+        False,
+        spec.pooling_type,
+      )
+    ]
     if c_in != c:
       out.append(_Conv('proj', c_in, c, relu=False))
     return out
   if spec.dilation > 1 and s > 1:
     raise ValueError(
-        f'{who}: op {op!r} has dilation {spec.dilation} but is applied with '
-        f'stride {s}; TensorFlow convolutions take one or the other. In a '
-        'reduction cell, apply dilated ops to hidden states made inside the '
-        'cell (index >= 2).')
+      f'{who}: op {op!r} has dilation {spec.dilation} but is applied with '
+      f'stride {s}; TensorFlow convolutions take one or the other. In a '
+      'reduction cell, apply dilated ops to hidden states made inside the '
+      'cell (index >= 2).'
+    )
   if spec.kind == 'separable':
     k = spec.kernel
-    return [_Conv(f'separable_{k}x{k}_{i + 1}', c_in if i == 0 else c, c,
-                  (k, k), (s, s) if i == 0 else (1, 1), spec.dilation,
-                  separable=True)
-            for i in range(spec.num_layers)]
+    return [
+      _Conv(
+        f'separable_{k}x{k}_{i + 1}',
+        c_in if i == 0 else c,
+        c,
+        (k, k),
+        (s, s) if i == 0 else (1, 1),
+        spec.dilation,
+        separable=True,
+      )
+      for i in range(spec.num_layers)
+    ]
   reduced = int(c * spec.reduce_ratio)
   out = []
   if reduced >= 1:
@@ -172,8 +257,16 @@ def OpBlocks(op, input_dim, output_dim, stride, who='CellOp'):
   inner = reduced if reduced >= 1 else c
   dim = reduced if reduced >= 1 else c_in
   for kh, kw, sh, sw in spec.convs:
-    out.append(_Conv(f'conv_{kh}x{kw}', dim, inner, (kh, kw),
-                     (s if sh else 1, s if sw else 1), spec.dilation))
+    out.append(
+      _Conv(
+        f'conv_{kh}x{kw}',
+        dim,
+        inner,
+        (kh, kw),
+        (s if sh else 1, s if sw else 1),
+        spec.dilation,
+      )
+    )
     dim = inner
   if reduced >= 1:
     out.append(_Conv('post_1x1', reduced, c))
@@ -206,24 +299,40 @@ def BlockParams(block, bn_decay):
   """Layer Params of a 'conv' or 'fr' block."""
   if block.kind == 'fr':
     return FactorizedReduction.Params().Set(
-        name=block.name, input_dim=block.input_dim,
-        output_dim=block.output_dim, stride=block.stride[0],
-        relu=block.relu, bn_decay=bn_decay)
+      name=block.name,
+      input_dim=block.input_dim,
+      output_dim=block.output_dim,
+      stride=block.stride[0],
+      relu=block.relu,
+      bn_decay=bn_decay,
+    )
   return ReluConvBN.Params().Set(
-      name=block.name, input_dim=block.input_dim, output_dim=block.output_dim,
-      kernel=block.kernel, stride=block.stride, dilation=block.dilation,
-      separable=block.separable, relu=block.relu, bn_decay=bn_decay)
+    name=block.name,
+    input_dim=block.input_dim,
+    output_dim=block.output_dim,
+    kernel=block.kernel,
+    stride=block.stride,
+    dilation=block.dilation,
+    separable=block.separable,
+    relu=block.relu,
+    bn_decay=bn_decay,
+  )
 
 
 def _CheckNHWC(who, shape, dim):
-  return _shapes.CheckShape(who, 'inputs', shape, [None, None, None, dim],
-                            f'Inputs must be NHWC with {dim} channels '
-                            '(input_dim).')
+  return _shapes.CheckShape(
+    who,
+    'inputs',
+    shape,
+    [None, None, None, dim],
+    f'Inputs must be NHWC with {dim} channels (input_dim).',
+  )
 
 
 def _BatchNormParams(dim, decay):
-  return normalizations.BatchNormLayer.Params().Set(name='bn', dim=dim,
-                                                    decay=decay)
+  return normalizations.BatchNormLayer.Params().Set(
+    name='bn', dim=dim, decay=decay
+  )
 
 
 def FusedBatchNorm(bn, theta, inputs):
@@ -251,12 +360,18 @@ def FusedBatchNorm(bn, theta, inputs):
   beta = tf.cast(theta.beta, tf.float32)
   if bn.do_eval:
     y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-        x, gamma, beta, mean=tf.cast(theta.moving_mean, tf.float32),
-        variance=tf.cast(theta.moving_variance, tf.float32),
-        epsilon=p.epsilon, is_training=False)
+      x,
+      gamma,
+      beta,
+      mean=tf.cast(theta.moving_mean, tf.float32),
+      variance=tf.cast(theta.moving_variance, tf.float32),
+      epsilon=p.epsilon,
+      is_training=False,
+    )
   else:
     y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-        x, gamma, beta, epsilon=p.epsilon, is_training=True)
+      x, gamma, beta, epsilon=p.epsilon, is_training=True
+    )
     # The kernel returns the unbiased variance; the moments are biased.
     dims = x.shape.as_list()
     if all(d is not None for d in dims[:3]):
@@ -266,9 +381,14 @@ def FusedBatchNorm(bn, theta, inputs):
     else:
       count = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), tf.float32)
       variance = variance * ((count - 1.0) / tf.maximum(count, 1.0))
-    py_utils.AddDeferredUpdate(bn, NestedMap(
-        mean=tf.stop_gradient(mean), variance=tf.stop_gradient(variance),
-        count=count))
+    py_utils.AddDeferredUpdate(
+      bn,
+      NestedMap(
+        mean=tf.stop_gradient(mean),
+        variance=tf.stop_gradient(variance),
+        count=count,
+      ),
+    )
   return tf.cast(y, dtype) if dtype != tf.float32 else y
 
 
@@ -288,8 +408,11 @@ class ReluConvBN(base_layer.BaseLayer):
     p.Define('kernel', (1, 1), 'Kernel [height, width].')
     p.Define('stride', (1, 1), 'Stride [height, width].')
     p.Define('dilation', 1, 'Dilation rate (requires stride (1, 1)).')
-    p.Define('separable', False,
-             'True: a depthwise (multiplier 1) then a pointwise conv.')
+    p.Define(
+      'separable',
+      False,
+      'True: a depthwise (multiplier 1) then a pointwise conv.',
+    )
     p.Define('relu', True, 'Whether a ReLU precedes the conv.')
     p.Define('bn_decay', 0.9997, 'Decay of the batch norm moving averages.')
     return p
@@ -298,10 +421,20 @@ class ReluConvBN(base_layer.BaseLayer):
   def _Block(cls, p):
     _shapes.CheckPositive(p, 'input_dim', 'output_dim', 'dilation')
     if p.dilation > 1 and tuple(p.stride) != (1, 1):
-      raise ValueError(f'{_shapes.LayerName(p)}: dilation {p.dilation} with '
-                       f'stride {p.stride}; use one of the two.')
-    return _Conv(p.name, p.input_dim, p.output_dim, p.kernel, p.stride,
-                 p.dilation, p.separable, p.relu)
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: dilation {p.dilation} with '
+        f'stride {p.stride}; use one of the two.'
+      )
+    return _Conv(
+      p.name,
+      p.input_dim,
+      p.output_dim,
+      p.kernel,
+      p.stride,
+      p.dilation,
+      p.separable,
+      p.relu,
+    )
 
   def __init__(self, params):
     super().__init__(params)
@@ -309,13 +442,16 @@ class ReluConvBN(base_layer.BaseLayer):
     self._Block(p)
     kh, kw = p.kernel
     if p.separable:
-      self.CreateVariable('depthwise_w', py_utils.WeightParams(
-          [kh, kw, p.input_dim, 1]))
-      self.CreateVariable('w', py_utils.WeightParams(
-          [1, 1, p.input_dim, p.output_dim]))
+      self.CreateVariable(
+        'depthwise_w', py_utils.WeightParams([kh, kw, p.input_dim, 1])
+      )
+      self.CreateVariable(
+        'w', py_utils.WeightParams([1, 1, p.input_dim, p.output_dim])
+      )
     else:
-      self.CreateVariable('w', py_utils.WeightParams(
-          [kh, kw, p.input_dim, p.output_dim]))
+      self.CreateVariable(
+        'w', py_utils.WeightParams([kh, kw, p.input_dim, p.output_dim])
+      )
     self.CreateChild('bn', _BatchNormParams(p.output_dim, p.bn_decay))
 
   def FProp(self, theta, inputs):
@@ -327,8 +463,9 @@ class ReluConvBN(base_layer.BaseLayer):
     strides = [1, p.stride[0], p.stride[1], 1]
     rate = [p.dilation, p.dilation]
     if p.separable:
-      x = tf.nn.depthwise_conv2d(x, theta.depthwise_w, strides, 'SAME',
-                                 dilations=rate)
+      x = tf.nn.depthwise_conv2d(
+        x, theta.depthwise_w, strides, 'SAME', dilations=rate
+      )
       x = tf.nn.conv2d(x, theta.w, 1, 'VALID')
     else:
       x = tf.nn.conv2d(x, theta.w, strides, 'SAME', dilations=rate)
@@ -369,24 +506,37 @@ class FactorizedReduction(base_layer.BaseLayer):
       raise ValueError(f'{name}: stride = {p.stride!r}; use 1 or 2.')
     if p.stride == 2 and p.output_dim % 2:
       raise ValueError(
-          f'{name}: output_dim = {p.output_dim} is odd; a factorized '
-          'reduction splits the output channels between two paths, so use '
-          'an even number of filters (an AmoebaNet num_filters divisible by '
-          '8).')
-    return Block('fr', p.name, p.input_dim, p.output_dim, (1, 1),
-                 (p.stride, p.stride), 1, False, p.relu, None)
+        f'{name}: output_dim = {p.output_dim} is odd; a factorized '
+        'reduction splits the output channels between two paths, so use '
+        'an even number of filters (an AmoebaNet num_filters divisible by '
+        '8).'
+      )
+    return Block(
+      'fr',
+      p.name,
+      p.input_dim,
+      p.output_dim,
+      (1, 1),
+      (p.stride, p.stride),
+      1,
+      False,
+      p.relu,
+      None,
+    )
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     self._Block(p)
     if p.stride == 1:
-      self.CreateVariable('w', py_utils.WeightParams(
-          [1, 1, p.input_dim, p.output_dim]))
+      self.CreateVariable(
+        'w', py_utils.WeightParams([1, 1, p.input_dim, p.output_dim])
+      )
     else:
       for name in ('path1_w', 'path2_w'):
-        self.CreateVariable(name, py_utils.WeightParams(
-            [1, 1, p.input_dim, p.output_dim // 2]))
+        self.CreateVariable(
+          name, py_utils.WeightParams([1, 1, p.input_dim, p.output_dim // 2])
+        )
     self.CreateChild('bn', _BatchNormParams(p.output_dim, p.bn_decay))
 
   def FProp(self, theta, inputs):
@@ -425,7 +575,7 @@ class CellOp(base_layer.BaseLayer):
     p = super().Params()
     p.Define('op', 'none', 'The op name, e.g. "separable_3x3_2".')
     p.Define('input_dim', 0, 'Input channels.')
-    p.Define('output_dim', 0, 'Output channels (the cell\'s filters).')
+    p.Define('output_dim', 0, "Output channels (the cell's filters).")
     p.Define('stride', 1, 'Stride: 1, or 2 in a reduction cell.')
     p.Define('bn_decay', 0.9997, 'Decay of the batch norm moving averages.')
     return p
@@ -434,8 +584,9 @@ class CellOp(base_layer.BaseLayer):
   def Blocks(cls, p):
     """The op's `Block`s (validated)."""
     _shapes.CheckPositive(p, 'input_dim', 'output_dim', 'stride')
-    return OpBlocks(p.op, p.input_dim, p.output_dim, p.stride,
-                    _shapes.LayerName(p))
+    return OpBlocks(
+      p.op, p.input_dim, p.output_dim, p.stride, _shapes.LayerName(p)
+    )
 
   def __init__(self, params):
     super().__init__(params)
@@ -455,11 +606,17 @@ class CellOp(base_layer.BaseLayer):
     _CheckNHWC(self, inputs.shape, self.params.input_dim)
     for block in self._blocks:
       if block.kind == 'pool':
-        inputs = tf.nn.pool(inputs, list(block.kernel), block.pooling_type,
-                            strides=list(block.stride), padding='SAME')
+        inputs = tf.nn.pool(
+          inputs,
+          list(block.kernel),
+          block.pooling_type,
+          strides=list(block.stride),
+          padding='SAME',
+        )
       else:
         inputs = self._private_children[block.name].FProp(
-            theta[block.name], inputs)
+          theta[block.name], inputs
+        )
     return inputs
 
   @classmethod

@@ -30,8 +30,9 @@ __all__ = ['ClassifierTask', 'TopKAccuracy']
 def TopKAccuracy(k, logits, labels, weights):
   """Weighted fraction of examples whose label is in the top k logits."""
   correct = tf.cast(tf.math.in_top_k(labels, logits, k), weights.dtype)
-  return tf.math.divide_no_nan(tf.reduce_sum(correct * weights),
-                               tf.reduce_sum(weights))
+  return tf.math.divide_no_nan(
+    tf.reduce_sum(correct * weights), tf.reduce_sum(weights)
+  )
 
 
 class ClassifierTask(base_model.BaseTask):
@@ -40,15 +41,24 @@ class ClassifierTask(base_model.BaseTask):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('network', None,
-             'Layer Params mapping the input to [batch, dim] features, e.g. '
-             'a PipeliningLayer.')
-    p.Define('softmax', softmax_lib.SimpleFullSoftmax.Params(),
-             'SimpleFullSoftmax Params; input_dim = the feature dim; '
-             'num_classes defaults to p.num_classes.')
+    p.Define(
+      'network',
+      None,
+      'Layer Params mapping the input to [batch, dim] features, e.g. '
+      'a PipeliningLayer.',
+    )
+    p.Define(
+      'softmax',
+      softmax_lib.SimpleFullSoftmax.Params(),
+      'SimpleFullSoftmax Params; input_dim = the feature dim; '
+      'num_classes defaults to p.num_classes.',
+    )
     p.Define('num_classes', 0, 'Number of classes.')
-    p.Define('label_smoothing', 0.0,
-             'Smooths the targets towards 1/num_classes in the loss.')
+    p.Define(
+      'label_smoothing',
+      0.0,
+      'Smooths the targets towards 1/num_classes in the loss.',
+    )
     p.Define('input_key', 'image', 'Key of the network input in the batch.')
     p.Define('label_key', 'label', 'Key of the int labels [batch].')
     return p
@@ -57,24 +67,31 @@ class ClassifierTask(base_model.BaseTask):
     super().__init__(params)
     p = self.params
     if p.network is None:
-      raise ValueError(f'ClassifierTask {self.path!r}: p.network is None; set '
-                       'it to the Params of a layer producing [batch, dim] '
-                       'features.')
+      raise ValueError(
+        f'ClassifierTask {self.path!r}: p.network is None; set '
+        'it to the Params of a layer producing [batch, dim] '
+        'features.'
+      )
     sp = p.softmax.Copy()
     if not sp.num_classes:
       sp.num_classes = p.num_classes
     elif p.num_classes and sp.num_classes != p.num_classes:
-      raise ValueError(f'ClassifierTask {self.path!r}: softmax.num_classes = '
-                       f'{sp.num_classes} but num_classes = {p.num_classes}; '
-                       'set one of them (or make them equal).')
+      raise ValueError(
+        f'ClassifierTask {self.path!r}: softmax.num_classes = '
+        f'{sp.num_classes} but num_classes = {p.num_classes}; '
+        'set one of them (or make them equal).'
+      )
     if not sp.num_classes or not sp.input_dim:
       raise ValueError(
-          f'ClassifierTask {self.path!r}: softmax.input_dim = {sp.input_dim} '
-          f'and num_classes = {sp.num_classes}; set p.softmax.input_dim to '
-          'the feature dim of the network and p.num_classes.')
+        f'ClassifierTask {self.path!r}: softmax.input_dim = {sp.input_dim} '
+        f'and num_classes = {sp.num_classes}; set p.softmax.input_dim to '
+        'the feature dim of the network and p.num_classes.'
+      )
     if not 0.0 <= p.label_smoothing < 1.0:
-      raise ValueError(f'ClassifierTask {self.path!r}: label_smoothing = '
-                       f'{p.label_smoothing!r} must be in [0, 1).')
+      raise ValueError(
+        f'ClassifierTask {self.path!r}: label_smoothing = '
+        f'{p.label_smoothing!r} must be in [0, 1).'
+      )
     self._num_classes = sp.num_classes
     self.CreateChild('network', p.network)
     self.CreateChild('softmax', sp)
@@ -85,9 +102,11 @@ class ClassifierTask(base_model.BaseTask):
 
   def _Get(self, batch, key, what):
     if key not in batch:
-      raise KeyError(f'ClassifierTask {self.path!r}: the input batch has no '
-                     f'{what} key {key!r}; its keys are {sorted(batch)}. Set '
-                     f'p.{what}_key.')
+      raise KeyError(
+        f'ClassifierTask {self.path!r}: the input batch has no '
+        f'{what} key {key!r}; its keys are {sorted(batch)}. Set '
+        f'p.{what}_key.'
+      )
     return batch[key]
 
   def ComputePredictions(self, theta, input_batch):
@@ -99,9 +118,10 @@ class ClassifierTask(base_model.BaseTask):
     if not isinstance(features, tf.Tensor) or features.shape.rank != 2:
       shape = getattr(features, 'shape', type(features).__name__)
       raise ValueError(
-          f'ClassifierTask {self.path!r}: the network returned {shape}; '
-          'it must return features [batch, dim]. End it with a FlattenLayer '
-          'or a GlobalPoolingLayer.')
+        f'ClassifierTask {self.path!r}: the network returned {shape}; '
+        'it must return features [batch, dim]. End it with a FlattenLayer '
+        'or a GlobalPoolingLayer.'
+      )
     logits = self.softmax.Logits(theta.softmax, features)
     return NestedMap(logits=logits)
 
@@ -114,32 +134,38 @@ class ClassifierTask(base_model.BaseTask):
     if labels.shape.rank == 2 and labels.shape[-1] == 1:
       labels = tf.squeeze(labels, -1)
     if labels.shape.rank != 1:
-      raise ValueError(f'ClassifierTask {self.path!r}: labels have shape '
-                       f'{labels.shape.as_list()}; expected int [batch].')
+      raise ValueError(
+        f'ClassifierTask {self.path!r}: labels have shape '
+        f'{labels.shape.as_list()}; expected int [batch].'
+      )
     if 'weight' in input_batch:
       weights = tf.cast(input_batch['weight'], tf.float32)
     else:
       weights = tf.ones(tf.shape(labels), tf.float32)
     total = tf.reduce_sum(weights)
     xent = softmax_lib.SoftmaxCrossEntropyWithLabelSmoothing(
-        logits, class_ids=labels, label_smoothing=p.label_smoothing)
-    plain = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                           logits=logits)
+      logits, class_ids=labels, label_smoothing=p.label_smoothing
+    )
+    plain = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=labels, logits=logits
+    )
 
     def Mean(x):
       return tf.math.divide_no_nan(tf.reduce_sum(x * weights), total)
 
     acc1 = TopKAccuracy(1, logits, labels, weights)
     metrics = NestedMap(
-        loss=(Mean(xent), total),
-        log_pplx=(Mean(plain), total),
-        accuracy=(acc1, total),
-        error=(1.0 - acc1, total),
-        num_preds=(total, tf.constant(1.0)))
+      loss=(Mean(xent), total),
+      log_pplx=(Mean(plain), total),
+      accuracy=(acc1, total),
+      error=(1.0 - acc1, total),
+      num_preds=(total, tf.constant(1.0)),
+    )
     if self._num_classes >= 5:
       acc5 = TopKAccuracy(5, logits, labels, weights)
       metrics.acc5 = (acc5, total)
       metrics.error5 = (1.0 - acc5, total)
     per_example = NestedMap(
-        loss=xent, argmax=tf.argmax(logits, -1, output_type=tf.int32))
+      loss=xent, argmax=tf.argmax(logits, -1, output_type=tf.int32)
+    )
     return metrics, per_example

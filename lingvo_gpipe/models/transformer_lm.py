@@ -47,9 +47,14 @@ class LmInput(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self.CreateChild('emb', embedding.SimpleEmbeddingLayer.Params().Set(
-        vocab_size=p.vocab_size, embedding_dim=p.model_dim,
-        scale_sqrt_depth=True))
+    self.CreateChild(
+      'emb',
+      embedding.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.vocab_size,
+        embedding_dim=p.model_dim,
+        scale_sqrt_depth=True,
+      ),
+    )
 
   def FProp(self, theta, ids, labels):
     return self.emb.FProp(theta.emb, ids), labels
@@ -75,8 +80,11 @@ class LmBlock(base_layer.BaseLayer):
   @classmethod
   def _LayerParams(cls, p):
     return transformer.TransformerLayer.Params().Set(
-        source_dim=p.model_dim, hidden_dim=p.hidden_dim,
-        num_attention_heads=p.num_heads, mask_self_atten=True)
+      source_dim=p.model_dim,
+      hidden_dim=p.hidden_dim,
+      num_attention_heads=p.num_heads,
+      mask_self_atten=True,
+    )
 
   def __init__(self, params):
     super().__init__(params)
@@ -104,7 +112,8 @@ class LmLoss(base_layer.BaseLayer):
   @classmethod
   def _SoftmaxParams(cls, p):
     return softmax.SimpleFullSoftmax.Params().Set(
-        input_dim=p.model_dim, num_classes=p.vocab_size)
+      input_dim=p.model_dim, num_classes=p.vocab_size
+    )
 
   def __init__(self, params):
     super().__init__(params)
@@ -124,11 +133,21 @@ class LmLoss(base_layer.BaseLayer):
 
 def LayerParams(num_layers, model_dim, hidden_dim, num_heads, vocab_size):
   """[LmInput, LmBlock x num_layers, LmLoss] Params, named for checkpoints."""
-  layers = [LmInput.Params().Set(name='input', vocab_size=vocab_size,
-                                 model_dim=model_dim)]
-  layers += [LmBlock.Params().Set(name=f'layer_{i:03d}', model_dim=model_dim,
-                                  hidden_dim=hidden_dim, num_heads=num_heads)
-             for i in range(num_layers)]
-  layers.append(LmLoss.Params().Set(name='loss', vocab_size=vocab_size,
-                                    model_dim=model_dim))
+  layers = [
+    LmInput.Params().Set(
+      name='input', vocab_size=vocab_size, model_dim=model_dim
+    )
+  ]
+  layers += [
+    LmBlock.Params().Set(
+      name=f'layer_{i:03d}',
+      model_dim=model_dim,
+      hidden_dim=hidden_dim,
+      num_heads=num_heads,
+    )
+    for i in range(num_layers)
+  ]
+  layers.append(
+    LmLoss.Params().Set(name='loss', vocab_size=vocab_size, model_dim=model_dim)
+  )
   return layers

@@ -87,12 +87,14 @@ def _ValidateCosts(costs, name='costs'):
   """
   if not _IsSequenceLike(costs):
     raise ValueError(
-        f'{name} must be a list of per-layer costs (numbers), got '
-        f'{type(costs).__name__} {costs!r}: pass one cost per layer, e.g. '
-        f'[1.0, 2.5, 1.0].')
+      f'{name} must be a list of per-layer costs (numbers), got '
+      f'{type(costs).__name__} {costs!r}: pass one cost per layer, e.g. '
+      f'[1.0, 2.5, 1.0].'
+    )
   if len(costs) == 0:  # pylint: disable=g-explicit-length-test
     raise ValueError(
-        f'{name} is empty: pass one cost per layer (at least one layer).')
+      f'{name} is empty: pass one cost per layer (at least one layer).'
+    )
   return [_ValidateCost(c, f'{name}[{i}]') for i, c in enumerate(costs)]
 
 
@@ -100,13 +102,15 @@ def _ValidateCost(c, label):
   """Checks one cost (finite, >= 0 real number) and returns it as a float."""
   if not _IsReal(c):
     raise ValueError(
-        f'{label}={c!r} has type {type(c).__name__}: per-layer costs must be '
-        f'real numbers (int or float), e.g. FLOPs or seconds.')
+      f'{label}={c!r} has type {type(c).__name__}: per-layer costs must be '
+      f'real numbers (int or float), e.g. FLOPs or seconds.'
+    )
   c = float(c)
   if not math.isfinite(c):
     raise ValueError(
-        f'{label}={c!r} is not finite: per-layer costs must be finite; '
-        f'replace NaN/inf estimates with a real estimate.')
+      f'{label}={c!r} is not finite: per-layer costs must be finite; '
+      f'replace NaN/inf estimates with a real estimate.'
+    )
   if c < 0:
     raise ValueError(f'{label}={c!r} is negative: costs must be >= 0.')
   return c
@@ -116,17 +120,20 @@ def _ValidateNumStages(num_stages, num_layers):
   """Checks that 1 <= num_stages <= num_layers."""
   if not _IsInt(num_stages):
     raise ValueError(
-        f'num_stages={num_stages!r} has type {type(num_stages).__name__}: '
-        f'pass a positive int.')
+      f'num_stages={num_stages!r} has type {type(num_stages).__name__}: '
+      f'pass a positive int.'
+    )
   num_stages = int(num_stages)
   if num_stages < 1:
     raise ValueError(
-        f'num_stages={num_stages} must be >= 1: use at least one stage.')
+      f'num_stages={num_stages} must be >= 1: use at least one stage.'
+    )
   if num_stages > num_layers:
     raise ValueError(
-        f'num_stages={num_stages} but only {num_layers} layers: use at most '
-        f'{num_layers} stages or split layers finer (every cell needs at '
-        f'least one layer).')
+      f'num_stages={num_stages} but only {num_layers} layers: use at most '
+      f'{num_layers} stages or split layers finer (every cell needs at '
+      f'least one layer).'
+    )
   return num_stages
 
 
@@ -150,8 +157,9 @@ def UniformSplits(num_layers, num_stages):
   """
   if not _IsInt(num_layers) or num_layers < 1:
     raise ValueError(
-        f'num_layers={num_layers!r} must be a positive int: a pipeline needs '
-        f'at least one layer.')
+      f'num_layers={num_layers!r} must be a positive int: a pipeline needs '
+      f'at least one layer.'
+    )
   num_layers = int(num_layers)
   num_stages = _ValidateNumStages(num_stages, num_layers)
   base, extra = divmod(num_layers, num_stages)
@@ -266,53 +274,63 @@ def ValidateSplits(splits, num_layers):
   """
   if not _IsInt(num_layers) or num_layers < 1:
     raise ValueError(
-        f'num_layers={num_layers!r} must be a positive int: a pipeline needs '
-        f'at least one layer.')
+      f'num_layers={num_layers!r} must be a positive int: a pipeline needs '
+      f'at least one layer.'
+    )
   num_layers = int(num_layers)
   if _IsInt(splits):
     raise ValueError(
-        f'splits={splits!r} is an int: pass a list of end indices, e.g. '
-        f'UniformSplits({num_layers}, {int(splits)}) or BalancedSplits(costs, '
-        f'{int(splits)}) for {int(splits)} cells.')
+      f'splits={splits!r} is an int: pass a list of end indices, e.g. '
+      f'UniformSplits({num_layers}, {int(splits)}) or BalancedSplits(costs, '
+      f'{int(splits)}) for {int(splits)} cells.'
+    )
   if not isinstance(splits, (list, tuple, np.ndarray)) or (
-      isinstance(splits, np.ndarray) and splits.ndim != 1):
+    isinstance(splits, np.ndarray) and splits.ndim != 1
+  ):
     raise ValueError(
-        f'splits={splits!r} has type {type(splits).__name__}: pass a list of '
-        f'increasing end indices whose last entry is num_layers={num_layers}, '
-        f'e.g. [2, 4] for 4 layers in 2 cells.')
+      f'splits={splits!r} has type {type(splits).__name__}: pass a list of '
+      f'increasing end indices whose last entry is num_layers={num_layers}, '
+      f'e.g. [2, 4] for 4 layers in 2 cells.'
+    )
   if len(splits) == 0:  # pylint: disable=g-explicit-length-test
     raise ValueError(
-        f'splits is empty: pass at least one end index; the last must be '
-        f'num_layers={num_layers}, e.g. [{num_layers}] for a single cell.')
+      f'splits is empty: pass at least one end index; the last must be '
+      f'num_layers={num_layers}, e.g. [{num_layers}] for a single cell.'
+    )
   result = []
   for k, s in enumerate(splits):
     if not _IsInt(s):
       raise ValueError(
-          f'splits[{k}]={s!r} has type {type(s).__name__}: split points must '
-          f'be ints (layer end indices).')
+        f'splits[{k}]={s!r} has type {type(s).__name__}: split points must '
+        f'be ints (layer end indices).'
+      )
     s = int(s)
     if s < 0 or s > num_layers:
       raise ValueError(
-          f'splits[{k}]={s} is out of range: split points must lie in '
-          f'[1, num_layers={num_layers}] (splits={list(splits)!r}).')
+        f'splits[{k}]={s} is out of range: split points must lie in '
+        f'[1, num_layers={num_layers}] (splits={list(splits)!r}).'
+      )
     prev = result[-1] if result else 0
     if s == prev:
       raise ValueError(
-          f'cell {k} is empty: splits[{k}]={s} equals the previous split '
-          f'point {prev} (splits={list(splits)!r}); every cell needs at least '
-          f'one layer, so remove the duplicate or use fewer cells.')
+        f'cell {k} is empty: splits[{k}]={s} equals the previous split '
+        f'point {prev} (splits={list(splits)!r}); every cell needs at least '
+        f'one layer, so remove the duplicate or use fewer cells.'
+      )
     if s < prev:
       raise ValueError(
-          f'splits are not increasing: splits[{k}]={s} < splits[{k - 1}]='
-          f'{prev} (splits={list(splits)!r}); pass strictly increasing end '
-          f'indices.')
+        f'splits are not increasing: splits[{k}]={s} < splits[{k - 1}]='
+        f'{prev} (splits={list(splits)!r}); pass strictly increasing end '
+        f'indices.'
+      )
     result.append(s)
   if result[-1] != num_layers:
     raise ValueError(
-        f'the last split point splits[{len(result) - 1}]={result[-1]} must '
-        f'equal num_layers={num_layers}: layers [{result[-1]}, {num_layers}) '
-        f'are in no cell; append {num_layers} or set the last entry to '
-        f'{num_layers}.')
+      f'the last split point splits[{len(result) - 1}]={result[-1]} must '
+      f'equal num_layers={num_layers}: layers [{result[-1]}, {num_layers}) '
+      f'are in no cell; append {num_layers} or set the last entry to '
+      f'{num_layers}.'
+    )
   return result
 
 
@@ -331,13 +349,15 @@ def SplitsToRanges(splits):
   """
   # The number of layers is implied by the (largest) end index; any problem
   # with `splits` is reported by ValidateSplits below.
-  ints = ([int(s) for s in splits if _IsInt(s)]
-          if _IsSequenceLike(splits) else [])
+  ints = (
+    [int(s) for s in splits if _IsInt(s)] if _IsSequenceLike(splits) else []
+  )
   num_layers = max(ints) if ints else 1
   if num_layers < 1:
     raise ValueError(
-        f'splits={list(splits)!r} ends at {num_layers}: the last end index is '
-        f'the number of layers and must be >= 1.')
+      f'splits={list(splits)!r} ends at {num_layers}: the last end index is '
+      f'the number of layers and must be >= 1.'
+    )
   splits = ValidateSplits(splits, num_layers)
   return list(zip([0] + splits[:-1], splits))
 
@@ -357,24 +377,32 @@ def RangesToSplits(ranges):
   """
   if not _IsSequenceLike(ranges) or len(ranges) == 0:
     raise ValueError(
-        f'ranges={ranges!r} must be a non-empty list of (start, end) pairs, '
-        f'e.g. [(0, 2), (2, 5)].')
+      f'ranges={ranges!r} must be a non-empty list of (start, end) pairs, '
+      f'e.g. [(0, 2), (2, 5)].'
+    )
   splits = []
   prev_end = 0
   for k, r in enumerate(ranges):
-    if (not _IsSequenceLike(r) or len(r) != 2 or not _IsInt(r[0]) or
-        not _IsInt(r[1])):
+    if (
+      not _IsSequenceLike(r)
+      or len(r) != 2
+      or not _IsInt(r[0])
+      or not _IsInt(r[1])
+    ):
       raise ValueError(
-          f'ranges[{k}]={r!r} must be a (start, end) pair of ints.')
+        f'ranges[{k}]={r!r} must be a (start, end) pair of ints.'
+      )
     start, end = int(r[0]), int(r[1])
     if start != prev_end:
       raise ValueError(
-          f'ranges[{k}]=({start}, {end}) must start at {prev_end}, where the '
-          f'previous cell ends: cells must be contiguous and start at 0.')
+        f'ranges[{k}]=({start}, {end}) must start at {prev_end}, where the '
+        f'previous cell ends: cells must be contiguous and start at 0.'
+      )
     if end <= start:
       raise ValueError(
-          f'ranges[{k}]=({start}, {end}) is empty: cell {k} needs end > '
-          f'start (at least one layer).')
+        f'ranges[{k}]=({start}, {end}) is empty: cell {k} needs end > '
+        f'start (at least one layer).'
+      )
     splits.append(end)
     prev_end = end
   return splits
@@ -412,6 +440,7 @@ class CellReport:
     params: the summed parameter count of the cell's layers, or None.
     names: the names of the cell's layers, or None.
   """
+
   index: int
   start: int
   end: int
@@ -443,6 +472,7 @@ class PartitionReport:
       in a bubble-free pipeline (1.0 if the total is 0).
     total_params: the summed parameter count, or None.
   """
+
   num_layers: int
   num_stages: int
   splits: list[int]
@@ -480,39 +510,49 @@ class PartitionReport:
       header.append('names')
     rows = []
     for c in self.cells:
-      row = [str(c.index), f'[{c.start}, {c.end})', str(c.num_layers),
-             _FormatNumber(c.cost), f'{100.0 * c.share:.1f}%']
+      row = [
+        str(c.index),
+        f'[{c.start}, {c.end})',
+        str(c.num_layers),
+        _FormatNumber(c.cost),
+        f'{100.0 * c.share:.1f}%',
+      ]
       if has_params:
         row.append(f'{c.params:,}')
       if has_names:
         row.append(_Truncate(', '.join(c.names or []), max_names_width))
       rows.append(row)
-    widths = [max(len(r[i]) for r in [header] + rows)
-              for i in range(len(header))]
+    widths = [
+      max(len(r[i]) for r in [header] + rows) for i in range(len(header))
+    ]
     # Right-align numbers, left-align the layer range and names.
     left = {1, len(header) - 1} if has_names else {1}
 
     def _Line(row):
-      parts = [cell.ljust(w) if i in left else cell.rjust(w)
-               for i, (cell, w) in enumerate(zip(row, widths))]
+      parts = [
+        cell.ljust(w) if i in left else cell.rjust(w)
+        for i, (cell, w) in enumerate(zip(row, widths))
+      ]
       return '  '.join(parts).rstrip()
 
     lines = [
-        f'Pipeline partition: {self.num_layers} layers -> {self.num_stages} '
-        f'cells, total cost {_FormatNumber(self.total_cost)}'
-        + (f', {self.total_params:,} params' if has_params else ''),
-        _Line(header),
-        _Line(['-' * w for w in widths]),
+      f'Pipeline partition: {self.num_layers} layers -> {self.num_stages} '
+      f'cells, total cost {_FormatNumber(self.total_cost)}'
+      + (f', {self.total_params:,} params' if has_params else ''),
+      _Line(header),
+      _Line(['-' * w for w in widths]),
     ]
     lines.extend(_Line(r) for r in rows)
     lines.append(
-        f'max cell cost {_FormatNumber(self.max_cost)}, mean '
-        f'{_FormatNumber(self.mean_cost)}, ideal max >= '
-        f'{_FormatNumber(self.ideal_max_cost)}')
+      f'max cell cost {_FormatNumber(self.max_cost)}, mean '
+      f'{_FormatNumber(self.mean_cost)}, ideal max >= '
+      f'{_FormatNumber(self.ideal_max_cost)}'
+    )
     lines.append(
-        f'imbalance (max/mean) {self.imbalance:.3f}, variance '
-        f'{_FormatNumber(self.variance)}, efficiency bound (mean/max) '
-        f'{100.0 * self.efficiency:.1f}%')
+      f'imbalance (max/mean) {self.imbalance:.3f}, variance '
+      f'{_FormatNumber(self.variance)}, efficiency bound (mean/max) '
+      f'{100.0 * self.efficiency:.1f}%'
+    )
     return '\n'.join(lines)
 
 
@@ -524,7 +564,7 @@ def _FormatNumber(x):
 def _Truncate(s, width):
   if width < 4 or len(s) <= width:
     return s
-  return s[:width - 3] + '...'
+  return s[: width - 3] + '...'
 
 
 def MakeReport(costs, splits, params=None, names=None) -> PartitionReport:
@@ -551,19 +591,21 @@ def MakeReport(costs, splits, params=None, names=None) -> PartitionReport:
   if params is not None:
     if not _IsSequenceLike(params) or len(params) != num_layers:
       raise ValueError(
-          f'params has {_LenOrType(params)} but there are {num_layers} layers:'
-          f' pass one parameter count per layer.')
+        f'params has {_LenOrType(params)} but there are {num_layers} layers:'
+        f' pass one parameter count per layer.'
+      )
     for i, p in enumerate(params):
       if not _IsInt(p) or p < 0:
         raise ValueError(
-            f'params[{i}]={p!r} must be a non-negative int (a parameter '
-            f'count).')
+          f'params[{i}]={p!r} must be a non-negative int (a parameter count).'
+        )
     params = [int(p) for p in params]
   if names is not None:
     if not _IsSequenceLike(names) or len(names) != num_layers:
       raise ValueError(
-          f'names has {_LenOrType(names)} but there are {num_layers} layers: '
-          f'pass one name per layer.')
+        f'names has {_LenOrType(names)} but there are {num_layers} layers: '
+        f'pass one name per layer.'
+      )
     names = [str(n) for n in names]
 
   total = math.fsum(costs)
@@ -571,33 +613,36 @@ def MakeReport(costs, splits, params=None, names=None) -> PartitionReport:
   for k, (a, b) in enumerate(zip([0] + splits[:-1], splits)):
     cost = math.fsum(costs[a:b])
     cells.append(
-        CellReport(
-            index=k,
-            start=a,
-            end=b,
-            num_layers=b - a,
-            cost=cost,
-            share=cost / total if total > 0 else 0.0,
-            params=sum(params[a:b]) if params is not None else None,
-            names=names[a:b] if names is not None else None))
+      CellReport(
+        index=k,
+        start=a,
+        end=b,
+        num_layers=b - a,
+        cost=cost,
+        share=cost / total if total > 0 else 0.0,
+        params=sum(params[a:b]) if params is not None else None,
+        names=names[a:b] if names is not None else None,
+      )
+    )
   cell_costs = [c.cost for c in cells]
   mean = total / num_stages
   max_cost = max(cell_costs)
-  variance = math.fsum((c - mean)**2 for c in cell_costs) / num_stages
+  variance = math.fsum((c - mean) ** 2 for c in cell_costs) / num_stages
   return PartitionReport(
-      num_layers=num_layers,
-      num_stages=num_stages,
-      splits=splits,
-      total_cost=total,
-      cells=cells,
-      mean_cost=mean,
-      max_cost=max_cost,
-      min_cost=min(cell_costs),
-      imbalance=max_cost / mean if mean > 0 else 1.0,
-      variance=variance,
-      ideal_max_cost=max(mean, max(costs)),
-      efficiency=mean / max_cost if max_cost > 0 else 1.0,
-      total_params=sum(params) if params is not None else None)
+    num_layers=num_layers,
+    num_stages=num_stages,
+    splits=splits,
+    total_cost=total,
+    cells=cells,
+    mean_cost=mean,
+    max_cost=max_cost,
+    min_cost=min(cell_costs),
+    imbalance=max_cost / mean if mean > 0 else 1.0,
+    variance=variance,
+    ideal_max_cost=max(mean, max(costs)),
+    efficiency=mean / max_cost if max_cost > 0 else 1.0,
+    total_params=sum(params) if params is not None else None,
+  )
 
 
 def _LenOrType(x):
@@ -626,14 +671,16 @@ def CostsFromMeasurements(times):
   """
   if not _IsSequenceLike(times) or len(times) == 0:
     raise ValueError(
-        f'times={times!r} must be a non-empty list with one entry per layer '
-        f'(a number or a list of samples).')
+      f'times={times!r} must be a non-empty list with one entry per layer '
+      f'(a number or a list of samples).'
+    )
   result = []
   for i, t in enumerate(times):
     if _IsSequenceLike(t):
       if len(t) == 0:
         raise ValueError(
-            f'times[{i}] has no samples: measure layer {i} at least once.')
+          f'times[{i}] has no samples: measure layer {i} at least once.'
+        )
       samples = _ValidateCosts(t, name=f'times[{i}]')
       result.append(float(statistics.median(samples)))
     else:

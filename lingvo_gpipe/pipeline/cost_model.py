@@ -20,8 +20,9 @@ from lingvo_gpipe.pipeline import schedule
 __all__ = ['DeviceSpec', 'CellCost', 'Simulate', 'PeakMemoryBytes']
 
 DeviceSpec = collections.namedtuple(
-    'DeviceSpec', ['memory_bytes', 'link_bytes_per_s', 'link_latency_s',
-                   'op_overhead_s'])
+  'DeviceSpec',
+  ['memory_bytes', 'link_bytes_per_s', 'link_latency_s', 'op_overhead_s'],
+)
 
 # Per micro-batch costs of one cell:
 #   fprop_s, bprop_s: seconds for the forward / backward of one micro-batch.
@@ -33,16 +34,25 @@ DeviceSpec = collections.namedtuple(
 #     micro-batch (live while the cell's backward runs, or stored for every
 #     micro-batch without recompute).
 CellCost = collections.namedtuple(
-    'CellCost', ['fprop_s', 'bprop_s', 'out_bytes', 'weight_bytes',
-                 'input_bytes', 'activation_bytes'])
+  'CellCost',
+  [
+    'fprop_s',
+    'bprop_s',
+    'out_bytes',
+    'weight_bytes',
+    'input_bytes',
+    'activation_bytes',
+  ],
+)
 
 SimResult = collections.namedtuple(
-    'SimResult', ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory'])
+  'SimResult', ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory']
+)
 
 
 def _TransferS(nbytes, spec):
   if nbytes == 0:
-    return 0.
+    return 0.0
   return spec.link_latency_s + nbytes / spec.link_bytes_per_s
 
 
@@ -62,23 +72,25 @@ def PeakMemoryBytes(cell, num_micro_batches, recompute, optimizer_slots=2):
   return static + acts
 
 
-def Simulate(cells, num_micro_batches, spec, recompute=True,
-             optimizer_slots=2):
+def Simulate(cells, num_micro_batches, spec, recompute=True, optimizer_slots=2):
   """Simulates one training step; returns a SimResult (lists per device)."""
   k_cells = len(cells)
   m = num_micro_batches
   if k_cells < 1 or m < 1:
-    raise ValueError('Simulate needs at least one cell and one micro-batch, '
-                     'got K=%d M=%d.' % (k_cells, m))
-  free = [0.] * k_cells   # when each device is free
-  busy = [0.] * k_cells
+    raise ValueError(
+      'Simulate needs at least one cell and one micro-batch, '
+      'got K=%d M=%d.' % (k_cells, m)
+    )
+  free = [0.0] * k_cells  # when each device is free
+  busy = [0.0] * k_cells
   sent = [0] * k_cells
   fwd_done = {}
   for _, k, mb in schedule.ForwardOrder(k_cells, m):
     ready = free[k]
     if k > 0:
-      ready = max(ready, fwd_done[(k - 1, mb)] +
-                  _TransferS(cells[k - 1].out_bytes, spec))
+      ready = max(
+        ready, fwd_done[(k - 1, mb)] + _TransferS(cells[k - 1].out_bytes, spec)
+      )
       sent[k - 1] += cells[k - 1].out_bytes
     dur = cells[k].fprop_s + spec.op_overhead_s
     free[k] = ready + dur
@@ -89,8 +101,9 @@ def Simulate(cells, num_micro_batches, spec, recompute=True,
     ready = free[k]
     if k < k_cells - 1:
       # The gradient of the cell's output has the output's size.
-      ready = max(ready, bwd_done[(k + 1, mb)] +
-                  _TransferS(cells[k].out_bytes, spec))
+      ready = max(
+        ready, bwd_done[(k + 1, mb)] + _TransferS(cells[k].out_bytes, spec)
+      )
       sent[k + 1] += cells[k].out_bytes
     dur = cells[k].bprop_s + spec.op_overhead_s
     if recompute:
@@ -100,8 +113,10 @@ def Simulate(cells, num_micro_batches, spec, recompute=True,
     bwd_done[(k, mb)] = free[k]
   step = max(free)
   return SimResult(
-      step_s=step,
-      busy_fraction=[b / step for b in busy],
-      bytes_sent=sent,
-      peak_memory=[PeakMemoryBytes(c, m, recompute, optimizer_slots)
-                   for c in cells])
+    step_s=step,
+    busy_fraction=[b / step for b in busy],
+    bytes_sent=sent,
+    peak_memory=[
+      PeakMemoryBytes(c, m, recompute, optimizer_slots) for c in cells
+    ],
+  )

@@ -25,8 +25,12 @@ from lingvo_gpipe.pipeline import schedule as schedule_lib
 
 __all__ = ['PipelineEngine', 'RECOMPUTE_POLICIES', 'CheckSchedule']
 
-RECOMPUTE_POLICIES = ('always', 'except_last_cell', 'except_last_micro_batch',
-                      'never')
+RECOMPUTE_POLICIES = (
+  'always',
+  'except_last_cell',
+  'except_last_micro_batch',
+  'never',
+)
 
 
 def _IsFloat(x):
@@ -40,12 +44,16 @@ def CheckSchedule(work, num_cells, num_micro_batches):
   done = {}
   for i, w in enumerate(work):
     if w.kind not in (schedule_lib.FORWARD, schedule_lib.BACKWARD):
-      raise ValueError(f'Schedule item {i} {w} has kind {w.kind!r}; use '
-                       f'{schedule_lib.FORWARD!r} or '
-                       f'{schedule_lib.BACKWARD!r}.')
+      raise ValueError(
+        f'Schedule item {i} {w} has kind {w.kind!r}; use '
+        f'{schedule_lib.FORWARD!r} or '
+        f'{schedule_lib.BACKWARD!r}.'
+      )
     if not (0 <= w.cell < num_cells and 0 <= w.micro_batch < num_micro_batches):
-      raise ValueError(f'Schedule item {i} {w} is outside {num_cells} cells '
-                       f'and {num_micro_batches} micro-batches.')
+      raise ValueError(
+        f'Schedule item {i} {w} is outside {num_cells} cells '
+        f'and {num_micro_batches} micro-batches.'
+      )
     key = (w.kind, w.cell, w.micro_batch)
     if key in done:
       raise ValueError(f'Schedule item {i} {w} repeats item {done[key]}.')
@@ -57,15 +65,19 @@ def CheckSchedule(work, num_cells, num_micro_batches):
         needs.append((schedule_lib.BACKWARD, w.cell + 1))
     for kind, k in needs:
       if (kind, k, w.micro_batch) not in done:
-        raise ValueError(f'Schedule item {i} {w} comes before the {kind} of '
-                         f'cell {k} on micro-batch {w.micro_batch} it needs.')
+        raise ValueError(
+          f'Schedule item {i} {w} comes before the {kind} of '
+          f'cell {k} on micro-batch {w.micro_batch} it needs.'
+        )
     done[key] = i
   missing = num_cells * num_micro_batches * 2 - len(done)
   if missing:
-    raise ValueError(f'The schedule leaves out {missing} of the '
-                     f'{2 * num_cells * num_micro_batches} work items of '
-                     f'{num_cells} cells and {num_micro_batches} '
-                     'micro-batches.')
+    raise ValueError(
+      f'The schedule leaves out {missing} of the '
+      f'{2 * num_cells * num_micro_batches} work items of '
+      f'{num_cells} cells and {num_micro_batches} '
+      'micro-batches.'
+    )
 
 
 class PipelineEngine:
@@ -82,12 +94,21 @@ class PipelineEngine:
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
   """
 
-  def __init__(self, cell_fprop, placement, num_cells, batch_dim=0,
-               recompute='always', strict_order=True, name='pipeline',
-               schedule=schedule_lib.FillDrain):
+  def __init__(
+    self,
+    cell_fprop,
+    placement,
+    num_cells,
+    batch_dim=0,
+    recompute='always',
+    strict_order=True,
+    name='pipeline',
+    schedule=schedule_lib.FillDrain,
+  ):
     if recompute not in RECOMPUTE_POLICIES:
-      raise ValueError(f'recompute={recompute!r}; use one of '
-                       f'{RECOMPUTE_POLICIES}.')
+      raise ValueError(
+        f'recompute={recompute!r}; use one of {RECOMPUTE_POLICIES}.'
+      )
     self._cell_fprop = cell_fprop
     self._placement = placement
     self._num_cells = num_cells
@@ -153,8 +174,9 @@ class PipelineEngine:
     states = []
     for r, shard in enumerate(shards):
       with self._Device(0, r):
-        states.extend(tuple(mb) for mb in microbatch.Split(
-            shard, num_mb, self._batch_dim))
+        states.extend(
+          tuple(mb) for mb in microbatch.Split(shard, num_mb, self._batch_dim)
+        )
     tracer = schedule_lib.ActiveTracer()
     saved, updates = {}, []
     last_on_device = {}
@@ -174,8 +196,9 @@ class PipelineEngine:
           if train and not self._Recomputes(k, m, num_mb):
             tape = tf.GradientTape(watch_accessed_variables=False)
             with tape:
-              tape.watch([t for t in tf.nest.flatten((thetas[r][k], x))
-                          if _IsFloat(t)])
+              tape.watch(
+                [t for t in tf.nest.flatten((thetas[r][k], x)) if _IsFloat(t)]
+              )
               y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
           else:
             y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
@@ -188,8 +211,9 @@ class PipelineEngine:
           states[j] = y
           last_on_device[(r, k)] = y
     with self._Device(num_cells - 1):
-      outs = microbatch.Concat([py_utils.Unwrap(s) for s in states],
-                               self._batch_dim)
+      outs = microbatch.Concat(
+        [py_utils.Unwrap(s) for s in states], self._batch_dim
+      )
     return outs, updates, saved
 
   def ForwardWithGrad(self, thetas, args, num_mb, seed):
@@ -210,14 +234,16 @@ class PipelineEngine:
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
-      outs, updates, saved = self.Forward(thetas, args, num_mb, seed,
-                                          train=keep_tapes)
+      outs, updates, saved = self.Forward(
+        thetas, args, num_mb, seed, train=keep_tapes
+      )
     direct = [v.name for v in watcher.watched_variables() if v.trainable]
     if direct:
       raise ValueError(
-          f'A layer inside pipeline {self._name!r} read variables directly in '
-          f'FProp ({direct}); layers must compute with the `theta` passed to '
-          'FProp, or their gradients would be lost.')
+        f'A layer inside pipeline {self._name!r} read variables directly in '
+        f'FProp ({direct}); layers must compute with the `theta` passed to '
+        'FProp, or their gradients would be lost.'
+      )
     flat_out = tf.nest.flatten(outs)
     for x in flat_out:
       if not py_utils.IsTensor(x):
@@ -230,11 +256,13 @@ class PipelineEngine:
       def Backward(*dys):
         return self.Backward(thetas, args, outs, saved, dys, num_mb)
 
-      _tf_internal.RecordOperation('GPipe', results, inputs + flat_thetas,
-                                   Backward)
+      _tf_internal.RecordOperation(
+        'GPipe', results, inputs + flat_thetas, Backward
+      )
     for layer, stats in updates:
       py_utils.AddDeferredUpdate(
-          layer, tf.nest.map_structure(tf.stop_gradient, stats))
+        layer, tf.nest.map_structure(tf.stop_gradient, stats)
+      )
     return tf.nest.pack_sequence_as(outs, results)
 
   def Backward(self, thetas, inputs, outs, saved, dys, num_mb):
@@ -244,17 +272,23 @@ class PipelineEngine:
     work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
     tracer = schedule_lib.ActiveTracer()
     flat_outs = tf.nest.flatten(outs)
-    dys = [tf.zeros_like(y) if dy is None else dy
-           for y, dy in zip(flat_outs, dys)]
+    dys = [
+      tf.zeros_like(y) if dy is None else dy for y, dy in zip(flat_outs, dys)
+    ]
     with self._Device(num_cells - 1):
-      dy_mbs = [py_utils.AsTuple(d) for d in microbatch.Split(
-          tf.nest.pack_sequence_as(outs, dys), num_rep * num_mb,
-          self._batch_dim)]
+      dy_mbs = [
+        py_utils.AsTuple(d)
+        for d in microbatch.Split(
+          tf.nest.pack_sequence_as(outs, dys), num_rep * num_mb, self._batch_dim
+        )
+      ]
     grads_state = dict(enumerate(dy_mbs))
     # theta_acc[r][k][i]: the gradients of replica r's micro-batches for the
     # i-th weight of cell k.
-    theta_acc = [[[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
-                 for r in range(num_rep)]
+    theta_acc = [
+      [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
+      for r in range(num_rep)
+    ]
     last_on_device = {}
     for w in work:
       k, m = w.cell, w.micro_batch
@@ -262,15 +296,22 @@ class PipelineEngine:
         j = r * num_mb + m
         with self._Device(k, r):
           new_dy = self.CellBackward(
-              k, thetas[r][k], saved[(k, j)], grads_state[j],
-              last_on_device.get((r, k)), theta_acc[r][k], tracer,
-              ('backward', r * num_cells + k, j))
+            k,
+            thetas[r][k],
+            saved[(k, j)],
+            grads_state[j],
+            last_on_device.get((r, k)),
+            theta_acc[r][k],
+            tracer,
+            ('backward', r * num_cells + k, j),
+          )
           grads_state[j] = new_dy
           last_on_device[(r, k)] = new_dy
     # Gradients of the pipeline's inputs, joined on device 0.
     with self._Device(0):
-      per_mb = [tf.nest.flatten(grads_state[j])
-                for j in range(num_rep * num_mb)]
+      per_mb = [
+        tf.nest.flatten(grads_state[j]) for j in range(num_rep * num_mb)
+      ]
       flat_in = tf.nest.flatten(inputs)
       in_grads = []
       for i, x in enumerate(flat_in):
@@ -301,8 +342,9 @@ class PipelineEngine:
         theta_grads.append(partial[0] if partial else None)
     return in_grads + theta_grads
 
-  def CellBackward(self, k, theta_k, saved, dy, after, theta_acc, tracer,
-                   trace_key):
+  def CellBackward(
+    self, k, theta_k, saved, dy, after, theta_acc, tracer, trace_key
+  ):
     """Back-propagates one micro-batch through cell k.
 
     Adds the weight gradients to the lists in `theta_acc`; returns the
@@ -329,16 +371,18 @@ class PipelineEngine:
         tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
         y, _ = self._RunCell(k, theta_k, x, seed_m, collect=False)
     flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
-    pairs = [(a, b) for a, b in zip(flat_y, flat_dy)
-             if _IsFloat(a) and b is not None]
+    pairs = [
+      (a, b) for a, b in zip(flat_y, flat_dy) if _IsFloat(a) and b is not None
+    ]
     flat_th = tf.nest.flatten(theta_k)
     flat_x = tf.nest.flatten(x)
     sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
     sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
     sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
     if pairs and sources:
-      g = tape.gradient([a for a, _ in pairs], sources,
-                        output_gradients=[b for _, b in pairs])
+      g = tape.gradient(
+        [a for a, _ in pairs], sources, output_gradients=[b for _, b in pairs]
+      )
     else:
       g = [None] * len(sources)
     dx = [None] * len(flat_x)

@@ -30,8 +30,9 @@ def SumGradients(parts):
   # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
   # AddN, which keeps the gradients of all micro-batches alive at once.
   # AccumulateNV2 adds each as soon as it is ready.
-  return tf.raw_ops.AccumulateNV2(inputs=parts, shape=parts[0].shape,
-                                  name=_ACCUMULATOR_NAME)
+  return tf.raw_ops.AccumulateNV2(
+    inputs=parts, shape=parts[0].shape, name=_ACCUMULATOR_NAME
+  )
 
 
 # AccumulateNV2 keeps its running sum in a temporary variable named after the
@@ -58,7 +59,8 @@ def After(x, deps):
     return x
   with tf.control_dependencies(dep_tensors):
     return tf.nest.map_structure(
-        lambda t: tf.identity(t) if py_utils.IsTensor(t) else t, x)
+      lambda t: tf.identity(t) if py_utils.IsTensor(t) else t, x
+    )
 
 
 def FreshCopies(x, deps):

@@ -21,9 +21,10 @@ def BatchSize(structure, batch_dim):
     if IsSplittable(x):
       if x.shape.rank is not None and x.shape.rank <= batch_dim:
         raise ValueError(
-            f'Pipeline input of shape {x.shape.as_list()} has no batch_dim='
-            f'{batch_dim}; set PipeliningLayer.Params().batch_dim to the '
-            'batch axis of the inputs.')
+          f'Pipeline input of shape {x.shape.as_list()} has no batch_dim='
+          f'{batch_dim}; set PipeliningLayer.Params().batch_dim to the '
+          'batch axis of the inputs.'
+        )
       return x.shape[batch_dim]
   return None
 
@@ -42,14 +43,16 @@ def NumMicroBatches(batch_size, num_micro_batches, micro_batch_size):
   if micro_batch_size:
     if batch_size is None:
       raise ValueError(
-          'micro_batch_size is set but the batch size is not known when the '
-          'graph is built; use num_micro_batches or give the input a static '
-          'batch dimension.')
+        'micro_batch_size is set but the batch size is not known when the '
+        'graph is built; use num_micro_batches or give the input a static '
+        'batch dimension.'
+      )
     if batch_size % micro_batch_size:
       raise ValueError(
-          f'micro_batch_size={micro_batch_size} does not divide the batch size '
-          f'{batch_size}; choose a divisor of {batch_size} or change the '
-          'batch size.')
+        f'micro_batch_size={micro_batch_size} does not divide the batch size '
+        f'{batch_size}; choose a divisor of {batch_size} or change the '
+        'batch size.'
+      )
     return batch_size // micro_batch_size
   m = num_micro_batches or 1
   if not isinstance(m, int) or m < 1:
@@ -57,8 +60,9 @@ def NumMicroBatches(batch_size, num_micro_batches, micro_batch_size):
   if batch_size is not None and batch_size % m:
     divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     raise ValueError(
-        f'num_micro_batches={m} does not divide the batch size {batch_size}; '
-        f'use one of {divisors} or change the batch size to a multiple of {m}.')
+      f'num_micro_batches={m} does not divide the batch size {batch_size}; '
+      f'use one of {divisors} or change the batch size to a multiple of {m}.'
+    )
   return m
 
 
@@ -71,8 +75,10 @@ def Split(structure, num_splits, batch_dim):
       per_leaf.append(tf.split(x, num_splits, axis=batch_dim))
     else:
       per_leaf.append([x] * num_splits)
-  return [tf.nest.pack_sequence_as(structure, [leaf[m] for leaf in per_leaf])
-          for m in range(num_splits)]
+  return [
+    tf.nest.pack_sequence_as(structure, [leaf[m] for leaf in per_leaf])
+    for m in range(num_splits)
+  ]
 
 
 def Concat(structures, batch_dim):
@@ -86,10 +92,11 @@ def Concat(structures, batch_dim):
     if isinstance(x, (tf.Tensor, tf.Variable)):
       if x.shape.rank == 0:
         raise ValueError(
-            'A pipeline cell returned a scalar; outputs need a batch '
-            'dimension so micro-batches can be joined. Return per-example '
-            'values (e.g. a loss of shape [batch]) and reduce after the '
-            'pipeline.')
+          'A pipeline cell returned a scalar; outputs need a batch '
+          'dimension so micro-batches can be joined. Return per-example '
+          'values (e.g. a loss of shape [batch]) and reduce after the '
+          'pipeline.'
+        )
       out.append(tf.concat(list(leaves), axis=batch_dim))
     else:
       out.append(x)

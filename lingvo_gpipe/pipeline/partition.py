@@ -22,8 +22,15 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
 
-__all__ = ['LayerMetas', 'LayerCosts', 'ComputeSplits', 'FormatShapes',
-           'PartitionSequentialLayers', 'MeasureLayerTimes', 'Report']
+__all__ = [
+  'LayerMetas',
+  'LayerCosts',
+  'ComputeSplits',
+  'FormatShapes',
+  'PartitionSequentialLayers',
+  'MeasureLayerTimes',
+  'Report',
+]
 
 BALANCE_BY = ('flops', 'params', 'time', 'uniform')
 
@@ -40,8 +47,9 @@ LayerMetas = sequential.LayerMetas
 FormatShapes = sequential.FormatShapes
 
 
-def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
-                      dtype=tf.float32):
+def MeasureLayerTimes(
+  layer_params, input_shapes, device=None, repeats=5, dtype=tf.float32
+):
   """Median forward+backward seconds of each layer on `device`.
 
   Each layer is built, run `repeats` times on random inputs under a
@@ -55,17 +63,27 @@ def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
     with tf.device(device), base_layer.DetachedBuild():
       layer = p.Instantiate()
       inputs = tf.nest.map_structure(
-          lambda s: tf.random.normal(s.shape, dtype=s.dtype)
-          if s.dtype.is_floating else tf.zeros(s.shape, s.dtype), specs)
+        lambda s: (
+          tf.random.normal(s.shape, dtype=s.dtype)
+          if s.dtype.is_floating
+          else tf.zeros(s.shape, s.dtype)
+        ),
+        specs,
+      )
 
       @tf.function
       def Step(xs, layer=layer):
         with tf.GradientTape() as tape:
           tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
           ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
-          total = tf.add_n([tf.reduce_sum(tf.cast(y, tf.float32))
-                            for y in tf.nest.flatten(ys)
-                            if y.dtype.is_floating] or [tf.constant(0.)])
+          total = tf.add_n(
+            [
+              tf.reduce_sum(tf.cast(y, tf.float32))
+              for y in tf.nest.flatten(ys)
+              if y.dtype.is_floating
+            ]
+            or [tf.constant(0.0)]
+          )
         grads = tape.gradient(total, layer.trainable_variables)
         return ys, [g for g in grads if g is not None]
 
@@ -77,8 +95,9 @@ def MeasureLayerTimes(layer_params, input_shapes, device=None, repeats=5,
         tf.nest.map_structure(lambda t: t.numpy(), out)
         samples.append(time.perf_counter() - start)
     times.append(samples)
-    specs = tuple(tf.nest.map_structure(
-        lambda y: tf.TensorSpec(y.shape, y.dtype), ys))
+    specs = tuple(
+      tf.nest.map_structure(lambda y: tf.TensorSpec(y.shape, y.dtype), ys)
+    )
     del layer, Step
   return balance.CostsFromMeasurements(times)
 
@@ -90,20 +109,29 @@ def LayerCosts(layer_params, balance_by, input_shapes=None, device=None):
   if balance_by == 'uniform':
     return [1.0] * len(layer_params)
   if balance_by == 'params':
-    return [float(base_layer.CountParams(_Named(p, i)))
-            for i, p in enumerate(layer_params)]
+    return [
+      float(base_layer.CountParams(_Named(p, i)))
+      for i, p in enumerate(layer_params)
+    ]
   if input_shapes is None:
     raise ValueError(
-        f'balance_by={balance_by!r} needs the input shapes: set '
-        'PipeliningLayer.Params().input_shapes (e.g. [[batch, dim]]), or '
-        'balance by "params" or "uniform".')
+      f'balance_by={balance_by!r} needs the input shapes: set '
+      'PipeliningLayer.Params().input_shapes (e.g. [[batch, dim]]), or '
+      'balance by "params" or "uniform".'
+    )
   if balance_by == 'flops':
     return [float(m[0]) for m in LayerMetas(layer_params, *input_shapes)]
   return MeasureLayerTimes(layer_params, input_shapes, device)
 
 
-def ComputeSplits(layer_params, num_stages=None, splits=None,
-                  balance_by='flops', input_shapes=None, device=None):
+def ComputeSplits(
+  layer_params,
+  num_stages=None,
+  splits=None,
+  balance_by='flops',
+  input_shapes=None,
+  device=None,
+):
   """End indices of the cells (Lingvo's convention: last == num layers)."""
   n = len(layer_params)
   if not n:
@@ -113,14 +141,17 @@ def ComputeSplits(layer_params, num_stages=None, splits=None,
   if splits:
     splits = balance.ValidateSplits(list(splits), n)
     if num_stages and num_stages != len(splits):
-      raise ValueError(f'num_stages={num_stages} but splits={splits} makes '
-                       f'{len(splits)} cells; give one of the two.')
+      raise ValueError(
+        f'num_stages={num_stages} but splits={splits} makes '
+        f'{len(splits)} cells; give one of the two.'
+      )
     return splits
   num_stages = num_stages or 1
   if num_stages > n:
     raise ValueError(
-        f'num_stages={num_stages} is more than the {n} layers; use at most '
-        f'{n} stages or split the model into more layers.')
+      f'num_stages={num_stages} is more than the {n} layers; use at most '
+      f'{n} stages or split the model into more layers.'
+    )
   costs = LayerCosts(layer_params, balance_by, input_shapes, device)
   return balance.BalancedSplits(costs, num_stages)
 
@@ -141,18 +172,24 @@ def PartitionSequentialLayers(params, num_partitions, *shapes):
   splits = ComputeSplits(layers, num_partitions, None, 'flops', shapes)
   cells = []
   for k, (a, b) in enumerate(balance.SplitsToRanges(splits)):
-    cells.append(sequential.FeatureExtractionLayer.Params().Set(
-        name=f'cell_{k}', sub=[_Named(p, i) for i, p in
-                               enumerate(layers[a:b], a)]))
+    cells.append(
+      sequential.FeatureExtractionLayer.Params().Set(
+        name=f'cell_{k}',
+        sub=[_Named(p, i) for i, p in enumerate(layers[a:b], a)],
+      )
+    )
   return cells
 
 
-def Report(layer_params, splits, balance_by='flops', input_shapes=None,
-           device=None):
+def Report(
+  layer_params, splits, balance_by='flops', input_shapes=None, device=None
+):
   """A `balance.PartitionReport` of a split: costs, params, imbalance."""
   costs = LayerCosts(layer_params, balance_by, input_shapes, device)
-  params = [base_layer.CountParams(_Named(p, i))
-            for i, p in enumerate(layer_params)]
+  params = [
+    base_layer.CountParams(_Named(p, i)) for i, p in enumerate(layer_params)
+  ]
   names = [_Named(p, i).name for i, p in enumerate(layer_params)]
-  return balance.MakeReport(np.asarray(costs, np.float64).tolist(), splits,
-                            params=params, names=names)
+  return balance.MakeReport(
+    np.asarray(costs, np.float64).tolist(), splits, params=params, names=names
+  )

@@ -82,72 +82,120 @@ class PipeliningLayer(base_layer.BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define('cell_tpl', [], 'List of cell Params, one per stage (Lingvo).')
-    p.Define('layers', [],
-             'Flat list of layer Params, split into num_stages cells by the '
-             'library (alternative to cell_tpl).')
-    p.Define('num_stages', None,
-             'Number of cells K for `layers`; None: len(devices) or 1.')
-    p.Define('splits', None,
-             'Explicit cell end indices for `layers`, e.g. [3, 8] for layers '
-             '[0,3) and [3,8); an int means num_stages.')
-    p.Define('balance_by', 'auto',
-             'How `layers` are balanced: flops | params | time | uniform | '
-             'auto (flops if input_shapes is set, else params).')
-    p.Define('input_shapes', None,
-             'Shapes of the inputs (list, one per FProp argument; NestedMaps '
-             'allowed), e.g. [[batch, 1024]]. Enables build-time shape checks '
-             'and balancing by flops or time.')
+    p.Define(
+      'layers',
+      [],
+      'Flat list of layer Params, split into num_stages cells by the '
+      'library (alternative to cell_tpl).',
+    )
+    p.Define(
+      'num_stages',
+      None,
+      'Number of cells K for `layers`; None: len(devices) or 1.',
+    )
+    p.Define(
+      'splits',
+      None,
+      'Explicit cell end indices for `layers`, e.g. [3, 8] for layers '
+      '[0,3) and [3,8); an int means num_stages.',
+    )
+    p.Define(
+      'balance_by',
+      'auto',
+      'How `layers` are balanced: flops | params | time | uniform | '
+      'auto (flops if input_shapes is set, else params).',
+    )
+    p.Define(
+      'input_shapes',
+      None,
+      'Shapes of the inputs (list, one per FProp argument; NestedMaps '
+      'allowed), e.g. [[batch, 1024]]. Enables build-time shape checks '
+      'and balancing by flops or time.',
+    )
     p.Define('num_micro_batches', 1, 'Number of micro-batches M.')
-    p.Define('micro_batch_size', None,
-             'Examples per micro-batch; when set, M = batch / this.')
+    p.Define(
+      'micro_batch_size',
+      None,
+      'Examples per micro-batch; when set, M = batch / this.',
+    )
     p.Define('batch_dim', 0, 'The batch axis of inputs and outputs.')
-    p.Define('devices', None,
-             'Device of each cell, e.g. ["/device:CPU:0", "/device:CPU:1"]; '
-             'None: the accelerators (or CPU devices) TensorFlow lists. With '
-             'num_replicas R, R*K devices, replica-major: replica r\'s cells '
-             'on devices[r*K:(r+1)*K].')
-    p.Define('num_replicas', 1,
-             'Data-parallel copies R of the pipeline. Each replica runs 1/R of '
-             'the mini-batch (in num_micro_batches micro-batches) on its own '
-             'K devices; the variables live once, on replica 0\'s devices, '
-             'and the replicas\' gradients are summed there: the same update '
-             'as one pipeline with R*M micro-batches.')
-    p.Define('recompute', 'always',
-             'Re-materialization: always | except_last_cell | '
-             'except_last_micro_batch | never. Recomputed cells keep only '
-             'their input activations in the forward pass.')
-    p.Define('strict_order', True,
-             'Run each device\'s micro-batches in schedule order (control '
-             'dependencies), so an accelerator that runs one op at a time '
-             'feeds the next cell as early as possible.')
-    p.Define('state_dtype', None,
-             'Lingvo compatibility; only None: activations keep the dtype '
-             'each cell returns.')
-    p.Define('nested_map_fprop', False,
-             'Lingvo compatibility; only False: NestedMap inputs and outputs '
-             'need no flag, they pass between cells as they are.')
+    p.Define(
+      'devices',
+      None,
+      'Device of each cell, e.g. ["/device:CPU:0", "/device:CPU:1"]; '
+      'None: the accelerators (or CPU devices) TensorFlow lists. With '
+      "num_replicas R, R*K devices, replica-major: replica r's cells "
+      'on devices[r*K:(r+1)*K].',
+    )
+    p.Define(
+      'num_replicas',
+      1,
+      'Data-parallel copies R of the pipeline. Each replica runs 1/R of '
+      'the mini-batch (in num_micro_batches micro-batches) on its own '
+      "K devices; the variables live once, on replica 0's devices, "
+      "and the replicas' gradients are summed there: the same update "
+      'as one pipeline with R*M micro-batches.',
+    )
+    p.Define(
+      'recompute',
+      'always',
+      'Re-materialization: always | except_last_cell | '
+      'except_last_micro_batch | never. Recomputed cells keep only '
+      'their input activations in the forward pass.',
+    )
+    p.Define(
+      'strict_order',
+      True,
+      "Run each device's micro-batches in schedule order (control "
+      'dependencies), so an accelerator that runs one op at a time '
+      'feeds the next cell as early as possible.',
+    )
+    p.Define(
+      'state_dtype',
+      None,
+      'Lingvo compatibility; only None: activations keep the dtype '
+      'each cell returns.',
+    )
+    p.Define(
+      'nested_map_fprop',
+      False,
+      'Lingvo compatibility; only False: NestedMap inputs and outputs '
+      'need no flag, they pass between cells as they are.',
+    )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    base_layer.RejectUnsupportedParams(p, {
-        'state_dtype': (None, 'remove it and cast in the cells (activations '
-                        'keep the dtype each cell returns).'),
-        'nested_map_fprop': (False, 'remove it: NestedMap inputs and outputs '
-                             'pass between cells without it.'),
-    })
+    base_layer.RejectUnsupportedParams(
+      p,
+      {
+        'state_dtype': (
+          None,
+          'remove it and cast in the cells (activations '
+          'keep the dtype each cell returns).',
+        ),
+        'nested_map_fprop': (
+          False,
+          'remove it: NestedMap inputs and outputs '
+          'pass between cells without it.',
+        ),
+      },
+    )
     if p.recompute not in RECOMPUTE_POLICIES:
-      raise ValueError(f'recompute={p.recompute!r}; use one of '
-                       f'{RECOMPUTE_POLICIES}.')
+      raise ValueError(
+        f'recompute={p.recompute!r}; use one of {RECOMPUTE_POLICIES}.'
+      )
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
-      raise ValueError(f'num_replicas={p.num_replicas!r} must be a positive '
-                       'int.')
+      raise ValueError(
+        f'num_replicas={p.num_replicas!r} must be a positive int.'
+      )
     if bool(p.cell_tpl) == bool(p.layers):
       raise ValueError(
-          f'PipeliningLayer {p.name!r}: set exactly one of cell_tpl (a list of '
-          'cell Params) or layers (a flat list the library splits); got '
-          f'{len(p.cell_tpl or [])} cells and {len(p.layers or [])} layers.')
+        f'PipeliningLayer {p.name!r}: set exactly one of cell_tpl (a list of '
+        'cell Params) or layers (a flat list the library splits); got '
+        f'{len(p.cell_tpl or [])} cells and {len(p.layers or [])} layers.'
+      )
     if p.cell_tpl:
       cells = []
       for k, cp in enumerate(p.cell_tpl):
@@ -156,8 +204,9 @@ class PipeliningLayer(base_layer.BaseLayer):
           cp.name = f'cell_{k}'
         cells.append(cp)
       if p.num_stages and p.num_stages != len(cells):
-        raise ValueError(f'num_stages={p.num_stages} but cell_tpl has '
-                         f'{len(cells)} cells.')
+        raise ValueError(
+          f'num_stages={p.num_stages} but cell_tpl has {len(cells)} cells.'
+        )
       self._ranges = None
       num_stages = len(cells)
       self._SetDevices(num_stages)
@@ -175,30 +224,38 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._CheckCellShapes([layers[a:b] for a, b in self._ranges])
       per_layer = None
       if self._devices:
-        per_layer = [self._devices[k] for k, (a, b) in enumerate(self._ranges)
-                     for _ in range(a, b)]
+        per_layer = [
+          self._devices[k]
+          for k, (a, b) in enumerate(self._ranges)
+          for _ in range(a, b)
+        ]
       self.CreateChildren('body', layers, devices=per_layer)
     self._num_stages = num_stages
 
-  # -- Construction helpers --------------------------------------------------------
+  # -- Construction helpers ----------------------------------------------------
 
   def _Splits(self, layers):
     p = self.params
-    num_stages = p.num_stages or (len(p.devices) // p.num_replicas
-                                  if p.devices else None)
+    num_stages = p.num_stages or (
+      len(p.devices) // p.num_replicas if p.devices else None
+    )
     by = p.balance_by
     if by == 'auto':
       by = 'flops' if p.input_shapes is not None else 'params'
     shapes = p.input_shapes
     return partition.ComputeSplits(
-        layers, num_stages, p.splits, by, shapes,
-        device=(p.devices or [None])[0])
+      layers, num_stages, p.splits, by, shapes, device=(p.devices or [None])[0]
+    )
 
   def _SetDevices(self, num_stages):
     """Resolves the devices of every (replica, cell)."""
     self._placement = placement.StagePlacement(
-        self.params.devices, num_stages, self.params.num_replicas, self.path,
-        abstract=base_layer.IsAbstract())
+      self.params.devices,
+      num_stages,
+      self.params.num_replicas,
+      self.path,
+      abstract=base_layer.IsAbstract(),
+    )
     self._devices = self._placement.devices  # Where the variables live.
 
   def _DeviceList(self):
@@ -216,15 +273,17 @@ class PipeliningLayer(base_layer.BaseLayer):
         metas = sequential.LayerMetas(cell, *shapes)
       except ValueError as e:
         if k == 0:
-          raise ValueError(f'Pipeline cell 0 ({names}) cannot take the '
-                           f'pipeline input: {e}') from e
+          raise ValueError(
+            f'Pipeline cell 0 ({names}) cannot take the pipeline input: {e}'
+          ) from e
         prev = ', '.join(c.name for c in cells[k - 1])
         raise ValueError(
-            f'Pipeline cell {k} ({names}) cannot take the output of cell '
-            f'{k - 1} ({prev}), of shapes '
-            f'{sequential.FormatShapes(shapes)}: {e}. Make '
-            f'the first layer of cell {k} accept what the last layer of cell '
-            f'{k - 1} returns.') from e
+          f'Pipeline cell {k} ({names}) cannot take the output of cell '
+          f'{k - 1} ({prev}), of shapes '
+          f'{sequential.FormatShapes(shapes)}: {e}. Make '
+          f'the first layer of cell {k} accept what the last layer of cell '
+          f'{k - 1} returns.'
+        ) from e
       shapes = tuple(metas[-1][2])
 
   # -- Introspection -----------------------------------------------------------
@@ -264,23 +323,33 @@ class PipeliningLayer(base_layer.BaseLayer):
   def Placement(self):
     """[(cell, device, [layer paths])] — which layer runs where (replica
     0's devices, which hold the variables; see `replica_devices`)."""
-    return [(k, self.devices[k], [lyr.path for lyr in self.CellLayers(k)])
-            for k in range(self.num_stages)]
+    return [
+      (k, self.devices[k], [lyr.path for lyr in self.CellLayers(k)])
+      for k in range(self.num_stages)
+    ]
 
   def PlacementText(self):
     p = self.params
-    m = (f'micro-batches of {p.micro_batch_size} examples'
-         if p.micro_batch_size else f'{p.num_micro_batches} micro-batches')
+    m = (
+      f'micro-batches of {p.micro_batch_size} examples'
+      if p.micro_batch_size
+      else f'{p.num_micro_batches} micro-batches'
+    )
     if self.num_replicas > 1:
       m += ' per replica'
-    lines = [f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
-             f'recompute={p.recompute}']
+    lines = [
+      f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
+      f'recompute={p.recompute}'
+    ]
     if self.num_replicas > 1:
-      lines[0] += (f', {self.num_replicas} data-parallel replicas (variables '
-                   'on replica 0, gradients summed there)')
+      lines[0] += (
+        f', {self.num_replicas} data-parallel replicas (variables '
+        'on replica 0, gradients summed there)'
+      )
     for k, _, paths in self.Placement():
-      lines.append(f'  cell {k} on {self._placement.Describe(k)}: '
-                   f'{", ".join(paths)}')
+      lines.append(
+        f'  cell {k} on {self._placement.Describe(k)}: {", ".join(paths)}'
+      )
     return '\n'.join(lines)
 
   @classmethod
@@ -288,7 +357,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     layers = list(p.layers) if p.layers else list(p.cell_tpl)
     return sequential.ChainFPropMeta(layers, *args)
 
-  # -- Computation ---------------------------------------------------------------
+  # -- Computation -------------------------------------------------------------
 
   def _CellTheta(self, theta, k):
     if self._ranges is None:
@@ -315,9 +384,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     """The `engine.PipelineEngine` that builds this pipeline's schedule."""
     p = self.params
     return engine.PipelineEngine(
-        self._CellFProp, self._placement, self.num_stages,
-        batch_dim=p.batch_dim, recompute=p.recompute,
-        strict_order=p.strict_order, name=self.path, schedule=self._schedule)
+      self._CellFProp,
+      self._placement,
+      self.num_stages,
+      batch_dim=p.batch_dim,
+      recompute=p.recompute,
+      strict_order=p.strict_order,
+      name=self.path,
+      schedule=self._schedule,
+    )
 
   def FProp(self, theta, *args):
     """Runs the pipeline. See `_FProp`.
@@ -360,8 +435,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     thetas = [[None] * self.num_stages for _ in range(num_rep)]
     for k in range(self.num_stages):
       with self._Device(k):
-        thetas[0][k] = self._Place(tf.nest.map_structure(
-            tf.identity, self._CellTheta(theta, k)), k)
+        thetas[0][k] = self._Place(
+          tf.nest.map_structure(tf.identity, self._CellTheta(theta, k)), k
+        )
     # Each replica reads the weights once per step onto its own devices.
     for r in range(1, num_rep):
       for k in range(self.num_stages):
@@ -378,17 +454,22 @@ class PipeliningLayer(base_layer.BaseLayer):
     r = self.num_replicas
     if r == 1:
       return 1, microbatch.NumMicroBatches(
-          batch, self.params.num_micro_batches, self.params.micro_batch_size)
+        batch, self.params.num_micro_batches, self.params.micro_batch_size
+      )
     if batch is not None and batch % r:
       raise ValueError(
-          f'num_replicas={r} does not divide the batch size {batch} of '
-          f'pipeline {self.path!r}; use a batch size that is a multiple of '
-          f'{r}.')
+        f'num_replicas={r} does not divide the batch size {batch} of '
+        f'pipeline {self.path!r}; use a batch size that is a multiple of '
+        f'{r}.'
+      )
     per_replica = None if batch is None else batch // r
     try:
-      m = microbatch.NumMicroBatches(per_replica, self.params.num_micro_batches,
-                                     self.params.micro_batch_size)
+      m = microbatch.NumMicroBatches(
+        per_replica, self.params.num_micro_batches, self.params.micro_batch_size
+      )
     except ValueError as e:
-      raise ValueError(f'{e} (The batch of {batch} is split over {r} '
-                       f'replicas: {per_replica} each.)') from e
+      raise ValueError(
+        f'{e} (The batch of {batch} is split over {r} '
+        f'replicas: {per_replica} each.)'
+      ) from e
     return r, m

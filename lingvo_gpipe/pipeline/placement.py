@@ -7,8 +7,13 @@ import tensorflow as tf
 from lingvo_gpipe.core import cluster
 from lingvo_gpipe.core import tpu
 
-__all__ = ['AvailableDevices', 'DefaultDevices', 'ResolveDevices',
-           'CanonicalDevice', 'StagePlacement']
+__all__ = [
+  'AvailableDevices',
+  'DefaultDevices',
+  'ResolveDevices',
+  'CanonicalDevice',
+  'StagePlacement',
+]
 
 
 def AvailableDevices():
@@ -46,15 +51,18 @@ def CanonicalDevice(name, available=None):
   available = AvailableDevices() if available is None else available
   want = _Spec(name)
   if want.device_type is None:
-    raise ValueError(f'Device {name!r} names no device type; use e.g. '
-                     '"/device:CPU:1" or "/job:worker/task:1/device:CPU:0".')
+    raise ValueError(
+      f'Device {name!r} names no device type; use e.g. '
+      '"/device:CPU:1" or "/job:worker/task:1/device:CPU:0".'
+    )
   matches = [d for d in available if _Matches(want, _Spec(d))]
   if not matches:
     raise ValueError(
-        f'Device {name!r} does not exist. Available devices: {available}. '
-        'For more CPU devices in one process, split the CPU with '
-        'lingvo_gpipe.core.cluster.SplitCpu(n) (trainer flag '
-        '--num_cpu_devices) before TensorFlow runs any op.')
+      f'Device {name!r} does not exist. Available devices: {available}. '
+      'For more CPU devices in one process, split the CPU with '
+      'lingvo_gpipe.core.cluster.SplitCpu(n) (trainer flag '
+      '--num_cpu_devices) before TensorFlow runs any op.'
+    )
   if want.job is None and len({_Spec(d).job for d in matches}) > 1:
     local = [d for d in matches if _Spec(d).job in (None, 'localhost')]
     if local:
@@ -82,22 +90,26 @@ def ResolveDevices(devices, num_devices, num_replicas=1):
   given = list(devices) if devices else DefaultDevices()
   if len(given) < num_devices:
     if num_replicas > 1:
-      what = (f'{num_replicas} replicas x {num_devices // num_replicas} '
-              f'stages need {num_devices} devices')
+      what = (
+        f'{num_replicas} replicas x {num_devices // num_replicas} '
+        f'stages need {num_devices} devices'
+      )
       fix = 'Use fewer replicas or stages'
     else:
       what = f'The pipeline has {num_devices} stages'
       fix = f'Use at most {len(given)} stages'
     raise ValueError(
-        f'{what} but only {len(given)} devices are given: {given} '
-        f'(available: {available}). {fix}, pass more devices, or split the '
-        'CPU into virtual devices with lingvo_gpipe.core.cluster.SplitCpu(n) '
-        '(trainer flag --num_cpu_devices).')
+      f'{what} but only {len(given)} devices are given: {given} '
+      f'(available: {available}). {fix}, pass more devices, or split the '
+      'CPU into virtual devices with lingvo_gpipe.core.cluster.SplitCpu(n) '
+      '(trainer flag --num_cpu_devices).'
+    )
   out = [CanonicalDevice(d, available) for d in given[:num_devices]]
   if num_replicas > 1 and len(set(out)) < len(out):
     raise ValueError(
-        f'The devices of {num_replicas} replicas must be distinct; got '
-        f'{out}. Give each (replica, cell) its own device.')
+      f'The devices of {num_replicas} replicas must be distinct; got '
+      f'{out}. Give each (replica, cell) its own device.'
+    )
   return out
 
 
@@ -131,18 +143,21 @@ class StagePlacement:
       name = type(tf.distribute.get_strategy()).__name__
       if num_stages > 1 or num_replicas > 1:
         raise ValueError(
-            f'Pipeline {path!r} has {num_stages} cells x {num_replicas} '
-            f'replicas but is built under {name}, whose replicas are one '
-            'device each. Use num_stages=1 there, or no strategy and '
-            'num_replicas (trainer flag --worker_replicas) for data '
-            'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
-            'with K cores per replica).')
+          f'Pipeline {path!r} has {num_stages} cells x {num_replicas} '
+          f'replicas but is built under {name}, whose replicas are one '
+          'device each. Use num_stages=1 there, or no strategy and '
+          'num_replicas (trainer flag --worker_replicas) for data '
+          'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
+          'with K cores per replica).'
+        )
       self.strategy_name = name
       return
-    flat = ResolveDevices(devices, num_stages * num_replicas,
-                          num_replicas=num_replicas)
-    self.replica_devices = [flat[i * num_stages:(i + 1) * num_stages]
-                            for i in range(num_replicas)]
+    flat = ResolveDevices(
+      devices, num_stages * num_replicas, num_replicas=num_replicas
+    )
+    self.replica_devices = [
+      flat[i * num_stages : (i + 1) * num_stages] for i in range(num_replicas)
+    ]
 
   @property
   def devices(self):
@@ -169,9 +184,10 @@ class StagePlacement:
     assign = tpu.LogicalDeviceAssigner()
     if assign is not None and self.num_replicas != 1:
       raise ValueError(
-          f'Pipeline {self._path!r} runs in a TPUStrategy replica, whose '
-          'replicas are the data parallelism; set num_replicas=1 (got '
-          f'{self.num_replicas}).')
+        f'Pipeline {self._path!r} runs in a TPUStrategy replica, whose '
+        'replicas are the data parallelism; set num_replicas=1 (got '
+        f'{self.num_replicas}).'
+      )
     self._assign = assign
     try:
       yield
@@ -188,5 +204,6 @@ class StagePlacement:
       return 'None'
     if self.num_replicas == 1:
       return self.replica_devices[0][k]
-    return ', '.join(f'{d[k]} (replica {r})'
-                     for r, d in enumerate(self.replica_devices))
+    return ', '.join(
+      f'{d[k]} (replica {r})' for r, d in enumerate(self.replica_devices)
+    )

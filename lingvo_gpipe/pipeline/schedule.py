@@ -23,9 +23,19 @@ import threading
 
 import tensorflow as tf
 
-__all__ = ['ForwardOrder', 'BackwardOrder', 'BubbleFraction', 'IdealSpeedup',
-           'ScheduleTracer', 'ActiveTracer', 'ScheduleText', 'WorkItem',
-           'FORWARD', 'BACKWARD', 'FillDrain']
+__all__ = [
+  'ForwardOrder',
+  'BackwardOrder',
+  'BubbleFraction',
+  'IdealSpeedup',
+  'ScheduleTracer',
+  'ActiveTracer',
+  'ScheduleText',
+  'WorkItem',
+  'FORWARD',
+  'BACKWARD',
+  'FillDrain',
+]
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -33,8 +43,9 @@ BACKWARD = 'backward'
 # One unit of pipeline work: `cell` runs pass `kind` (FORWARD or BACKWARD) of
 # `micro_batch` at `clock`. A schedule is the list of a step's work items in
 # the order their ops are built (`engine.PipelineEngine` runs any such list).
-WorkItem = collections.namedtuple('WorkItem',
-                                  ['clock', 'cell', 'micro_batch', 'kind'])
+WorkItem = collections.namedtuple(
+  'WorkItem', ['clock', 'cell', 'micro_batch', 'kind']
+)
 
 
 def ForwardOrder(num_cells, num_micro_batches):
@@ -69,10 +80,14 @@ def FillDrain(num_cells, num_micro_batches):
   Backward clocks continue after the forward ones (as in `ScheduleText`).
   """
   n = num_micro_batches + num_cells - 1
-  fwd = [WorkItem(c, k, m, FORWARD)
-         for c, k, m in ForwardOrder(num_cells, num_micro_batches)]
-  bwd = [WorkItem(n + c, k, m, BACKWARD)
-         for c, k, m in BackwardOrder(num_cells, num_micro_batches)]
+  fwd = [
+    WorkItem(c, k, m, FORWARD)
+    for c, k, m in ForwardOrder(num_cells, num_micro_batches)
+  ]
+  bwd = [
+    WorkItem(n + c, k, m, BACKWARD)
+    for c, k, m in BackwardOrder(num_cells, num_micro_batches)
+  ]
   return fwd + bwd
 
 
@@ -88,18 +103,23 @@ def IdealSpeedup(num_cells, num_micro_batches):
 
 def ScheduleText(num_cells, num_micro_batches):
   """The clock-cycle table of the module docstring, for any K and M."""
-  fwd = {(k, c): f'F{m}' for c, k, m in ForwardOrder(num_cells,
-                                                      num_micro_batches)}
+  fwd = {
+    (k, c): f'F{m}' for c, k, m in ForwardOrder(num_cells, num_micro_batches)
+  }
   n = num_micro_batches + num_cells - 1
-  bwd = {(k, c + n): f'B{m}' for c, k, m in BackwardOrder(num_cells,
-                                                           num_micro_batches)}
+  bwd = {
+    (k, c + n): f'B{m}'
+    for c, k, m in BackwardOrder(num_cells, num_micro_batches)
+  }
   cells = {**fwd, **bwd}
   width = max(4, len(str(num_micro_batches)) + 2)
   header = 'clock  ' + ''.join(f'{c:>{width}}' for c in range(2 * n))
   rows = [header]
   for k in range(num_cells):
-    rows.append(f'cell {k:<2}' + ''.join(
-        f'{cells.get((k, c), "."):>{width}}' for c in range(2 * n)))
+    rows.append(
+      f'cell {k:<2}'
+      + ''.join(f'{cells.get((k, c), "."):>{width}}' for c in range(2 * n))
+    )
   return '\n'.join(rows)
 
 
@@ -153,8 +173,10 @@ class ScheduleTracer:
     if len(stamps) == 0:  # pylint: disable=g-explicit-length-test
       return []
     t0 = float(stamps[:, 0].min())
-    return [(*key, float(s) - t0, float(e) - t0)
-            for key, (s, e) in zip(self._keys, stamps)]
+    return [
+      (*key, float(s) - t0, float(e) - t0)
+      for key, (s, e) in zip(self._keys, stamps)
+    ]
 
 
 def ActiveTracer():

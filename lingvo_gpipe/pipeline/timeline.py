@@ -15,16 +15,34 @@ def ToChromeTrace(events, devices=None):
   """Chrome trace-event JSON (a dict) of `events`."""
   trace = []
   for pass_name, cell, mb, start, end in events:
-    trace.append({
-        'name': f'{pass_name[0].upper()}{mb}', 'cat': pass_name, 'ph': 'X',
-        'ts': start * 1e6, 'dur': max(end - start, 0.0) * 1e6, 'pid': 0,
-        'tid': cell, 'args': {'micro_batch': mb, 'cell': cell,
-                              'device': devices[cell] if devices else ''}})
+    trace.append(
+      {
+        'name': f'{pass_name[0].upper()}{mb}',
+        'cat': pass_name,
+        'ph': 'X',
+        'ts': start * 1e6,
+        'dur': max(end - start, 0.0) * 1e6,
+        'pid': 0,
+        'tid': cell,
+        'args': {
+          'micro_batch': mb,
+          'cell': cell,
+          'device': devices[cell] if devices else '',
+        },
+      }
+    )
   cells = sorted({e[1] for e in events})
   for cell in cells:
     label = f'cell {cell}' + (f' ({devices[cell]})' if devices else '')
-    trace.append({'name': 'thread_name', 'ph': 'M', 'pid': 0, 'tid': cell,
-                  'args': {'name': label}})
+    trace.append(
+      {
+        'name': 'thread_name',
+        'ph': 'M',
+        'pid': 0,
+        'tid': cell,
+        'args': {'name': label},
+      }
+    )
   return {'traceEvents': trace, 'displayTimeUnit': 'ms'}
 
 
@@ -51,28 +69,51 @@ def Utilization(events):
 def PlotTimeline(events, path, title='', devices=None):
   """Writes a PNG chart of the schedule to `path`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   cells = sorted({e[1] for e in events})
   fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(cells)))
   colors = {'forward': '#4C72B0', 'backward': '#DD8452'}
   util = Utilization(events)
   for pass_name, cell, mb, start, end in events:
-    ax.barh(cell, (end - start) * 1e3, left=start * 1e3, height=0.6,
-            color=colors.get(pass_name, 'gray'), edgecolor='black',
-            linewidth=0.4)
+    ax.barh(
+      cell,
+      (end - start) * 1e3,
+      left=start * 1e3,
+      height=0.6,
+      color=colors.get(pass_name, 'gray'),
+      edgecolor='black',
+      linewidth=0.4,
+    )
     if end - start > 0:
-      ax.text((start + end) / 2 * 1e3, cell,
-              f'{"F" if pass_name == "forward" else "B"}{mb}',
-              ha='center', va='center', fontsize=7, color='white')
+      ax.text(
+        (start + end) / 2 * 1e3,
+        cell,
+        f'{"F" if pass_name == "forward" else "B"}{mb}',
+        ha='center',
+        va='center',
+        fontsize=7,
+        color='white',
+      )
   ax.set_yticks(cells)
-  ax.set_yticklabels([
-      f'cell {c}' + (f'\n{devices[c]}' if devices else '') +
-      f'\n{100 * util.get(c, 0):.0f}% busy' for c in cells], fontsize=7)
+  ax.set_yticklabels(
+    [
+      f'cell {c}'
+      + (f'\n{devices[c]}' if devices else '')
+      + f'\n{100 * util.get(c, 0):.0f}% busy'
+      for c in cells
+    ],
+    fontsize=7,
+  )
   ax.invert_yaxis()
   ax.set_xlabel('time (ms)')
-  ax.set_title(title or 'Pipeline schedule (blue: forward, orange: backward; '
-               'gaps: bubble)', fontsize=9)
+  ax.set_title(
+    title
+    or 'Pipeline schedule (blue: forward, orange: backward; gaps: bubble)',
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -36,11 +36,23 @@ from absl import logging
 import tensorflow as tf
 
 __all__ = [
-    'CheckpointError', 'IncompatibleCheckpointError', 'Checkpointer',
-    'RestoreReport', 'EscapeName', 'UnescapeName', 'VariableKey',
-    'ReadCheckpointVariables', 'ListCheckpoints', 'LatestCheckpoint',
-    'IsCompleteCheckpoint', 'ReadPointer', 'WritePointer', 'StepOf',
-    'ParseRestoreMap', 'FineTuneRestore', 'CheckWritableDir',
+  'CheckpointError',
+  'IncompatibleCheckpointError',
+  'Checkpointer',
+  'RestoreReport',
+  'EscapeName',
+  'UnescapeName',
+  'VariableKey',
+  'ReadCheckpointVariables',
+  'ListCheckpoints',
+  'LatestCheckpoint',
+  'IsCompleteCheckpoint',
+  'ReadPointer',
+  'WritePointer',
+  'StepOf',
+  'ParseRestoreMap',
+  'FineTuneRestore',
+  'CheckWritableDir',
 ]
 
 POINTER = 'checkpoint'
@@ -69,8 +81,9 @@ def EscapeName(name):
 
 
 def UnescapeName(escaped):
-  return re.sub(r'\.(.)', lambda m: '/' if m.group(1) == 'S' else m.group(1),
-                escaped)
+  return re.sub(
+    r'\.(.)', lambda m: '/' if m.group(1) == 'S' else m.group(1), escaped
+  )
 
 
 def VariableKey(name):
@@ -113,8 +126,11 @@ def IsCompleteCheckpoint(prefix):
   """True if the index and every data shard of `prefix` exist and parse."""
   shards = tf.io.gfile.glob(prefix + '.data-*-of-*')
   m = re.search(r'-of-(\d+)$', shards[0]) if shards else None
-  if not tf.io.gfile.exists(prefix + '.index') or not m or len(shards) < int(
-      m.group(1)):
+  if (
+    not tf.io.gfile.exists(prefix + '.index')
+    or not m
+    or len(shards) < int(m.group(1))
+  ):
     return False
   try:
     tf.train.load_checkpoint(prefix)
@@ -127,7 +143,7 @@ def ListCheckpoints(directory):
   """[(step, prefix)] of the complete checkpoints in `directory`, by step."""
   out = []
   for index in tf.io.gfile.glob(os.path.join(directory, PREFIX + '-*.index')):
-    prefix = index[:-len('.index')]
+    prefix = index[: -len('.index')]
     step = StepOf(prefix)
     if step is not None and IsCompleteCheckpoint(prefix):
       out.append((step, prefix))
@@ -157,8 +173,9 @@ def _AtomicWrite(path, text):
   Temporary file, fsync, then an atomic rename over `path` (os.replace; on
   remote file systems TensorFlow's rename), then fsync of the directory.
   """
-  tmp = os.path.join(os.path.dirname(path),
-                     f'.{os.path.basename(path)}.tmp-{os.getpid()}')
+  tmp = os.path.join(
+    os.path.dirname(path), f'.{os.path.basename(path)}.tmp-{os.getpid()}'
+  )
   if '://' in path:
     with tf.io.gfile.GFile(tmp, 'w') as f:
       f.write(text)
@@ -184,8 +201,9 @@ def _AtomicWrite(path, text):
 def WritePointer(directory, latest, all_prefixes):
   """Atomically points `directory`'s latest checkpoint at `latest`."""
   lines = [f'model_checkpoint_path: "{os.path.basename(latest)}"']
-  lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"'
-            for p in all_prefixes]
+  lines += [
+    f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in all_prefixes
+  ]
   _AtomicWrite(os.path.join(directory, POINTER), '\n'.join(lines) + '\n')
 
 
@@ -202,9 +220,12 @@ def LatestCheckpoint(directory):
     return latest
   found = ListCheckpoints(directory)
   if latest:
-    logging.warning('Checkpoint pointer in %s names %s, which is incomplete; '
-                    'using %s.', directory, latest,
-                    found[-1][1] if found else 'none')
+    logging.warning(
+      'Checkpoint pointer in %s names %s, which is incomplete; using %s.',
+      directory,
+      latest,
+      found[-1][1] if found else 'none',
+    )
   return found[-1][1] if found else None
 
 
@@ -230,9 +251,10 @@ def CheckWritableDir(directory, what='--logdir'):
     tf.io.gfile.remove(probe)
   except (OSError, tf.errors.OpError) as e:
     raise CheckpointError(
-        f'Cannot write to {what} {directory!r}: {getattr(e, "message", e)} '
-        f'({_FreeSpaceText(os.path.dirname(directory) or ".")}). Pass a '
-        f'writable {what} with free space.') from e
+      f'Cannot write to {what} {directory!r}: {getattr(e, "message", e)} '
+      f'({_FreeSpaceText(os.path.dirname(directory) or ".")}). Pass a '
+      f'writable {what} with free space.'
+    ) from e
 
 
 def _DeleteCheckpointFiles(prefix):
@@ -262,18 +284,25 @@ def _Diff(variables, ckpt_vars):
     shape, dtype, _ = ckpt_vars[name]
     if list(v.shape.as_list()) != shape or v.dtype.base_dtype != dtype:
       mismatch.append(
-          f'{name}: model {v.shape.as_list()} {v.dtype.base_dtype.name}, '
-          f'checkpoint {shape} {tf.as_dtype(dtype).name}')
+        f'{name}: model {v.shape.as_list()} {v.dtype.base_dtype.name}, '
+        f'checkpoint {shape} {tf.as_dtype(dtype).name}'
+      )
   lines = []
-  for title, items in (('in the model but not in the checkpoint', missing),
-                       ('in the checkpoint but not in the model', extra),
-                       ('with another shape or dtype', mismatch)):
+  for title, items in (
+    ('in the model but not in the checkpoint', missing),
+    ('in the checkpoint but not in the model', extra),
+    ('with another shape or dtype', mismatch),
+  ):
     if items:
       shown = items[:_MAX_LISTED]
-      more = (f' ... and {len(items) - _MAX_LISTED} more'
-              if len(items) > _MAX_LISTED else '')
-      lines.append(f'  {len(items)} variables {title}: '
-                   + '; '.join(shown) + more)
+      more = (
+        f' ... and {len(items) - _MAX_LISTED} more'
+        if len(items) > _MAX_LISTED
+        else ''
+      )
+      lines.append(
+        f'  {len(items)} variables {title}: ' + '; '.join(shown) + more
+      )
   return lines
 
 
@@ -282,15 +311,17 @@ class RestoreReport:
 
   def __init__(self, path):
     self.path = path
-    self.restored = []      # (model name, checkpoint name)
+    self.restored = []  # (model name, checkpoint name)
     self.not_restored = []  # (model name, reason)
-    self.unused = []        # checkpoint names nothing was restored from
+    self.unused = []  # checkpoint names nothing was restored from
 
   def __str__(self):
     lines = [f'Restored {len(self.restored)} variables from {self.path}:']
     lines += [f'  {m} <- {c}' for m, c in self.restored]
-    lines.append(f'Not restored ({len(self.not_restored)}; they keep their '
-                 'initial values):')
+    lines.append(
+      f'Not restored ({len(self.not_restored)}; they keep their '
+      'initial values):'
+    )
     lines += [f'  {m}: {why}' for m, why in self.not_restored]
     lines.append(f'Checkpoint variables not used ({len(self.unused)}):')
     lines += [f'  {c}' for c in self.unused]
@@ -306,14 +337,17 @@ def ParseRestoreMap(specs):
   rules = []
   for spec in specs or []:
     if '=>' not in spec:
-      raise ValueError(f'--restore_map entry {spec!r} has no "=>"; write '
-                       'REGEX=>NAME, e.g. "new/(.*)=>old/\\1".')
+      raise ValueError(
+        f'--restore_map entry {spec!r} has no "=>"; write '
+        'REGEX=>NAME, e.g. "new/(.*)=>old/\\1".'
+      )
     regex, name = spec.split('=>', 1)
     try:
       rules.append((re.compile(regex.strip()), name.strip()))
     except re.error as e:
-      raise ValueError(f'--restore_map entry {spec!r}: bad regex '
-                       f'{regex!r}: {e}.') from e
+      raise ValueError(
+        f'--restore_map entry {spec!r}: bad regex {regex!r}: {e}.'
+      ) from e
   return rules
 
 
@@ -344,12 +378,15 @@ def FineTuneRestore(variables, path, rules=None, skip=()):
   """
   prefix = path
   if tf.io.gfile.isdir(path):
-    prefix = (LatestCheckpoint(path) or
-              LatestCheckpoint(os.path.join(path, 'train')))
+    prefix = LatestCheckpoint(path) or LatestCheckpoint(
+      os.path.join(path, 'train')
+    )
     if prefix is None:
-      raise CheckpointError(f'--restore_from={path!r} is a directory without '
-                            'a complete checkpoint; pass a checkpoint prefix '
-                            '(.../ckpt-<step>) or a train directory.')
+      raise CheckpointError(
+        f'--restore_from={path!r} is a directory without '
+        'a complete checkpoint; pass a checkpoint prefix '
+        '(.../ckpt-<step>) or a train directory.'
+      )
   ckpt_vars = ReadCheckpointVariables(prefix)
   reader = tf.train.load_checkpoint(prefix)
   report = RestoreReport(prefix)
@@ -369,9 +406,13 @@ def FineTuneRestore(variables, path, rules=None, skip=()):
     shape, dtype, key = ckpt_vars[source]
     if shape != var.shape.as_list() or dtype != var.dtype.base_dtype:
       report.not_restored.append(
-          (name, f'checkpoint {source!r} has shape {shape} '
-                 f'{tf.as_dtype(dtype).name}, the model '
-                 f'{var.shape.as_list()} {var.dtype.base_dtype.name}'))
+        (
+          name,
+          f'checkpoint {source!r} has shape {shape} '
+          f'{tf.as_dtype(dtype).name}, the model '
+          f'{var.shape.as_list()} {var.dtype.base_dtype.name}',
+        )
+      )
       continue
     var.assign(reader.get_tensor(key))
     used.add(source)
@@ -396,9 +437,16 @@ class Checkpointer:
     ckpt.Save(step)            # at exit
   """
 
-  def __init__(self, directory, variables, iterator=None, max_to_keep=5,
-               save_interval_steps=None, save_interval_seconds=None,
-               writable=True):
+  def __init__(
+    self,
+    directory,
+    variables,
+    iterator=None,
+    max_to_keep=5,
+    save_interval_steps=None,
+    save_interval_seconds=None,
+    writable=True,
+  ):
     """Constructor.
 
     Args:
@@ -460,10 +508,14 @@ class Checkpointer:
       step = StepOf(prefix)
       if step is None or prefix == newest:
         continue
-      if (prefix not in complete or step > newest_step or
-          (listed and prefix not in listed)):
-        logging.info('Removing %s.*, left by an interrupted save or sweep.',
-                     prefix)
+      if (
+        prefix not in complete
+        or step > newest_step
+        or (listed and prefix not in listed)
+      ):
+        logging.info(
+          'Removing %s.*, left by an interrupted save or sweep.', prefix
+        )
         _DeleteCheckpointFiles(prefix)
         complete.discard(prefix)
     self._kept = [p for p in listed if p in complete and p != newest]
@@ -483,10 +535,13 @@ class Checkpointer:
     if step == self._last_step:
       return False
     if self._interval_steps and (
-        step - (self._last_step or 0) >= self._interval_steps):
+      step - (self._last_step or 0) >= self._interval_steps
+    ):
       return True
-    return bool(self._interval_secs and
-                time.time() - self._last_time >= self._interval_secs)
+    return bool(
+      self._interval_secs
+      and time.time() - self._last_time >= self._interval_secs
+    )
 
   def MaybeSave(self, step):
     """Saves when `save_interval_steps`/`_seconds` say so; returns the path."""
@@ -510,35 +565,44 @@ class Checkpointer:
     try:
       try:
         self._Checkpoint(True).write(prefix)
-      except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError,
-              tf.errors.InvalidArgumentError) as e:
+      except (
+        tf.errors.FailedPreconditionError,
+        tf.errors.UnimplementedError,
+        tf.errors.InvalidArgumentError,
+      ) as e:
         if self._iterator is None:
           raise
-        logging.warning('The input iterator cannot be checkpointed (%s); '
-                        'saving variables only. A restart begins the input '
-                        'anew.', str(e).splitlines()[0])
+        logging.warning(
+          'The input iterator cannot be checkpointed (%s); '
+          'saving variables only. A restart begins the input '
+          'anew.',
+          str(e).splitlines()[0],
+        )
         self._iterator = None
         _DeleteTemp(prefix)
         self._Checkpoint(False).write(prefix)
       if not IsCompleteCheckpoint(prefix):
-        raise CheckpointError(f'Checkpoint {prefix} is incomplete after '
-                              'writing it.')
+        raise CheckpointError(
+          f'Checkpoint {prefix} is incomplete after writing it.'
+        )
     except (OSError, tf.errors.OpError, CheckpointError) as e:
       _DeleteTemp(prefix)
       _DeleteCheckpointFiles(prefix)
       raise CheckpointError(
-          f'Could not write checkpoint {prefix!r} at step {step}: '
-          f'{getattr(e, "message", e)} ({_FreeSpaceText(self._dir)}). Free '
-          'space or pass another --logdir; the previous checkpoint '
-          f'{self._kept[-1] if self._kept else "(none)"} is intact.') from e
+        f'Could not write checkpoint {prefix!r} at step {step}: '
+        f'{getattr(e, "message", e)} ({_FreeSpaceText(self._dir)}). Free '
+        'space or pass another --logdir; the previous checkpoint '
+        f'{self._kept[-1] if self._kept else "(none)"} is intact.'
+      ) from e
     self._kept.append(prefix)
     try:
       WritePointer(self._dir, prefix, self._kept)
     except OSError as e:
       self._kept.pop()
       raise CheckpointError(
-          f'Could not update the checkpoint pointer in {self._dir!r}: {e} '
-          f'({_FreeSpaceText(self._dir)}).') from e
+        f'Could not update the checkpoint pointer in {self._dir!r}: {e} '
+        f'({_FreeSpaceText(self._dir)}).'
+      ) from e
     self._Sweep()
     self._last_step = step
     self._last_time = time.time()
@@ -548,8 +612,8 @@ class Checkpointer:
   def _Sweep(self):
     if not self._max_to_keep or len(self._kept) <= self._max_to_keep:
       return
-    old = self._kept[:-self._max_to_keep]
-    self._kept = self._kept[-self._max_to_keep:]
+    old = self._kept[: -self._max_to_keep]
+    self._kept = self._kept[-self._max_to_keep :]
     WritePointer(self._dir, self._kept[-1], self._kept)
     for prefix in old:
       _DeleteCheckpointFiles(prefix)
@@ -561,11 +625,13 @@ class Checkpointer:
     lines = _Diff(self._vars, ReadCheckpointVariables(prefix))
     if lines:
       raise IncompatibleCheckpointError(
-          f'The checkpoint {prefix} was written by a different model; its '
-          'variables differ from this model\'s:\n' + '\n'.join(lines) +
-          f'\nUse a new --logdir for this model, or start it from that '
-          f'checkpoint with --restore_from={prefix} (and --restore_map to '
-          'rename variables).')
+        f'The checkpoint {prefix} was written by a different model; its '
+        "variables differ from this model's:\n"
+        + '\n'.join(lines)
+        + f'\nUse a new --logdir for this model, or start it from that '
+        f'checkpoint with --restore_from={prefix} (and --restore_map to '
+        'rename variables).'
+      )
 
   def RestoreFrom(self, prefix, strict=True):
     """Restores `prefix` into the variables (and iterator if it was saved).
@@ -582,11 +648,13 @@ class Checkpointer:
       self.CheckCompatible(prefix)
     else:
       ckpt_vars = ReadCheckpointVariables(prefix)
-      lines = _Diff(self._vars, {k: v for k, v in ckpt_vars.items()
-                                 if k in self._vars})
+      lines = _Diff(
+        self._vars, {k: v for k, v in ckpt_vars.items() if k in self._vars}
+      )
       if lines:
         raise IncompatibleCheckpointError(
-            f'Cannot restore {prefix} into this model:\n' + '\n'.join(lines))
+          f'Cannot restore {prefix} into this model:\n' + '\n'.join(lines)
+        )
     reader = tf.train.load_checkpoint(prefix)
     has_iterator = reader.has_tensor(_ITER_KEY)
     if self._iterator is not None and has_iterator:
@@ -596,9 +664,12 @@ class Checkpointer:
         status.expect_partial()
         return StepOf(prefix)
       except (tf.errors.OpError, AssertionError, ValueError) as e:
-        logging.warning('Could not restore the input position from %s (%s); '
-                        'the input begins anew.', prefix,
-                        str(e).splitlines()[0])
+        logging.warning(
+          'Could not restore the input position from %s (%s); '
+          'the input begins anew.',
+          prefix,
+          str(e).splitlines()[0],
+        )
     status = self._Checkpoint(False).read(prefix)
     status.assert_existing_objects_matched()
     status.expect_partial()

@@ -36,9 +36,18 @@ import threading
 import urllib.error
 import urllib.request
 
-__all__ = ['EnableCpuStats', 'ProcessMemory', 'StatusServer', 'StatusMap',
-           'DeviceMemory', 'DeviceDetails', 'ResetPeaks',
-           'SharedAllocatorNote', 'MemoryStatsUnavailable', 'TaskOf']
+__all__ = [
+  'EnableCpuStats',
+  'ProcessMemory',
+  'StatusServer',
+  'StatusMap',
+  'DeviceMemory',
+  'DeviceDetails',
+  'ResetPeaks',
+  'SharedAllocatorNote',
+  'MemoryStatsUnavailable',
+  'TaskOf',
+]
 
 _STATUS_TIMEOUT_S = 10.0
 
@@ -94,19 +103,25 @@ def _ResetRssPeak():
 
 def _LocalInfo(device):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   try:
     info = tf.config.experimental.get_memory_info(device)
   except ValueError as e:
-    hint = (' On CPU, call device_memory.EnableCpuStats() before the first '
-            'op (or set TF_CPU_ALLOCATOR_USE_BFC=1).'
-            if 'CPU' in device.upper() else '')
+    hint = (
+      ' On CPU, call device_memory.EnableCpuStats() before the first '
+      'op (or set TF_CPU_ALLOCATOR_USE_BFC=1).'
+      if 'CPU' in device.upper()
+      else ''
+    )
     raise MemoryStatsUnavailable(
-        f'No allocator figures for {device}: {e}.{hint}') from e
+      f'No allocator figures for {device}: {e}.{hint}'
+    ) from e
   return info['current'], info['peak']
 
 
 def _LocalReset(device):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   try:
     tf.config.experimental.reset_memory_stats(device)
   except ValueError as e:
@@ -132,7 +147,6 @@ class StatusServer:
     outer = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
-
       def _Reply(self, obj, code=200):
         body = json.dumps(obj).encode()
         self.send_response(code)
@@ -159,8 +173,9 @@ class StatusServer:
 
     self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
     self.port = self._httpd.server_address[1]
-    self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                    name='memory-status', daemon=True)
+    self._thread = threading.Thread(
+      target=self._httpd.serve_forever, name='memory-status', daemon=True
+    )
 
   def Start(self):
     self._thread.start()
@@ -176,8 +191,13 @@ class StatusServer:
 
   def Snapshot(self):
     rss, rss_peak = ProcessMemory()
-    out = dict(device=self.device, pid=os.getpid(), rss=rss,
-               rss_peak=rss_peak, rss_baseline=self.rss_baseline)
+    out = dict(
+      device=self.device,
+      pid=os.getpid(),
+      rss=rss,
+      rss_peak=rss_peak,
+      rss_baseline=self.rss_baseline,
+    )
     try:
       out['current'], out['peak'] = _LocalInfo(self.device)
     except MemoryStatsUnavailable as e:
@@ -221,6 +241,7 @@ def StatusMap(devices, status_addresses, job='worker'):
 def _IsLocal(device):
   """Whether `device` belongs to this process (no job, or this process's)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   if TaskOf(device) is None:
     return True
   try:
@@ -231,15 +252,18 @@ def _IsLocal(device):
 
 
 def _Http(address, path, method='GET'):
-  req = urllib.request.Request(f'http://{address}{path}', method=method,
-                               data=b'' if method == 'POST' else None)
+  req = urllib.request.Request(
+    f'http://{address}{path}',
+    method=method,
+    data=b'' if method == 'POST' else None,
+  )
   try:
     with urllib.request.urlopen(req, timeout=_STATUS_TIMEOUT_S) as r:
       return json.loads(r.read())
   except (urllib.error.URLError, OSError, ValueError) as e:
     raise MemoryStatsUnavailable(
-        f'The memory status endpoint {address} did not answer ({e}). Start '
-        'the worker with --status_port (LocalCluster(memory_stats=True)).'
+      f'The memory status endpoint {address} did not answer ({e}). Start '
+      'the worker with --status_port (LocalCluster(memory_stats=True)).'
     ) from e
 
 
@@ -264,21 +288,29 @@ def DeviceDetails(devices, status=None):
       snap = _Http(status[d], '/memory')
       if snap.get('current') is None:
         raise MemoryStatsUnavailable(
-            f'{d} (status {status[d]}): {snap.get("error")}. Start the worker '
-            'with --allocator_stats.')
+          f'{d} (status {status[d]}): {snap.get("error")}. Start the worker '
+          'with --allocator_stats.'
+        )
       snap['source'] = f'worker allocator via {status[d]}'
       out[d] = snap
     else:
       if not _IsLocal(d):
         raise MemoryStatsUnavailable(
-            f'{d} is a remote device and no status endpoint is given for it: '
-            'pass status=device_memory.StatusMap(devices, '
-            'cluster.status_addresses).')
+          f'{d} is a remote device and no status endpoint is given for it: '
+          'pass status=device_memory.StatusMap(devices, '
+          'cluster.status_addresses).'
+        )
       current, peak = _LocalInfo(d)
       rss, rss_peak = ProcessMemory()
-      out[d] = dict(current=current, peak=peak, rss=rss, rss_peak=rss_peak,
-                    rss_baseline=None, pid=os.getpid(),
-                    source='local allocator')
+      out[d] = dict(
+        current=current,
+        peak=peak,
+        rss=rss,
+        rss_peak=rss_peak,
+        rss_baseline=None,
+        pid=os.getpid(),
+        source='local allocator',
+      )
   note = SharedAllocatorNote(local)
   if note:
     for d in local:
@@ -290,8 +322,9 @@ def DeviceDetails(devices, status=None):
 def DeviceMemory(devices, status=None):
   """{device: (current bytes, peak bytes)} for `devices` (see DeviceDetails)."""
   return collections.OrderedDict(
-      (d, (v['current'], v['peak']))
-      for d, v in DeviceDetails(devices, status).items())
+    (d, (v['current'], v['peak']))
+    for d, v in DeviceDetails(devices, status).items()
+  )
 
 
 def ResetPeaks(devices, status=None):
@@ -312,7 +345,9 @@ def SharedAllocatorNote(devices):
   """A note if several of `devices` are virtual CPUs of one allocator."""
   cpus = sorted({d for d in devices if 'CPU' in d.upper()})
   if len(cpus) > 1:
-    return (f'shared allocator: the {len(cpus)} virtual CPU devices of this '
-            'process share one allocator; each figure is the whole '
-            "process's, not the device's")
+    return (
+      f'shared allocator: the {len(cpus)} virtual CPU devices of this '
+      'process share one allocator; each figure is the whole '
+      "process's, not the device's"
+    )
   return ''

@@ -38,8 +38,14 @@ from lingvo_gpipe.models.mt import evaluation
 from lingvo_gpipe.runners import checkpointer as ckpt_lib
 from lingvo_gpipe.runners import train_loop
 
-__all__ = ['Evaler', 'Decoder', 'EvalDir', 'ReadResults', 'RESULTS_FILE',
-           'EvaluateBleuCheckpoint']
+__all__ = [
+  'Evaler',
+  'Decoder',
+  'EvalDir',
+  'ReadResults',
+  'RESULTS_FILE',
+  'EvaluateBleuCheckpoint',
+]
 
 RESULTS_FILE = 'metrics.jsonl'
 
@@ -72,9 +78,18 @@ class Evaler:
 
   KIND = 'eval'
 
-  def __init__(self, params, logdir, dataset='dev', max_steps=None,
-               interval_seconds=10.0, timeout_seconds=0.0, train_dir=None,
-               model=None, max_batches=None):
+  def __init__(
+    self,
+    params,
+    logdir,
+    dataset='dev',
+    max_steps=None,
+    interval_seconds=10.0,
+    timeout_seconds=0.0,
+    train_dir=None,
+    model=None,
+    max_batches=None,
+  ):
     """Constructor.
 
     Args:
@@ -107,17 +122,18 @@ class Evaler:
     input_p = self._task.input_generator.params
     if input_p.num_epochs is None and not max_batches:
       raise ValueError(
-          f'The {dataset} input of {params.name or "the model"} repeats '
-          'forever (num_epochs=None), so one evaluation pass never ends. Set '
-          'num_epochs=1 on its input Params (BaseInputGenerator.'
-          'SetEvalSettings) or pass max_batches.')
+        f'The {dataset} input of {params.name or "the model"} repeats '
+        'forever (num_epochs=None), so one evaluation pass never ends. Set '
+        'num_epochs=1 on its input Params (BaseInputGenerator.'
+        'SetEvalSettings) or pass max_batches.'
+      )
     self._reader = ckpt_lib.Checkpointer(
-        self._train_dir, self._model.VariablesByName(), writable=False)
+      self._train_dir, self._model.VariablesByName(), writable=False
+    )
     self._step_fn = tf.function(self._EvalStep, autograph=False)
     ckpt_lib.CheckWritableDir(self._eval_dir, what='eval directory')
     self._writer = tf.summary.create_file_writer(self._eval_dir)
-    self._done = {r['step'] for r in ReadResults(self._eval_dir)
-                  if 'step' in r}
+    self._done = {r['step'] for r in ReadResults(self._eval_dir) if 'step' in r}
 
   @property
   def eval_dir(self):
@@ -155,10 +171,13 @@ class Evaler:
         weights[name] = weights.get(name, 0.0) + weight
       num_batches += 1
     if not num_batches:
-      raise ValueError(f'The {self._dataset} input produced no batch; check '
-                       'its file_pattern / num_samples / batch_size.')
-    metrics = {k: (sums[k] / weights[k] if weights[k] else float('nan'))
-               for k in sums}
+      raise ValueError(
+        f'The {self._dataset} input produced no batch; check '
+        'its file_pattern / num_samples / batch_size.'
+      )
+    metrics = {
+      k: (sums[k] / weights[k] if weights[k] else float('nan')) for k in sums
+    }
     return metrics, weights, num_batches
 
   def _Evaluate(self, step):
@@ -176,22 +195,34 @@ class Evaler:
       step = int(self._model.global_step.numpy())
     metrics, weights, num_batches, extra = self._Evaluate(step)
     record = {
-        'step': step, 'checkpoint': prefix, 'dataset': self._dataset,
-        'metrics': metrics, 'weights': weights, 'num_batches': num_batches,
-        'seconds': round(time.time() - start, 3), 'wall_time': time.time(),
+      'step': step,
+      'checkpoint': prefix,
+      'dataset': self._dataset,
+      'metrics': metrics,
+      'weights': weights,
+      'num_batches': num_batches,
+      'seconds': round(time.time() - start, 3),
+      'wall_time': time.time(),
     }
     record.update(extra)
     with self._writer.as_default(step=step):
       for name, value in metrics.items():
         train_loop.WriteScalar(name, value, step)
     self._writer.flush()
-    with tf.io.gfile.GFile(os.path.join(self._eval_dir, RESULTS_FILE),
-                           'a') as f:
+    with tf.io.gfile.GFile(
+      os.path.join(self._eval_dir, RESULTS_FILE), 'a'
+    ) as f:
       f.write(json.dumps(record, sort_keys=True) + '\n')
     self._done.add(step)
     shown = '  '.join(f'{k} {v:.6g}' for k, v in sorted(metrics.items()))
-    logging.info('%s %s at step %d (%s): %s', self.KIND.capitalize(),
-                 self._dataset, step, prefix, shown)
+    logging.info(
+      '%s %s at step %d (%s): %s',
+      self.KIND.capitalize(),
+      self._dataset,
+      step,
+      prefix,
+      shown,
+    )
     return record
 
   def _Wait(self, stop):
@@ -212,10 +243,14 @@ class Evaler:
     """
     records, failures = [], {}
     last_new = time.time()
-    logging.info('%s %s watching %s (max_steps=%s, timeout=%s).',
-                 self.KIND.capitalize(), self._dataset, self._train_dir,
-                 self._max_steps,
-                 f'{self._timeout:g} s' if self._timeout else 'none')
+    logging.info(
+      '%s %s watching %s (max_steps=%s, timeout=%s).',
+      self.KIND.capitalize(),
+      self._dataset,
+      self._train_dir,
+      self._max_steps,
+      f'{self._timeout:g} s' if self._timeout else 'none',
+    )
     while True:
       stopping = stop is not None and stop.requested
       prefix = ckpt_lib.LatestCheckpoint(self._train_dir)
@@ -225,12 +260,19 @@ class Evaler:
           records.append(self.EvalCheckpoint(prefix))
         except ckpt_lib.IncompatibleCheckpointError:
           raise
-        except (tf.errors.NotFoundError, tf.errors.DataLossError,
-                ckpt_lib.CheckpointError) as e:
+        except (
+          tf.errors.NotFoundError,
+          tf.errors.DataLossError,
+          ckpt_lib.CheckpointError,
+        ) as e:
           # The trainer may delete an old checkpoint while it is read.
           failures[prefix] = failures.get(prefix, 0) + 1
-          logging.warning('Could not read %s (try %d): %s', prefix,
-                          failures[prefix], str(e).splitlines()[0])
+          logging.warning(
+            'Could not read %s (try %d): %s',
+            prefix,
+            failures[prefix],
+            str(e).splitlines()[0],
+          )
           if failures[prefix] >= 3:
             self._done.add(step)
           self._Wait(stop)
@@ -241,9 +283,13 @@ class Evaler:
       if stopping:
         return records
       if self._timeout and time.time() - last_new > self._timeout:
-        logging.warning('%s %s: no new checkpoint in %s for %.0f s; '
-                        'exiting.', self.KIND.capitalize(), self._dataset,
-                        self._train_dir, self._timeout)
+        logging.warning(
+          '%s %s: no new checkpoint in %s for %.0f s; exiting.',
+          self.KIND.capitalize(),
+          self._dataset,
+          self._train_dir,
+          self._timeout,
+        )
         return records
       self._Wait(stop)
 
@@ -273,8 +319,11 @@ class Decoder(Evaler):
       keep = None
       if 'weight' in batch:
         keep = np.asarray(batch['weight']) > 0
-      items = dict(out.FlattenItems()) if hasattr(out, 'FlattenItems') else {
-          'output': out}
+      items = (
+        dict(out.FlattenItems())
+        if hasattr(out, 'FlattenItems')
+        else {'output': out}
+      )
       if 'label' in batch and 'label' not in items:
         items['label'] = batch['label']
       for key, value in items.items():
@@ -285,8 +334,10 @@ class Decoder(Evaler):
       total += int(keep.sum()) if keep is not None else BatchRows(batch)
       num_batches += 1
     path = os.path.join(self._eval_dir, f'decoder_out_{step}.npz')
-    arrays = {k: np.concatenate(v) if v[0].ndim else np.stack(v)
-              for k, v in columns.items()}
+    arrays = {
+      k: np.concatenate(v) if v[0].ndim else np.stack(v)
+      for k, v in columns.items()
+    }
     buf = io.BytesIO()  # np.savez seeks; not every file system can.
     np.savez(buf, **arrays)
     with tf.io.gfile.GFile(path, 'wb') as f:
@@ -295,16 +346,27 @@ class Decoder(Evaler):
     if hasattr(self._task, 'PostProcessDecodeOut'):
       # Task-specific decode metrics, e.g. BLEU per language.
       metrics.update(self._task.PostProcessDecodeOut(arrays).Metrics())
-    return (metrics, {k: 1.0 for k in metrics}, num_batches,
-            {'decoder_out': path})
+    return (
+      metrics,
+      {k: 1.0 for k in metrics},
+      num_batches,
+      {'decoder_out': path},
+    )
 
 
 def BatchRows(batch):
   return train_loop.BatchSize(batch) or 0
 
 
-def EvaluateBleuCheckpoint(model, logdir, dataset='Test', beam_size=None,
-                           max_batches=None, checkpoint=None, overrides=None):
+def EvaluateBleuCheckpoint(
+  model,
+  logdir,
+  dataset='Test',
+  beam_size=None,
+  max_batches=None,
+  checkpoint=None,
+  overrides=None,
+):
   """Restores a checkpoint of an MT `model` and scores BLEU on `dataset`.
 
     step, report = EvaluateBleuCheckpoint('mt.multilingual.TransformerTiny',
@@ -332,11 +394,14 @@ def EvaluateBleuCheckpoint(model, logdir, dataset='Test', beam_size=None,
   train_dir = os.path.join(logdir, 'train')
   prefix = checkpoint or ckpt_lib.LatestCheckpoint(train_dir)
   if prefix is None:
-    raise ValueError(f'No checkpoint in {train_dir}; train the model first '
-                     f'(python -m lingvo_gpipe.trainer --model={model} '
-                     f'--logdir={logdir}).')
+    raise ValueError(
+      f'No checkpoint in {train_dir}; train the model first '
+      f'(python -m lingvo_gpipe.trainer --model={model} '
+      f'--logdir={logdir}).'
+    )
   built = p.Instantiate()
-  ckpt_lib.Checkpointer(train_dir, built.VariablesByName(),
-                            writable=False).RestoreFrom(prefix, strict=False)
+  ckpt_lib.Checkpointer(
+    train_dir, built.VariablesByName(), writable=False
+  ).RestoreFrom(prefix, strict=False)
   report = evaluation.EvaluateBleu(built.GetTask(), max_batches)
   return ckpt_lib.StepOf(prefix), report

@@ -70,19 +70,20 @@ def _Pack(keys, values):
 
 def _UsedInputs(fn, keys, specs):
   """The keys whose placeholders the traced predictions consume."""
-  concrete = tf.function(fn, autograph=False).get_concrete_function(
-      *specs)
+  concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
   used = []
-  placeholders = [t for t in concrete.graph.inputs
-                  if t.dtype != tf.resource][:len(keys)]
+  placeholders = [t for t in concrete.graph.inputs if t.dtype != tf.resource][
+    : len(keys)
+  ]
   for key, t in zip(keys, placeholders):
     if t.consumers():
       used.append(key)
   return used
 
 
-def ExportSavedModel(task, export_dir, variables=None, input_spec=None,
-                     input_keys=None):
+def ExportSavedModel(
+  task, export_dir, variables=None, input_spec=None, input_keys=None
+):
   """Writes a SavedModel of the task's predictions to `export_dir`.
 
   Args:
@@ -106,32 +107,45 @@ def ExportSavedModel(task, export_dir, variables=None, input_spec=None,
   def Predict(*tensors, keys=tuple(keys)):
     with py_utils.EvalMode():
       preds = task.ComputePredictions(task.theta, _Pack(keys, tensors))
-    return {SignatureName(k): v for k, v in _Flat(preds)
-            if isinstance(v, (tf.Tensor, tf.Variable))}
+    return {
+      SignatureName(k): v
+      for k, v in _Flat(preds)
+      if isinstance(v, (tf.Tensor, tf.Variable))
+    }
 
   if input_keys is None:
     try:
       input_keys = _UsedInputs(Predict, keys, specs)
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning('Could not find which inputs the predictions read (%s); '
-                      'the signature takes them all.', e)
+      logging.warning(
+        'Could not find which inputs the predictions read (%s); '
+        'the signature takes them all.',
+        e,
+      )
       input_keys = keys
   unknown = sorted(set(input_keys) - set(keys))
   if unknown:
-    raise ValueError(f'input_keys {unknown} are not in the input spec, whose '
-                     f'keys are {keys}.')
+    raise ValueError(
+      f'input_keys {unknown} are not in the input spec, whose keys are {keys}.'
+    )
   chosen = [(k, s) for k, s in items if k in input_keys]
   names = [SignatureName(k) for k, _ in chosen]
-  signature = [tf.TensorSpec(s.shape, s.dtype, name=n)
-               for n, (_, s) in zip(names, chosen)]
+  signature = [
+    tf.TensorSpec(s.shape, s.dtype, name=n) for n, (_, s) in zip(names, chosen)
+  ]
   chosen_keys = tuple(k for k, _ in chosen)
-  serve = tf.function(lambda *t: Predict(*t, keys=chosen_keys),
-                      input_signature=signature, autograph=False)
+  serve = tf.function(
+    lambda *t: Predict(*t, keys=chosen_keys),
+    input_signature=signature,
+    autograph=False,
+  )
   concrete = serve.get_concrete_function()
   if not concrete.structured_outputs:
-    raise ValueError(f'{type(task).__name__}.ComputePredictions returned no '
-                     'tensors; it must return a tensor or a NestedMap of '
-                     'them to be exported.')
+    raise ValueError(
+      f'{type(task).__name__}.ComputePredictions returned no '
+      'tensors; it must return a tensor or a NestedMap of '
+      'them to be exported.'
+    )
 
   root = tf.Module()
   if variables is None:
@@ -142,6 +156,10 @@ def ExportSavedModel(task, export_dir, variables=None, input_spec=None,
     tf.io.gfile.rmtree(export_dir)
   tf.io.gfile.makedirs(os.path.dirname(os.path.abspath(export_dir)))
   tf.saved_model.save(root, export_dir, signatures={SERVING_KEY: concrete})
-  logging.info('Exported SavedModel to %s: inputs %s, outputs %s.', export_dir,
-               names, sorted(concrete.structured_outputs))
+  logging.info(
+    'Exported SavedModel to %s: inputs %s, outputs %s.',
+    export_dir,
+    names,
+    sorted(concrete.structured_outputs),
+  )
   return names

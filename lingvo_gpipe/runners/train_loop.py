@@ -26,12 +26,21 @@ import tensorflow as tf
 
 from tensorflow.core.framework import summary_pb2
 
-__all__ = ['StopRequest', 'NonFiniteError', 'TrainResult', 'TrainLoop',
-           'StepWatchdog', 'BatchSize', 'FormatDuration', 'WriteScalar']
+__all__ = [
+  'StopRequest',
+  'NonFiniteError',
+  'TrainResult',
+  'TrainLoop',
+  'StepWatchdog',
+  'BatchSize',
+  'FormatDuration',
+  'WriteScalar',
+]
 
 # What tf.summary.scalar writes, without needing the tensorboard package.
 _SCALAR_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
+  plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars')
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -70,8 +79,9 @@ class StopRequest:
         signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
         return
-      logging.info('%s received: saving a checkpoint after this step, then '
-                   'exiting.', name)
+      logging.info(
+        '%s received: saving a checkpoint after this step, then exiting.', name
+      )
       self.Set(name)
 
     for signum in signums:
@@ -88,8 +98,7 @@ class StepWatchdog:
   first step (tracing, compilation) gets `first_step_factor` times the bound.
   """
 
-  def __init__(self, timeout_s, on_timeout, first_step_factor=4.0,
-               poll_s=0.5):
+  def __init__(self, timeout_s, on_timeout, first_step_factor=4.0, poll_s=0.5):
     self._timeout = float(timeout_s)
     self._on_timeout = on_timeout
     self._first_factor = float(first_step_factor)
@@ -98,13 +107,15 @@ class StepWatchdog:
     self._current = None  # (step, start time, bound)
     self._steps_done = 0
     self._done = threading.Event()
-    self._thread = threading.Thread(target=self._Watch, name='step_watchdog',
-                                    daemon=True)
+    self._thread = threading.Thread(
+      target=self._Watch, name='step_watchdog', daemon=True
+    )
     self._thread.start()
 
   def StepStarted(self, step):
-    bound = self._timeout * (self._first_factor if self._steps_done == 0
-                             else 1.0)
+    bound = self._timeout * (
+      self._first_factor if self._steps_done == 0 else 1.0
+    )
     with self._lock:
       self._current = (step, time.time(), bound)
 
@@ -140,8 +151,10 @@ class TrainResult:
     self.checkpoint = checkpoint
 
   def __repr__(self):
-    return (f'TrainResult(step={self.step}, reason={self.reason!r}, '
-            f'checkpoint={self.checkpoint!r})')
+    return (
+      f'TrainResult(step={self.step}, reason={self.reason!r}, '
+      f'checkpoint={self.checkpoint!r})'
+    )
 
 
 def BatchSize(batch):
@@ -155,8 +168,12 @@ def BatchSize(batch):
 
 def WriteScalar(name, value, step):
   """A TensorBoard scalar summary into the default writer."""
-  tf.summary.write(name, tf.constant(float(value), tf.float32), step=step,
-                   metadata=_SCALAR_METADATA)
+  tf.summary.write(
+    name,
+    tf.constant(float(value), tf.float32),
+    step=step,
+    metadata=_SCALAR_METADATA,
+  )
 
 
 def FormatDuration(seconds):
@@ -171,8 +188,9 @@ def _Scalars(outputs):
     if isinstance(value, (tuple, list)) and len(value) == 2:  # (value, weight)
       value = value[0]
     value = np.asarray(value)
-    if value.ndim == 0 and (np.issubdtype(value.dtype, np.number) or
-                            value.dtype == np.bool_):
+    if value.ndim == 0 and (
+      np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_
+    ):
       out[name] = float(value)
   return out
 
@@ -180,10 +198,21 @@ def _Scalars(outputs):
 class TrainLoop:
   """Runs training steps until max_steps, a stop request, or a NaN."""
 
-  def __init__(self, task, global_step, iterator, checkpointer, max_steps,
-               summary_dir=None, log_interval_steps=10,
-               summary_interval_steps=100, stop=None, batch_size=None,
-               train_step_fn=None, watchdog=None):
+  def __init__(
+    self,
+    task,
+    global_step,
+    iterator,
+    checkpointer,
+    max_steps,
+    summary_dir=None,
+    log_interval_steps=10,
+    summary_interval_steps=100,
+    stop=None,
+    batch_size=None,
+    train_step_fn=None,
+    watchdog=None,
+  ):
     """Constructor.
 
     Args:
@@ -213,15 +242,17 @@ class TrainLoop:
     self._summary_every = max(1, int(summary_interval_steps or 1))
     self._stop = stop or StopRequest()
     self._batch_size = batch_size
-    self._writer = (tf.summary.create_file_writer(summary_dir)
-                    if summary_dir else None)
+    self._writer = (
+      tf.summary.create_file_writer(summary_dir) if summary_dir else None
+    )
     fn = train_step_fn or task.TrainStep
     self._increments = None  # Whether TrainStep increments the step itself.
     # No autograph: layers use Python control flow on static values only,
     # and tracing then needs no source code (which may change on disk).
     self._step_fn = tf.function(fn, autograph=False)
-    self._incr_fn = tf.function(lambda: self._global_step.assign_add(1),
-                                autograph=False)
+    self._incr_fn = tf.function(
+      lambda: self._global_step.assign_add(1), autograph=False
+    )
 
   @property
   def stop(self):
@@ -231,20 +262,24 @@ class TrainLoop:
     loss = scalars.get('loss')
     if loss is not None and not math.isfinite(loss):
       raise NonFiniteError(
-          f'The loss is {loss} at step {step}. Training stopped without '
-          'saving, so the last checkpoint is the last good model. Lower the '
-          'learning rate (e.g. --model_params_override="task.train.'
-          'learning_rate : ...") or add gradient clipping, then restart.')
+        f'The loss is {loss} at step {step}. Training stopped without '
+        'saving, so the last checkpoint is the last good model. Lower the '
+        'learning rate (e.g. --model_params_override="task.train.'
+        'learning_rate : ...") or add gradient clipping, then restart.'
+      )
 
   def _CheckWeightsFinite(self, step):
-    bad = [v.name for v in self._Variables()
-           if v.dtype.is_floating and not bool(
-               tf.reduce_all(tf.math.is_finite(v)))]
+    bad = [
+      v.name
+      for v in self._Variables()
+      if v.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(v)))
+    ]
     if bad:
       raise NonFiniteError(
-          f'NaN or Inf in {len(bad)} variables at step {step} (e.g. '
-          f'{bad[:3]}); not saving them, the last checkpoint is the last '
-          'good model.')
+        f'NaN or Inf in {len(bad)} variables at step {step} (e.g. '
+        f'{bad[:3]}); not saving them, the last checkpoint is the last '
+        'good model.'
+      )
 
   def _Variables(self):
     if self._ckpt is not None:
@@ -282,8 +317,9 @@ class TrainLoop:
       if examples_per_sec is not None:
         parts.append(f'{examples_per_sec:.1f} examples/s')
       parts.append(f'{step_time * 1000:.1f} ms/step')
-      parts.append('ETA ' + FormatDuration(
-          (self._max_steps - step) * step_time))
+      parts.append(
+        'ETA ' + FormatDuration((self._max_steps - step) * step_time)
+      )
     logging.info('  '.join(parts))
 
   def Run(self):
@@ -293,8 +329,11 @@ class TrainLoop:
     window_start, window_steps, window_examples = None, 0, 0
     checkpoint = None
     if step >= self._max_steps:
-      logging.info('Global step %d >= max_steps %d: nothing to train.', step,
-                   self._max_steps)
+      logging.info(
+        'Global step %d >= max_steps %d: nothing to train.',
+        step,
+        self._max_steps,
+      )
     while step < self._max_steps:
       if self._stop.requested:
         reason = self._stop.signal_name or 'stop requested'
@@ -303,8 +342,11 @@ class TrainLoop:
         batch = next(self._iterator)
       except StopIteration:
         reason = 'input exhausted'
-        logging.warning('The training input ended at step %d, before '
-                        'max_steps=%d.', step, self._max_steps)
+        logging.warning(
+          'The training input ended at step %d, before max_steps=%d.',
+          step,
+          self._max_steps,
+        )
         break
       t0 = time.time()
       if self._watchdog is not None:
@@ -328,8 +370,9 @@ class TrainLoop:
       step = new_step
       elapsed = now - window_start
       avg_step = elapsed / window_steps if window_steps else step_time
-      eps = (window_examples / elapsed if elapsed > 0 and window_examples
-             else None)
+      eps = (
+        window_examples / elapsed if elapsed > 0 and window_examples else None
+      )
       if step % self._summary_every == 0 or step >= self._max_steps:
         self._Summaries(step, scalars, eps, avg_step)
       if step % self._log_every == 0 or step >= self._max_steps:

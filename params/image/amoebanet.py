@@ -45,11 +45,18 @@ from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.models import amoebanet
 
 __all__ = [
-    'AmoebaNetBase', 'AmoebaNetD18x208', 'AmoebaNetD18x416',
-    'AmoebaNetD18x544', 'AmoebaNetD36x544', 'AmoebaNetD72x512',
-    'AmoebaNetB18x512ImageNet480', 'AmoebaNetCifarFineTuneBase',
-    'AmoebaNetB18x512Cifar10', 'AmoebaNetB18x512Cifar100', 'AmoebaNetTiny',
-    'AmoebaNetTinyCifar100',
+  'AmoebaNetBase',
+  'AmoebaNetD18x208',
+  'AmoebaNetD18x416',
+  'AmoebaNetD18x544',
+  'AmoebaNetD36x544',
+  'AmoebaNetD72x512',
+  'AmoebaNetB18x512ImageNet480',
+  'AmoebaNetCifarFineTuneBase',
+  'AmoebaNetB18x512Cifar10',
+  'AmoebaNetB18x512Cifar100',
+  'AmoebaNetTiny',
+  'AmoebaNetTinyCifar100',
 ]
 
 
@@ -97,10 +104,12 @@ class AmoebaNetBase(base_model_params.SingleTaskModelParams):
 
   def Train(self):
     return imagenet.ImageNetInput.Params().Set(
-        file_pattern=f'{self.IMAGENET_DIR}/train-*',
-        eval_file_pattern=f'{self.IMAGENET_DIR}/validation-*',
-        batch_size=self.BATCH_SIZE, image_size=self.IMAGE_SIZE,
-        num_classes=self.NUM_CLASSES)
+      file_pattern=f'{self.IMAGENET_DIR}/train-*',
+      eval_file_pattern=f'{self.IMAGENET_DIR}/validation-*',
+      batch_size=self.BATCH_SIZE,
+      image_size=self.IMAGE_SIZE,
+      num_classes=self.NUM_CLASSES,
+    )
 
   def Dev(self):
     return imagenet.ImageNetInput.EvalParams(self.Train(), 'Dev')
@@ -110,26 +119,38 @@ class AmoebaNetBase(base_model_params.SingleTaskModelParams):
 
   def _Net(self):
     """The AmoebaNet builder."""
-    return amoebanet.AmoebaNet.Params().Set(
-        genotype=self.GENOTYPE, num_cells=self.NUM_CELLS,
-        num_filters=self.NUM_FILTERS, image_size=self.IMAGE_SIZE,
-        image_channels=self.IMAGE_CHANNELS, stem_type=self.STEM_TYPE,
+    return (
+      amoebanet.AmoebaNet.Params()
+      .Set(
+        genotype=self.GENOTYPE,
+        num_cells=self.NUM_CELLS,
+        num_filters=self.NUM_FILTERS,
+        image_size=self.IMAGE_SIZE,
+        image_channels=self.IMAGE_CHANNELS,
+        stem_type=self.STEM_TYPE,
         stem_filters=self.STEM_FILTERS,
         drop_path_keep_prob=self.DROP_PATH_KEEP_PROB,
         dense_dropout_keep_prob=self.DENSE_DROPOUT_KEEP_PROB,
-        use_aux_head=self.USE_AUX_HEAD, num_classes=self.NUM_CLASSES,
-        bn_decay=self.BN_DECAY).Instantiate()
+        use_aux_head=self.USE_AUX_HEAD,
+        num_classes=self.NUM_CLASSES,
+        bn_decay=self.BN_DECAY,
+      )
+      .Instantiate()
+    )
 
   def _Learner(self, tp):
     """Sets the optimizer and schedule on task.train `tp`."""
     tp.learning_rate = self.LEARNING_RATE
     tp.optimizer = optimizer.RMSProp.Params().Set(
-        decay=0.9, momentum=0.9, epsilon=1.0)
+      decay=0.9, momentum=0.9, epsilon=1.0
+    )
     steps = self._StepsPerEpoch()
     tp.lr_schedule = schedule.WarmupExponentialDecay.Params().Set(
-        warmup_steps=int(self.WARMUP_EPOCHS * steps),
-        decay_steps=max(1, int(self.DECAY_EPOCHS * steps)),
-        decay_rate=self.DECAY_RATE, min_value=1e-4)
+      warmup_steps=int(self.WARMUP_EPOCHS * steps),
+      decay_steps=max(1, int(self.DECAY_EPOCHS * steps)),
+      decay_rate=self.DECAY_RATE,
+      min_value=1e-4,
+    )
     tp.max_steps = int(self.NUM_EPOCHS * steps)
 
   def Task(self):
@@ -137,11 +158,17 @@ class AmoebaNetBase(base_model_params.SingleTaskModelParams):
     num_stages = self.NUM_STAGES
     m = self.NUM_MICRO_BATCHES or 4 * num_stages
     p = amoebanet.AmoebaNetTask.Params().Set(
-        name=self.TASK_NAME, num_classes=self.NUM_CLASSES,
-        label_smoothing=self.LABEL_SMOOTHING, random_seed=self.RANDOM_SEED)
+      name=self.TASK_NAME,
+      num_classes=self.NUM_CLASSES,
+      label_smoothing=self.LABEL_SMOOTHING,
+      random_seed=self.RANDOM_SEED,
+    )
     p.network = net.PipelineParams(
-        num_stages=num_stages, num_micro_batches=m, devices=self.DEVICES,
-        recompute=self.RECOMPUTE)
+      num_stages=num_stages,
+      num_micro_batches=m,
+      devices=self.DEVICES,
+      recompute=self.RECOMPUTE,
+    )
     p.softmax.input_dim = net.FeatureDim()
     tp = p.train
     self._Learner(tp)
@@ -225,9 +252,12 @@ class AmoebaNetCifarFineTuneBase(AmoebaNetB18x512ImageNet480):
 
   def Train(self):
     return cifar.CifarInput.Params().Set(
-        dataset=self.DATASET, data_dir=self.CIFAR_DIR,
-        batch_size=self.BATCH_SIZE, image_size=self.IMAGE_SIZE,
-        grayscale=self.GRAYSCALE)
+      dataset=self.DATASET,
+      data_dir=self.CIFAR_DIR,
+      batch_size=self.BATCH_SIZE,
+      image_size=self.IMAGE_SIZE,
+      grayscale=self.GRAYSCALE,
+    )
 
   def Dev(self):
     return cifar.CifarInput.EvalParams(self.Train(), 'Dev')
@@ -295,8 +325,11 @@ class AmoebaNetTiny(_TinyMixin, AmoebaNetBase):
 
   def Train(self):
     return digits.DigitsInput.Params().Set(
-        split='train', batch_size=self.BATCH_SIZE,
-        image_size=self.IMAGE_SIZE, random_translate=1)
+      split='train',
+      batch_size=self.BATCH_SIZE,
+      image_size=self.IMAGE_SIZE,
+      random_translate=1,
+    )
 
   def Dev(self):
     return digits.DigitsInput.EvalParams(self.Train(), 'Dev')
@@ -307,9 +340,11 @@ class AmoebaNetTiny(_TinyMixin, AmoebaNetBase):
   def _Learner(self, tp):
     tp.learning_rate = self.LEARNING_RATE
     tp.optimizer = optimizer.RMSProp.Params().Set(
-        decay=0.9, momentum=0.9, epsilon=1.0)
+      decay=0.9, momentum=0.9, epsilon=1.0
+    )
     tp.lr_schedule = schedule.WarmupExponentialDecay.Params().Set(
-        warmup_steps=50, decay_steps=100, decay_rate=0.8, min_value=0.05)
+      warmup_steps=50, decay_steps=100, decay_rate=0.8, min_value=0.05
+    )
     tp.max_steps = self.MAX_STEPS
 
   def Task(self):

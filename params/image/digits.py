@@ -48,8 +48,11 @@ class DigitsMlpBase(base_model_params.SingleTaskModelParams):
 
   def Train(self):
     return digits.DigitsInput.Params().Set(
-        split='train', batch_size=self.BATCH_SIZE, image_size=self.IMAGE_SIZE,
-        random_translate=self.RANDOM_TRANSLATE)
+      split='train',
+      batch_size=self.BATCH_SIZE,
+      image_size=self.IMAGE_SIZE,
+      random_translate=self.RANDOM_TRANSLATE,
+    )
 
   def Dev(self):
     return digits.DigitsInput.EvalParams(self.Train(), 'Dev')
@@ -62,28 +65,43 @@ class DigitsMlpBase(base_model_params.SingleTaskModelParams):
     layers = [reshape.FlattenLayer.Params().Set(name='flatten')]
     in_dim = self.IMAGE_SIZE * self.IMAGE_SIZE
     for i, dim in enumerate(self.HIDDEN_DIMS):
-      layers.append(linears.ProjectionLayer.Params().Set(
-          name=f'fc{i}', input_dim=in_dim, output_dim=dim, activation='RELU',
-          batch_norm=self.BATCH_NORM, has_bias=not self.BATCH_NORM))
+      layers.append(
+        linears.ProjectionLayer.Params().Set(
+          name=f'fc{i}',
+          input_dim=in_dim,
+          output_dim=dim,
+          activation='RELU',
+          batch_norm=self.BATCH_NORM,
+          has_bias=not self.BATCH_NORM,
+        )
+      )
       in_dim = dim
     return layers
 
   def Task(self):
     p = classifier.ClassifierTask.Params().Set(
-        name='digits', num_classes=digits.NUM_CLASSES,
-        label_smoothing=self.LABEL_SMOOTHING, random_seed=self.RANDOM_SEED)
+      name='digits',
+      num_classes=digits.NUM_CLASSES,
+      label_smoothing=self.LABEL_SMOOTHING,
+      random_seed=self.RANDOM_SEED,
+    )
     p.network = pipelining_layer.PipeliningLayer.Params().Set(
-        name='network', layers=self._Layers(), num_stages=self.NUM_STAGES,
-        num_micro_batches=self.NUM_MICRO_BATCHES, devices=self.DEVICES,
-        recompute=self.RECOMPUTE,
-        input_shapes=[[None, self.IMAGE_SIZE, self.IMAGE_SIZE, 1]])
+      name='network',
+      layers=self._Layers(),
+      num_stages=self.NUM_STAGES,
+      num_micro_batches=self.NUM_MICRO_BATCHES,
+      devices=self.DEVICES,
+      recompute=self.RECOMPUTE,
+      input_shapes=[[None, self.IMAGE_SIZE, self.IMAGE_SIZE, 1]],
+    )
     p.softmax.input_dim = self.HIDDEN_DIMS[-1]
 
     tp = p.train
     tp.learning_rate = self.LEARNING_RATE
     tp.optimizer = optimizer.Adam.Params()
     tp.lr_schedule = schedule.LinearWarmup.Params().Set(
-        warmup_steps=self.WARMUP_STEPS)
+      warmup_steps=self.WARMUP_STEPS
+    )
     tp.l2_regularizer_weight = self.L2_REGULARIZER_WEIGHT
     tp.max_steps = self.MAX_STEPS
     tp.save_interval_steps = 100

@@ -36,27 +36,32 @@ from lingvo_gpipe.models.mt import layers as mt_layers
 from lingvo_gpipe.models.mt import model as mt_model
 from lingvo_gpipe.pipeline import pipelining_layer
 
-__all__ = ['MultilingualTransformerBase', 'TransformerT6x8192x16',
-           'TransformerT24x8192x16', 'TransformerT12x16384x32',
-           'TransformerT32x16384x32', 'TransformerT64x16384x32',
-           'TransformerTiny']
+__all__ = [
+  'MultilingualTransformerBase',
+  'TransformerT6x8192x16',
+  'TransformerT24x8192x16',
+  'TransformerT12x16384x32',
+  'TransformerT32x16384x32',
+  'TransformerT64x16384x32',
+  'TransformerTiny',
+]
 
 
 class MultilingualTransformerBase(base_model_params.SingleTaskModelParams):
   """Unregistered base of T(L, H, A); subclasses set the constants."""
 
-  NUM_LAYERS = 6          # L: encoder layers = decoder layers.
-  HIDDEN_DIM = 8192       # H: feed-forward width.
-  NUM_HEADS = 16          # A: attention heads.
+  NUM_LAYERS = 6  # L: encoder layers = decoder layers.
+  HIDDEN_DIM = 8192  # H: feed-forward width.
+  NUM_HEADS = 16  # A: attention heads.
   MODEL_DIM = 1024
   VOCAB_SIZE = 64000
-  NUM_STAGES = 2          # K: pipeline cells.
+  NUM_STAGES = 2  # K: pipeline cells.
   NUM_MICRO_BATCHES = 16  # M.
-  DEVICES = None          # None: the first NUM_STAGES accelerators.
+  DEVICES = None  # None: the first NUM_STAGES accelerators.
   RECOMPUTE = 'always'
   BUCKET_UPPER_BOUND = (32, 64, 128)
   BUCKET_BATCH_LIMIT = (1024, 512, 256)  # ~32k tokens per bucket batch.
-  BATCH_SIZE = 256                       # Eval batches.
+  BATCH_SIZE = 256  # Eval batches.
   DATA_DIR = ''
   DEMO_CORPUS = False
   SAMPLING_TEMPERATURE = 5.0
@@ -72,12 +77,15 @@ class MultilingualTransformerBase(base_model_params.SingleTaskModelParams):
 
   def _Input(self):
     return mt_input.MultilingualMTInput.Params().Set(
-        data_dir=self.DATA_DIR, split='train', vocab_size=self.VOCAB_SIZE,
-        batch_size=self.BATCH_SIZE,
-        bucket_upper_bound=list(self.BUCKET_UPPER_BOUND),
-        bucket_batch_limit=list(self.BUCKET_BATCH_LIMIT),
-        sampling_temperature=self.SAMPLING_TEMPERATURE,
-        demo_corpus=self.DEMO_CORPUS)
+      data_dir=self.DATA_DIR,
+      split='train',
+      vocab_size=self.VOCAB_SIZE,
+      batch_size=self.BATCH_SIZE,
+      bucket_upper_bound=list(self.BUCKET_UPPER_BOUND),
+      bucket_batch_limit=list(self.BUCKET_BATCH_LIMIT),
+      sampling_temperature=self.SAMPLING_TEMPERATURE,
+      demo_corpus=self.DEMO_CORPUS,
+    )
 
   def Train(self):
     return self._Input()
@@ -96,26 +104,41 @@ class MultilingualTransformerBase(base_model_params.SingleTaskModelParams):
 
   def Task(self):
     layers = mt_layers.TransformerMTLayers(
-        num_encoder_layers=self.NUM_LAYERS, num_decoder_layers=self.NUM_LAYERS,
-        model_dim=self.MODEL_DIM, hidden_dim=self.HIDDEN_DIM,
-        num_heads=self.NUM_HEADS, vocab_size=self.VOCAB_SIZE,
-        input_dropout_prob=self.DROPOUT, residual_dropout_prob=self.DROPOUT,
-        atten_dropout_prob=self.DROPOUT, relu_dropout_prob=self.DROPOUT,
-        label_smoothing=self.LABEL_SMOOTHING,
-        logits_abs_max=self.LOGITS_ABS_MAX,
-        fflayer_init_depth_scaling=self.FFLAYER_INIT_DEPTH_SCALING)
+      num_encoder_layers=self.NUM_LAYERS,
+      num_decoder_layers=self.NUM_LAYERS,
+      model_dim=self.MODEL_DIM,
+      hidden_dim=self.HIDDEN_DIM,
+      num_heads=self.NUM_HEADS,
+      vocab_size=self.VOCAB_SIZE,
+      input_dropout_prob=self.DROPOUT,
+      residual_dropout_prob=self.DROPOUT,
+      atten_dropout_prob=self.DROPOUT,
+      relu_dropout_prob=self.DROPOUT,
+      label_smoothing=self.LABEL_SMOOTHING,
+      logits_abs_max=self.LOGITS_ABS_MAX,
+      fflayer_init_depth_scaling=self.FFLAYER_INIT_DEPTH_SCALING,
+    )
     p = mt_model.TransformerMTTask.Params().Set(
-        name='mt', vocab_size=self.VOCAB_SIZE, beam_size=self.BEAM_SIZE,
-        random_seed=self.RANDOM_SEED)
+      name='mt',
+      vocab_size=self.VOCAB_SIZE,
+      beam_size=self.BEAM_SIZE,
+      random_seed=self.RANDOM_SEED,
+    )
     p.network = pipelining_layer.PipeliningLayer.Params().Set(
-        name='network', layers=layers, num_stages=self.NUM_STAGES,
-        num_micro_batches=self.NUM_MICRO_BATCHES, devices=self.DEVICES,
-        recompute=self.RECOMPUTE, input_shapes=self._InputShapes())
+      name='network',
+      layers=layers,
+      num_stages=self.NUM_STAGES,
+      num_micro_batches=self.NUM_MICRO_BATCHES,
+      devices=self.DEVICES,
+      recompute=self.RECOMPUTE,
+      input_shapes=self._InputShapes(),
+    )
     tp = p.train
     tp.learning_rate = self.LEARNING_RATE
     tp.optimizer = optimizer.Adam.Params().Set(beta1=0.9, beta2=0.98)
     tp.lr_schedule = schedule.TransformerSchedule.Params().Set(
-        warmup_steps=self.WARMUP_STEPS, model_dim=self.MODEL_DIM)
+      warmup_steps=self.WARMUP_STEPS, model_dim=self.MODEL_DIM
+    )
     tp.clip_gradient_norm_to_value = 1.0
     tp.max_steps = self.MAX_STEPS
     tp.save_interval_steps = 1000
@@ -199,7 +222,7 @@ class TransformerTiny(MultilingualTransformerBase):
   BATCH_SIZE = 64
   DEMO_CORPUS = True
   DROPOUT = 0.0
-  LEARNING_RATE = 0.4     # Peak 2e-3 after the warmup.
+  LEARNING_RATE = 0.4  # Peak 2e-3 after the warmup.
   WARMUP_STEPS = 300
   MAX_STEPS = 1200
   BEAM_SIZE = 4

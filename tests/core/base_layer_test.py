@@ -27,7 +27,8 @@ class _Leaf(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     self.CreateVariable(
-        'w', py_utils.WeightParams([2, p.dim], shared_name=p.shared_name))
+      'w', py_utils.WeightParams([2, p.dim], shared_name=p.shared_name)
+    )
 
   def FProp(self, theta, x):
     return tf.matmul(x, theta.w)
@@ -47,11 +48,15 @@ class _Parent(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self.CreateVariable('b', py_utils.WeightParams([3], WeightInit.Constant(0.5)))
+    self.CreateVariable(
+      'b', py_utils.WeightParams([3], WeightInit.Constant(0.5))
+    )
     self.CreateChild('child', p.child)
     self.CreateChildren(
-        'stack', [p.child.Copy().Set(name=n) for n in p.stack_names],
-        devices=p.devices)
+      'stack',
+      [p.child.Copy().Set(name=n) for n in p.stack_names],
+      devices=p.devices,
+    )
 
   def FProp(self, theta, x):
     y = self.child.FProp(theta.child, x) + theta.b
@@ -79,8 +84,9 @@ class _Custom(base_layer.BaseLayer):
 
 
 def _Build(build_fn, name='root', **kwargs):
-  return _Custom.Params().Set(name=name, build_fn=build_fn,
-                              **kwargs).Instantiate()
+  return (
+    _Custom.Params().Set(name=name, build_fn=build_fn, **kwargs).Instantiate()
+  )
 
 
 def _Root(**kwargs):
@@ -103,14 +109,21 @@ def _CountVariableCreations():
     yield created
 
 
-# -- Params and construction ------------------------------------------------------
+# -- Params and construction ---------------------------------------------------
 
 
 def testBaseParams():
   p = base_layer.BaseLayer.Params()
   assert set(p.GetKeys()) == {
-      'cls', 'name', 'dtype', 'fprop_dtype', 'params_init', 'random_seed',
-      'is_inference', 'skip_lp_regularization'}
+    'cls',
+    'name',
+    'dtype',
+    'fprop_dtype',
+    'params_init',
+    'random_seed',
+    'is_inference',
+    'skip_lp_regularization',
+  }
   assert p.cls is base_layer.BaseLayer
   assert p.name == '' and p.dtype == tf.float32
   assert p.fprop_dtype is None and p.random_seed is None
@@ -131,15 +144,22 @@ def testSlashInNameError():
 
 
 def testNonParamsArgumentError():
-  with pytest.raises(TypeError, match=r'_Leaf expects a Params object, got '
-                     r'dict.*Instantiate'):
+  with pytest.raises(
+    TypeError,
+    match=r'_Leaf expects a Params object, got '
+    r'dict.*Instantiate',
+  ):
     _Leaf({'name': 'x'})
 
 
 def testHierarchicalVariableNamesAndChildrenNaming():
   root = _Root()
   assert sorted(root.VariablesByName()) == [
-      'root/b', 'root/child/w', 'root/stack_0/w', 'root/stack_1/w']
+    'root/b',
+    'root/child/w',
+    'root/stack_0/w',
+    'root/stack_1/w',
+  ]
   assert root.vars.child.w.name == 'root/child/w:0'
   assert root.child.path == 'root/child' and root.child.parent is root
   assert [c.path for c in root.stack] == ['root/stack_0', 'root/stack_1']
@@ -174,8 +194,11 @@ def testCreateChildDuplicateLayerNamesError():
 
 def testCreateAfterInitError():
   root = _Root()
-  with pytest.raises(ValueError, match=r"CreateChild\('late'\).*'root'.*"
-                     r'after its __init__ returned'):
+  with pytest.raises(
+    ValueError,
+    match=r"CreateChild\('late'\).*'root'.*"
+    r'after its __init__ returned',
+  ):
     root.CreateChild('late', _Leaf.Params())
   with pytest.raises(ValueError, match=r'CreateChildren.*__init__'):
     root.CreateChildren('late', [_Leaf.Params()])
@@ -186,15 +209,24 @@ def testCreateAfterInitError():
     root.child.CreateVariable('v', py_utils.WeightParams([1]))
 
 
-@pytest.mark.parametrize('build', [
-    lambda l: [l.CreateVariable('w', py_utils.WeightParams([1]))
-               for _ in range(2)],
+@pytest.mark.parametrize(
+  'build',
+  [
+    lambda l: [
+      l.CreateVariable('w', py_utils.WeightParams([1])) for _ in range(2)
+    ],
     lambda l: [l.CreateChild('c', _Leaf.Params()) for _ in range(2)],
-    lambda l: (l.CreateChild('w', _Leaf.Params()),
-               l.CreateVariable('w', py_utils.WeightParams([1]))),
-    lambda l: (l.CreateVariable('c', py_utils.WeightParams([1])),
-               l.CreateChildren('c', [_Leaf.Params()])),
-], ids=['var_var', 'child_child', 'child_var', 'var_children'])
+    lambda l: (
+      l.CreateChild('w', _Leaf.Params()),
+      l.CreateVariable('w', py_utils.WeightParams([1])),
+    ),
+    lambda l: (
+      l.CreateVariable('c', py_utils.WeightParams([1])),
+      l.CreateChildren('c', [_Leaf.Params()]),
+    ),
+  ],
+  ids=['var_var', 'child_child', 'child_var', 'var_children'],
+)
 def testDuplicateChildOrVariableNameError(build):
   with pytest.raises(ValueError, match='already has a child or variable named'):
     _Build(build)
@@ -220,13 +252,18 @@ def testFailedConstructionLeavesNoParent():
   assert later.vars.w.name == 'later/w:0'
 
 
-# -- Params inheritance and freezing ----------------------------------------------
+# -- Params inheritance and freezing -------------------------------------------
 
 
 def testChildrenInheritBaseParams():
   init = WeightInit.Gaussian(0.1)
-  root = _Root(dtype=tf.float64, random_seed=5, params_init=init,
-               is_inference=True, skip_lp_regularization=True)
+  root = _Root(
+    dtype=tf.float64,
+    random_seed=5,
+    params_init=init,
+    is_inference=True,
+    skip_lp_regularization=True,
+  )
   for child in [root.child] + list(root.stack):
     cp = child.params
     assert cp.dtype == tf.float64 and cp.random_seed == 5
@@ -238,11 +275,19 @@ def testChildrenInheritBaseParams():
 
 
 def testChildrenKeepWhatTheySet():
-  child = _Leaf.Params().Set(dtype=tf.float16, random_seed=9,
-                             params_init=WeightInit.Uniform(0.01),
-                             is_inference=False)
-  root = _Root(child=child, dtype=tf.float64, random_seed=5,
-               params_init=WeightInit.Gaussian(0.1), is_inference=True)
+  child = _Leaf.Params().Set(
+    dtype=tf.float16,
+    random_seed=9,
+    params_init=WeightInit.Uniform(0.01),
+    is_inference=False,
+  )
+  root = _Root(
+    child=child,
+    dtype=tf.float64,
+    random_seed=5,
+    params_init=WeightInit.Gaussian(0.1),
+    is_inference=True,
+  )
   cp = root.child.params
   assert cp.dtype == tf.float16 and cp.random_seed == 9
   assert cp.is_inference is False and cp.params_init.method == 'uniform'
@@ -266,7 +311,7 @@ def testParamsAreAFrozenCopy():
   assert root.params.name == 'root'
 
 
-# -- Weights ----------------------------------------------------------------------
+# -- Weights -------------------------------------------------------------------
 
 
 def testThetaMirrorsChildren():
@@ -275,8 +320,9 @@ def testThetaMirrorsChildren():
   assert isinstance(theta, py_utils.NestedMap)
   assert set(theta) == {'b', 'child', 'stack'}
   assert type(theta.stack) is list and len(theta.stack) == 3  # pylint: disable=unidiomatic-typecheck
-  assert all(isinstance(t, py_utils.NestedMap) and set(t) == {'w'}
-             for t in theta.stack)
+  assert all(
+    isinstance(t, py_utils.NestedMap) and set(t) == {'w'} for t in theta.stack
+  )
   assert theta.stack[1].w is root.stack[1].vars.w
   assert theta.child.w is root.child.w
   assert theta.b is root.b
@@ -286,8 +332,9 @@ def testThetaMirrorsChildren():
 def testFPropDtypeCastsTheta():
   def Build(layer):
     layer.CreateVariable('w', py_utils.WeightParams([2, 2]))
-    layer.CreateVariable('step', py_utils.WeightParams(
-        [], WeightInit.Constant(0), dtype=tf.int32))
+    layer.CreateVariable(
+      'step', py_utils.WeightParams([], WeightInit.Constant(0), dtype=tf.int32)
+    )
     layer.CreateChild('c', _Leaf.Params())
 
   layer = _Build(Build, fprop_dtype=tf.bfloat16)
@@ -301,8 +348,11 @@ def testFPropDtypeCastsTheta():
   y = layer.c(tf.ones([1, 2], tf.bfloat16))
   assert y.dtype == tf.bfloat16
   np.testing.assert_allclose(
-      y.numpy().astype(np.float32),
-      np.ones([1, 2]) @ layer.c.vars.w.numpy(), rtol=2e-2, atol=2e-2)
+    y.numpy().astype(np.float32),
+    np.ones([1, 2]) @ layer.c.vars.w.numpy(),
+    rtol=2e-2,
+    atol=2e-2,
+  )
   # Without fprop_dtype theta holds the variables themselves.
   plain = _Leaf.Params().Set(name='plain').Instantiate()
   assert plain.fprop_dtype == tf.float32 and plain.theta.w is plain.vars.w
@@ -336,8 +386,7 @@ def testInitialValuesDoNotDependOnDevice():
 def testCallIsFPropOfTheta():
   root = _Root()
   x = tf.constant(np.arange(8, dtype=np.float32).reshape([4, 2]))
-  np.testing.assert_allclose(root(x).numpy(),
-                             root.FProp(root.theta, x).numpy())
+  np.testing.assert_allclose(root(x).numpy(), root.FProp(root.theta, x).numpy())
   w = [root.child.vars.w] + [c.vars.w for c in root.stack]
   expected = sum(x.numpy() @ v.numpy() for v in w) + 0.5
   np.testing.assert_allclose(root(x).numpy(), expected, rtol=1e-5)
@@ -353,13 +402,15 @@ def testDoEval():
   assert infer.do_eval
 
 
-# -- Shared variables -----------------------------------------------------------------
+# -- Shared variables ----------------------------------------------------------
 
 
 def _TiedParams(shapes):
   def Build(layer):
-    layer.CreateChildren('towers', [
-        _Leaf.Params().Set(dim=d, shared_name='tied') for d in shapes])
+    layer.CreateChildren(
+      'towers', [_Leaf.Params().Set(dim=d, shared_name='tied') for d in shapes]
+    )
+
   return _Custom.Params().Set(name='root', build_fn=Build)
 
 
@@ -376,12 +427,15 @@ def testSharedVariables():
 
 
 def testSharedVariableShapeMismatchError():
-  with pytest.raises(ValueError, match=r"root/towers_1/w shares 'tied' with "
-                     r'root/towers_0/w.*\[2, 4\].*\[2, 3\]'):
+  with pytest.raises(
+    ValueError,
+    match=r"root/towers_1/w shares 'tied' with "
+    r'root/towers_0/w.*\[2, 4\].*\[2, 3\]',
+  ):
     _TiedParams([3, 4]).Instantiate()
 
 
-# -- Abstract and detached builds ------------------------------------------------------
+# -- Abstract and detached builds ----------------------------------------------
 
 
 def testAbstractBuildCreatesNoVariables():
@@ -400,7 +454,11 @@ def testAbstractBuildCreatesNoVariables():
   assert w.dtype == tf.float64 and w.trainable
   assert w.ToSpec() == tf.TensorSpec([2, 3], tf.float64, name='root/child/w')
   assert sorted(root.VariablesByName()) == [
-      'root/b', 'root/child/w', 'root/stack_0/w', 'root/stack_1/w']
+    'root/b',
+    'root/child/w',
+    'root/stack_0/w',
+    'root/stack_1/w',
+  ]
 
 
 def testCountParamsAllocatesNothing():
@@ -437,8 +495,11 @@ def testDetachedBuild():
 def testGetattrErrorSuggestsCloseName():
   root = _Root()
   assert root.child is root.children.child and root.b is root.vars.b
-  with pytest.raises(AttributeError, match=r"'root' has no attribute, child "
-                     r"or variable 'chlid'.*Did you mean 'child'\?"):
+  with pytest.raises(
+    AttributeError,
+    match=r"'root' has no attribute, child "
+    r"or variable 'chlid'.*Did you mean 'child'\?",
+  ):
     _ = root.chlid
   with pytest.raises(AttributeError) as e:
     _ = root.zzzzz
@@ -451,7 +512,7 @@ def testVariableNamesIgnoreEnclosingNameScope():
   assert list(layer.VariablesByName()) == ['l/w']
 
 
-# -- FPropMeta ---------------------------------------------------------------------------
+# -- FPropMeta -----------------------------------------------------------------
 
 
 def testDefaultFPropMetaIsTraced():
@@ -470,8 +531,9 @@ def testDefaultFPropMetaIsTraced():
 
 def testChildrenWithoutDevicesKeepTheEnclosingDeviceScope():
   p = layers.SequentialLayer.Params().Set(
-      name='seq', sub=[layers.FCLayer.Params().Set(
-          name='fc', input_dim=2, output_dim=2)])
+    name='seq',
+    sub=[layers.FCLayer.Params().Set(name='fc', input_dim=2, output_dim=2)],
+  )
   with tf.device('/device:CPU:1'):
     seq = p.Instantiate()
   for v in seq.variables:

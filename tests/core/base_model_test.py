@@ -23,8 +23,9 @@ class _RegressionTask(base_model.BaseTask):
   def Params(cls):
     p = super().Params()
     p.Define('dim', 3, 'Input dim.')
-    p.Define('fc', linears.FCLayer.Params().Set(activation='NONE'),
-             'The projection.')
+    p.Define(
+      'fc', linears.FCLayer.Params().Set(activation='NONE'), 'The projection.'
+    )
     return p
 
   def __init__(self, params):
@@ -39,9 +40,10 @@ class _RegressionTask(base_model.BaseTask):
     n = tf.cast(tf.shape(predictions)[0], tf.float32)
     err = predictions - input_batch.y
     metrics = NestedMap(
-        loss=(tf.reduce_mean(tf.square(err)), n),
-        seed=(tf.cast(py_utils.CurrentStepSeed(), tf.float32), 1.0),
-        is_eval=(tf.constant(float(self.do_eval)), 1.0))
+      loss=(tf.reduce_mean(tf.square(err)), n),
+      seed=(tf.cast(py_utils.CurrentStepSeed(), tf.float32), 1.0),
+      is_eval=(tf.constant(float(self.do_eval)), 1.0),
+    )
     return metrics, NestedMap(err=err)
 
 
@@ -60,7 +62,7 @@ def _Model(**train):
   return base_model.SingleTaskModel.Params(tp).Instantiate()
 
 
-def test_train_step_learns_and_counts_steps():
+def testTrainStepLearnsAndCountsSteps():
   model = _Model()
   task = model.GetTask()
   batch = _Batch()
@@ -73,25 +75,40 @@ def test_train_step_learns_and_counts_steps():
   assert losses[-1] < 0.1 * losses[0]
   assert int(model.global_step.numpy()) == 30
   assert model.global_step is task.global_step
-  assert {'loss', 'seed', 'is_eval', 'learning_rate', 'grad_norm', 'var_norm',
-          'grad_scale', 'has_nan_or_inf'} <= set(out)
+  assert {
+    'loss',
+    'seed',
+    'is_eval',
+    'learning_rate',
+    'grad_norm',
+    'var_norm',
+    'grad_scale',
+    'has_nan_or_inf',
+  } <= set(out)
   assert float(out.is_eval) == 0.0
-  assert all(v.dtype == tf.float32 and v.shape.rank == 0 for v in
-             out.values())
+  assert all(v.dtype == tf.float32 and v.shape.rank == 0 for v in out.values())
 
 
-def test_variables_by_name_and_slots():
+def testVariablesByNameAndSlots():
   model = _Model(optimizer=optimizer.Adam.Params())
   names = sorted(model.VariablesByName())
-  assert names == ['Adam/iterations', 'global_step', 'reg/fc/b', 'reg/fc/b/m',
-                   'reg/fc/b/v', 'reg/fc/w', 'reg/fc/w/m', 'reg/fc/w/v']
+  assert names == [
+    'Adam/iterations',
+    'global_step',
+    'reg/fc/b',
+    'reg/fc/b/m',
+    'reg/fc/b/v',
+    'reg/fc/w',
+    'reg/fc/w/m',
+    'reg/fc/w/v',
+  ]
   gs = model.VariablesByName()['global_step']
   assert gs.dtype == tf.int64 and not gs.trainable
   for name, v in model.VariablesByName().items():
     assert v.name.split(':')[0] == name
 
 
-def test_eval_step_changes_nothing():
+def testEvalStepChangesNothing():
   model = _Model()
   task = model.GetTask()
   before = {k: v.numpy().copy() for k, v in model.VariablesByName().items()}
@@ -106,13 +123,14 @@ def test_eval_step_changes_nothing():
   assert preds.shape == (8,)
 
 
-def test_learner_from_legacy_or_explicit_params():
+def testLearnerFromLegacyOrExplicitParams():
   model = _Model(learning_rate=0.25)
   lrn = model.GetTask().learner
   assert lrn.params.learning_rate == 0.25
   assert isinstance(lrn.optimizer, optimizer.SGD)
   explicit = learner.Learner.Params().Set(
-      learning_rate=0.5, optimizer=optimizer.Momentum.Params())
+    learning_rate=0.5, optimizer=optimizer.Momentum.Params()
+  )
   model = _Model(learner=explicit)
   lrn = model.GetTask().learner
   assert lrn.params.learning_rate == 0.5
@@ -120,7 +138,7 @@ def test_learner_from_legacy_or_explicit_params():
   assert 'reg/fc/w/momentum' in model.VariablesByName()
 
 
-def test_weight_decay_skips_layers_with_skip_lp_regularization():
+def testWeightDecaySkipsLayersWithSkipLpRegularization():
   out = _Model(l2_regularizer_weight=1.0).GetTask().TrainStep(_Batch())
   assert float(out.l2_loss) > 0
   tp = _RegressionTask.Params().Set(name='reg')
@@ -136,10 +154,13 @@ class _BatchNormTask(base_model.BaseTask):
 
   def __init__(self, params):
     super().__init__(params)
-    bn = normalizations.BatchNormLayer.Params().Set(name='bn', dim=2,
-                                                    decay=0.5)
-    self.CreateChild('net', pipelining_layer.PipeliningLayer.Params().Set(
-        layers=[bn], num_stages=1, num_micro_batches=2))
+    bn = normalizations.BatchNormLayer.Params().Set(name='bn', dim=2, decay=0.5)
+    self.CreateChild(
+      'net',
+      pipelining_layer.PipeliningLayer.Params().Set(
+        layers=[bn], num_stages=1, num_micro_batches=2
+      ),
+    )
 
   def ComputePredictions(self, theta, input_batch):
     return self.net.FProp(theta.net, input_batch.x)
@@ -149,28 +170,31 @@ class _BatchNormTask(base_model.BaseTask):
     return NestedMap(loss=(loss, 1.0)), NestedMap()
 
 
-def test_batch_norm_moving_averages_updated_once_per_step():
+def testBatchNormMovingAveragesUpdatedOncePerStep():
   p = _BatchNormTask.Params().Set(name='bnt')
   p.train.learning_rate = 0.1
   model = base_model.SingleTaskModel.Params(p).Instantiate()
   x = np.random.RandomState(0).randn(8, 2).astype(np.float32) * 3 + 1
   tf.function(model.GetTask().TrainStep)(NestedMap(x=tf.constant(x)))
   variables = model.VariablesByName()
-  np.testing.assert_allclose(variables['bnt/net/bn/moving_mean'].numpy(),
-                             0.5 * x.mean(0), rtol=1e-5)
-  np.testing.assert_allclose(variables['bnt/net/bn/moving_variance'].numpy(),
-                             0.5 + 0.5 * x.var(0), rtol=1e-5)
+  np.testing.assert_allclose(
+    variables['bnt/net/bn/moving_mean'].numpy(), 0.5 * x.mean(0), rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    variables['bnt/net/bn/moving_variance'].numpy(),
+    0.5 + 0.5 * x.var(0),
+    rtol=1e-5,
+  )
 
 
 class _NoLossTask(_RegressionTask):
-
   def ComputeLoss(self, theta, predictions, input_batch):
     metrics, per_example = super().ComputeLoss(theta, predictions, input_batch)
     del metrics.loss
     return metrics, per_example
 
 
-def test_errors():
+def testErrors():
   task = _NoLossTask.Params().Set(name='x').Instantiate()
   with pytest.raises(ValueError, match="without 'loss'"):
     task.TrainStep(_Batch())
@@ -180,7 +204,7 @@ def test_errors():
     base_model.SingleTaskModel.Params(_RegressionTask.Params()).Instantiate()
 
 
-def test_input_child_and_abstract_build():
+def testInputChildAndAbstractBuild():
   tp = _RegressionTask.Params().Set(name='reg')
   tp.input = digits.DigitsInput.Params().Set(batch_size=4)
   mp = base_model.SingleTaskModel.Params(tp)
@@ -202,10 +226,11 @@ def test_input_child_and_abstract_build():
   assert sorted(abstract.VariablesByName()) == ['reg/fc/b', 'reg/fc/w']
 
 
-def test_metrics_aggregator():
+def testMetricsAggregator():
   agg = base_model.MetricsAggregator()
-  agg.Update(NestedMap(loss=(tf.constant(1.0), tf.constant(3.0)),
-                       accuracy=(0.5, 3.0)))
+  agg.Update(
+    NestedMap(loss=(tf.constant(1.0), tf.constant(3.0)), accuracy=(0.5, 3.0))
+  )
   agg.Update({'loss': (2.0, 1.0), 'accuracy': (1.0, 1.0)})
   result = agg.Result()
   assert result['loss'] == pytest.approx(1.25)

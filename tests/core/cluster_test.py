@@ -12,15 +12,19 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 
 def testParseClusterSpecLingvoAndJsonForms():
   spec = cluster.ParseClusterSpec(
-      'worker=127.0.0.1:2222,127.0.0.1:2223@ps=10.0.0.1:1')
-  assert spec == {'worker': ['127.0.0.1:2222', '127.0.0.1:2223'],
-                  'ps': ['10.0.0.1:1']}
+    'worker=127.0.0.1:2222,127.0.0.1:2223@ps=10.0.0.1:1'
+  )
+  assert spec == {
+    'worker': ['127.0.0.1:2222', '127.0.0.1:2223'],
+    'ps': ['10.0.0.1:1'],
+  }
   assert cluster.ParseClusterSpec(json.dumps(spec)) == spec
   with pytest.raises(ValueError, match="'worker' is not"):
     cluster.ParseClusterSpec('worker')
@@ -33,8 +37,12 @@ def testParseClusterSpecLingvoAndJsonForms():
 
 
 def testTfConfig():
-  text = json.dumps({'cluster': {'worker': ['a:1', 'b:2']},
-                     'task': {'type': 'worker', 'index': 1}})
+  text = json.dumps(
+    {
+      'cluster': {'worker': ['a:1', 'b:2']},
+      'task': {'type': 'worker', 'index': 1},
+    }
+  )
   spec, job, task = cluster.ClusterSpecFromTfConfig(text)
   assert spec == {'worker': ['a:1', 'b:2']} and (job, task) == ('worker', 1)
   assert cluster.ClusterSpecFromTfConfig('') == (None, None, None)
@@ -44,17 +52,23 @@ def testTfConfig():
 
 def testLocalClusterStageDevices():
   # conftest splits the CPU into 4 devices.
-  c = cluster.Cluster(cluster.Cluster.Params().Set(
-      worker_split_size=2, worker_replicas=2)).Configure()
+  c = cluster.Cluster(
+    cluster.Cluster.Params().Set(worker_split_size=2, worker_replicas=2)
+  ).Configure()
   assert not c.is_remote
   stages = c.StageDevices()
-  assert [[tf.DeviceSpec.from_string(d).device_index for d in r]
-          for r in stages] == [[0, 1], [2, 3]]
+  assert [
+    [tf.DeviceSpec.from_string(d).device_index for d in r] for r in stages
+  ] == [[0, 1], [2, 3]]
   assert '2 replica(s) x 2 stage(s)' in c.Describe()
-  c3 = cluster.Cluster(cluster.Cluster.Params().Set(
-      worker_split_size=2, worker_replicas=3))
-  with pytest.raises(ValueError, match=r'3 replicas x 2 stages need 6 devices '
-                     r'but 4 were found: \[.*CPU:3'):
+  c3 = cluster.Cluster(
+    cluster.Cluster.Params().Set(worker_split_size=2, worker_replicas=3)
+  )
+  with pytest.raises(
+    ValueError,
+    match=r'3 replicas x 2 stages need 6 devices '
+    r'but 4 were found: \[.*CPU:3',
+  ):
     c3.StageDevices()
   with pytest.raises(ValueError, match='worker_replicas=0'):
     cluster.Cluster(cluster.Cluster.Params().Set(worker_replicas=0))
@@ -98,17 +112,24 @@ def testRemoteClusterDevicesAndDeadWorker():
 
   In a subprocess: connecting changes the process's TensorFlow context.
   """
-  out = subprocess.run([sys.executable, '-c', _REMOTE_SCRIPT], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=ROOT,
-                                TF_CPP_MIN_LOG_LEVEL='2'))
+  out = subprocess.run(
+    [sys.executable, '-c', _REMOTE_SCRIPT],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
   assert 'REMOTE_OK' in out.stdout, out.stderr[-4000:]
 
 
 def testPreferredDevicesTakesTpusThenGpusThenCpus():
   D = tf.config.LogicalDevice
-  cpu, gpu, tpu = (D('/device:CPU:0', 'CPU'), D('/device:GPU:1', 'GPU'),
-                   D('/device:TPU:0', 'TPU'))
+  cpu, gpu, tpu = (
+    D('/device:CPU:0', 'CPU'),
+    D('/device:GPU:1', 'GPU'),
+    D('/device:TPU:0', 'TPU'),
+  )
   assert cluster.PreferredDevices([cpu, gpu, tpu]) == ['/device:TPU:0']
   assert cluster.PreferredDevices([cpu, gpu]) == ['/device:GPU:1']
   assert cluster.PreferredDevices([cpu]) == ['/device:CPU:0']
@@ -118,13 +139,16 @@ def testPreferredDevicesTakesTpusThenGpusThenCpus():
 
 
 def testLocalWorkersDieWithTheProcessThatStartedThem():
-  code = ('import os\n'
-          'from lingvo_gpipe.core import cluster\n'
-          'c = cluster.LocalCluster(1).Start()\n'
-          'print(c.pids[0], flush=True)\n'
-          'os._exit(0)  # no Stop(): as if killed\n')
-  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                       text=True, timeout=120)
+  code = (
+    'import os\n'
+    'from lingvo_gpipe.core import cluster\n'
+    'c = cluster.LocalCluster(1).Start()\n'
+    'print(c.pids[0], flush=True)\n'
+    'os._exit(0)  # no Stop(): as if killed\n'
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   pid = int(out.stdout.split()[-1])
   deadline = time.time() + 20

@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.hyperparams, including two-way Lingvo compatibility."""
+"""Tests of lingvo_gpipe.core.hyperparams, with two-way Lingvo compatibility."""
 
 import collections
 import copy
@@ -13,7 +13,9 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from lingvo.core import hyperparams as lingvo_hyperparams  # Not skipped if missing.
+from lingvo.core import (
+  hyperparams as lingvo_hyperparams,
+)  # Not skipped if missing.
 
 from lingvo_gpipe.core import hyperparams
 
@@ -71,10 +73,10 @@ def _ModelParams():
   return p
 
 
-# ---- Define / Get / Set -------------------------------------------------------
+# ---- Define / Get / Set ------------------------------------------------------
 
 
-def test_define_get_set():
+def testDefineGetSet():
   p = hyperparams.Params()
   p.Define('dim', 8, 'Model dimension.')
   assert p.dim == 8 and p.Get('dim') == 8
@@ -86,7 +88,7 @@ def test_define_get_set():
   assert p.ParamIsSet('dim')
 
 
-def test_dotted_set_get_and_description():
+def testDottedSetGetAndDescription():
   p = _ModelParams()
   p.Set(**{'train.learning_rate': 0.1, 'name': 'm2'})
   assert p.train.learning_rate == 0.1 and p.Get('train.learning_rate') == 0.1
@@ -94,12 +96,14 @@ def test_dotted_set_get_and_description():
   assert p.GetDescription('train.steps') == 'Number of steps.'
 
 
-def test_subscripted_keys_reach_params_in_containers():
+def testSubscriptedKeysReachParamsInContainers():
   p = hyperparams.Params()
   p.Define('layers', [_TrainParams(), _TrainParams()], 'List of params.')
   p.Define('by_name', {'enc': _TrainParams()}, 'Dict of params.')
   p.Define('pairs', [('dec', _TrainParams())], 'Named params.')
-  p.Set(**{'layers[1].steps': 3, "by_name['enc'].steps": 4, 'pairs[dec].steps': 5})
+  p.Set(
+    **{'layers[1].steps': 3, "by_name['enc'].steps": 4, 'pairs[dec].steps': 5}
+  )
   assert [l.steps for l in p.layers] == [10, 3]
   assert p.by_name['enc'].steps == 4 and p.pairs[0][1].steps == 5
   assert p.Get('layers[1]') is p.layers[1]
@@ -112,10 +116,12 @@ def test_subscripted_keys_reach_params_in_containers():
 
 
 @pytest.mark.parametrize('action', ['get', 'set', 'Get', 'Set'])
-def test_unknown_keys_suggest_closest(action):
+def testUnknownKeysSuggestClosest(action):
   p = _ModelParams()
   # Attribute access on p.train cannot know the 'train.' prefix; Get/Set can.
-  expected = "'learning_rate'" if action.islower() else r"'train\.learning_rate'"
+  expected = (
+    "'learning_rate'" if action.islower() else r"'train\.learning_rate'"
+  )
   with pytest.raises(AttributeError, match='did you mean ' + expected) as e:
     if action == 'get':
       _ = p.train.lerning_rate
@@ -128,14 +134,16 @@ def test_unknown_keys_suggest_closest(action):
   assert 'lerning_rate' in str(e.value)
 
 
-def test_unknown_key_without_close_match_lists_keys():
+def testUnknownKeyWithoutCloseMatchListsKeys():
   p = _ModelParams()
-  with pytest.raises(AttributeError, match=r"known parameters: \['name', 'train'\]"):
+  with pytest.raises(
+    AttributeError, match=r"known parameters: \['name', 'train'\]"
+  ):
     _ = p.zzzzzz
   assert not hasattr(p, 'zzzzzz')
 
 
-def test_description_required():
+def testDescriptionRequired():
   p = hyperparams.Params()
   for bad in ['', '   ', None, 3]:
     with pytest.raises(ValueError, match='non-empty description'):
@@ -144,26 +152,30 @@ def test_description_required():
 
 
 @pytest.mark.parametrize('name', ['_x', '1a', 'a-b', 'a.b', '', 'Set', 'Copy'])
-def test_invalid_names(name):
+def testInvalidNames(name):
   with pytest.raises(ValueError, match='Invalid parameter name'):
     hyperparams.Params().Define(name, 1, 'Doc.')
 
 
-def test_redefine_raises():
+def testRedefineRaises():
   p = _TrainParams()
   with pytest.raises(AttributeError, match="'steps' is already defined"):
     p.Define('steps', 3, 'Again.')
 
 
-def test_delete():
+def testDelete():
   p = _ModelParams()
   assert p.Delete('name', 'train.steps') is p
-  assert 'name' not in p and 'train.steps' not in p and 'train.learning_rate' in p
-  with pytest.raises(AttributeError, match="did you mean 'train.learning_rate'"):
+  assert (
+    'name' not in p and 'train.steps' not in p and 'train.learning_rate' in p
+  )
+  with pytest.raises(
+    AttributeError, match="did you mean 'train.learning_rate'"
+  ):
     p.Delete('train.learning_rat')
 
 
-def test_iter_len_contains_keys():
+def testIterLenContainsKeys():
   p = _ModelParams()
   assert list(p.IterParams()) == [('name', 'model'), ('train', p.train)]
   assert len(p) == 2 and p.GetKeys() == ['name', 'train']
@@ -173,7 +185,7 @@ def test_iter_len_contains_keys():
 # ---- Copy / Freeze / equality -----------------------------------------------
 
 
-def test_copy_is_deep_and_shares_uncopyables():
+def testCopyIsDeepAndSharesUncopyables():
   lock = threading.Lock()
   p = _ModelParams()
   p.Define('items', [1, [2]], 'Nested list.')
@@ -192,32 +204,39 @@ def test_copy_is_deep_and_shares_uncopyables():
   assert p.name == 'model' and shallow.train is p.train
 
 
-def test_freeze_blocks_all_writes_recursively():
+def testFreezeBlocksAllWritesRecursively():
   p = _ModelParams()
   p.Define('stack', [_TrainParams()], 'Params in a list.')
   assert p.Freeze() is p
-  assert p.IsFrozen() and p.IsImmutable() and p.train.IsFrozen() and p.stack[0].IsFrozen()
+  assert (
+    p.IsFrozen()
+    and p.IsImmutable()
+    and p.train.IsFrozen()
+    and p.stack[0].IsFrozen()
+  )
   writes = [
-      lambda: setattr(p, 'name', 'x'),
-      lambda: p.Set(name='x'),
-      lambda: p.Define('other', 1, 'Doc.'),
-      lambda: p.Delete('name'),
-      lambda: p.FromText('name : "x"'),
-      lambda: setattr(p.train, 'steps', 1),
-      lambda: p.stack[0].Set(steps=1),
+    lambda: setattr(p, 'name', 'x'),
+    lambda: p.Set(name='x'),
+    lambda: p.Define('other', 1, 'Doc.'),
+    lambda: p.Delete('name'),
+    lambda: p.FromText('name : "x"'),
+    lambda: setattr(p.train, 'steps', 1),
+    lambda: p.stack[0].Set(steps=1),
   ]
   for write in writes:
     with pytest.raises(TypeError, match=r'frozen.*\.Copy\(\)'):
       write()
   assert p.name == 'model' and p.train.steps == 10
   q = p.Copy()
-  assert not q.IsFrozen() and not q.train.IsFrozen() and not q.stack[0].IsFrozen()
+  assert (
+    not q.IsFrozen() and not q.train.IsFrozen() and not q.stack[0].IsFrozen()
+  )
   q.train.steps = 1
   q.Define('other', 1, 'Doc.')
   assert q.train.steps == 1 and p.train.steps == 10
 
 
-def test_equality():
+def testEquality():
   a, b = _ModelParams(), _ModelParams()
   assert a == b and not a != b  # noqa: SIM202  (tests __ne__)
   b.train.steps = 3
@@ -234,29 +253,33 @@ def test_equality():
   assert a == d
 
 
-def test_pickle_round_trip():
+def testPickleRoundTrip():
   p = hyperparams.InstantiableParams(Widget)
   p.Define('sub', _TrainParams(), 'Nested.')
   q = pickle.loads(pickle.dumps(p))
   assert q == p and type(q) is hyperparams.InstantiableParams
 
 
-# ---- InstantiableParams ---------------------------------------------------------
+# ---- InstantiableParams ------------------------------------------------------
 
 
-def test_instantiate():
+def testInstantiate():
   p = hyperparams.InstantiableParams(Widget)
   p.Define('size', 3, 'Size.')
   w = p.Instantiate(extra=1)
   assert isinstance(w, Widget) and w.params is p and w.kwargs == {'extra': 1}
   q = p.Copy()
-  assert type(q) is hyperparams.InstantiableParams and q.cls is Widget and q == p
-  assert isinstance(hyperparams.InstantiableParams[Widget](Widget).Instantiate(), Widget)
+  assert (
+    type(q) is hyperparams.InstantiableParams and q.cls is Widget and q == p
+  )
+  assert isinstance(
+    hyperparams.InstantiableParams[Widget](Widget).Instantiate(), Widget
+  )
   with pytest.raises(ValueError, match='cls is None'):
     hyperparams.InstantiableParams(None).Instantiate()
 
 
-def test_copy_fields_to_and_merge():
+def testCopyFieldsToAndMerge():
   src = hyperparams.InstantiableParams(Widget)
   src.Define('a', 1, 'A.')
   src.Define('sub', _TrainParams(0.25), 'Sub.')
@@ -273,33 +296,43 @@ def test_copy_fields_to_and_merge():
   assert dst.a == 1
 
 
-def test_visit_keys():
+def testVisitKeys():
   p = _ModelParams()
   p.Define('lst', [_TrainParams()], 'List.')
   p.Define('dct', {'k': 1}, 'Dict.')
   seen = []
   p.Visit(lambda k, v: seen.append(k))
-  assert sorted(seen) == ["dct['k']", 'lst[0].learning_rate', 'lst[0].steps', 'name',
-                          'train.learning_rate', 'train.steps']
+  assert sorted(seen) == [
+    "dct['k']",
+    'lst[0].learning_rate',
+    'lst[0].steps',
+    'name',
+    'train.learning_rate',
+    'train.steps',
+  ]
 
 
-# ---- Text format ----------------------------------------------------------------
+# ---- Text format -------------------------------------------------------------
 
 
-def test_to_text_and_str_format():
+def testToTextAndStrFormat():
   p = _ModelParams()
   p.Define('dtype', tf.float32, 'Dtype.')
   p.Define('opt', None, 'Optional.')
   p.Define('shape', [2, 'a'], 'List.')
-  assert p.ToText() == ("dtype : float32\n"
-                        "name : 'model'\n"
-                        "opt : NoneType\n"
-                        "shape : [2, 'a']\n"
-                        "train.learning_rate : 0.5\n"
-                        "train.steps : 10\n")
-  assert str(p) == ('{\n  dtype: <dtype: \'float32\'>\n  name: "model"\n  opt: None\n'
-                    "  shape: [2, 'a']\n  train: {\n    learning_rate: 0.5\n    steps: 10\n"
-                    '  }\n}')
+  assert p.ToText() == (
+    'dtype : float32\n'
+    "name : 'model'\n"
+    'opt : NoneType\n'
+    "shape : [2, 'a']\n"
+    'train.learning_rate : 0.5\n'
+    'train.steps : 10\n'
+  )
+  assert str(p) == (
+    '{\n  dtype: <dtype: \'float32\'>\n  name: "model"\n  opt: None\n'
+    "  shape: [2, 'a']\n  train: {\n    learning_rate: 0.5\n    steps: 10\n"
+    '  }\n}'
+  )
   assert p.ToText(separator='=').splitlines()[0] == 'dtype = float32'
 
 
@@ -311,51 +344,56 @@ def _Sub(lr, steps):
 
 # (template value the loading Params holds, value whose text is loaded).
 ROUND_TRIP_CASES = {
-    'int': (0, -12345678901234567890),
-    'float': (0.0, 1.25e-07),
-    'float_inf': (0.0, float('inf')),
-    'str_plain': ('', 'hello world'),
-    'str_quotes': ('', 'it\'s a "test"'),
-    'str_more_double': ('', 'a"b"c\'d'),
-    'str_backslashes': ('', 'C:\\path\\to\\file\\'),
-    'str_newlines': ('', 'line one\n  line two  \n\nline four\n'),
-    'str_leading_newline': ('', '\nx'),
-    'str_ends_with_escaped_quote': ('', '"x\''),
-    'str_empty': ('x', ''),
-    'str_list_like': ('', '[1, 2]'),
-    'bool_true': (False, True),
-    'bool_false': (True, False),
-    'none_from_int': (3, None),
-    'none_from_none': (None, None),
-    'bool_into_none': (None, True),
-    'list': ([], [1, 2.5, 'x', [True, None]]),
-    'tuple': ((), (1, 'a')),
-    'singleton_tuple': ((), (7,)),
-    'dict': ({}, {'b': 'q"', 'a': [1, {'z': 2}]}),
-    'dict_with_none': ({'k': None}, {'k': None}),
-    'nested_params': (_Sub(0.0, 0), _Sub(0.125, 7)),
-    'list_of_params': ([_Sub(0.0, 0), _Sub(0.0, 0)], [_Sub(1.5, 1), _Sub(2.5, 2)]),
-    'dict_of_params': ({'enc': _Sub(0.0, 0)}, {'enc': _Sub(3.5, 3)}),
-    'pairs_of_params': ([('enc', _Sub(0.0, 0))], [('enc', _Sub(4.5, 4))]),
-    'mixed_list_with_params': ([0, _Sub(0.0, 0)], [5, _Sub(5.5, 5)]),
-    'class': (Gadget, Widget),
-    'class_from_none': (None, Widget),
-    'function': (MakeActivation, _TrainParams),
-    'function_value': (Gadget, MakeActivation),
-    'dtype_float32': (tf.int32, tf.float32),
-    'dtype_bfloat16': (tf.float32, tf.bfloat16),
-    'enum': (Color.RED, Color.GREEN),
-    'int_enum': (Level.LOW, Level.HIGH),
-    'list_with_encoded_items': ([tf.int32, None, Gadget, Color.RED],
-                                [tf.bfloat16, None, Widget, Color.GREEN]),
-    'namedtuple': (Point(0, ''), Point(3, 'y')),
-    'dataclass': (Box(), Box(5, 'wide')),
-    'ndarray': (np.zeros(3, np.float32), np.array([1.5, 2, 3], np.float32)),
+  'int': (0, -12345678901234567890),
+  'float': (0.0, 1.25e-07),
+  'float_inf': (0.0, float('inf')),
+  'str_plain': ('', 'hello world'),
+  'str_quotes': ('', 'it\'s a "test"'),
+  'str_more_double': ('', 'a"b"c\'d'),
+  'str_backslashes': ('', 'C:\\path\\to\\file\\'),
+  'str_newlines': ('', 'line one\n  line two  \n\nline four\n'),
+  'str_leading_newline': ('', '\nx'),
+  'str_ends_with_escaped_quote': ('', '"x\''),
+  'str_empty': ('x', ''),
+  'str_list_like': ('', '[1, 2]'),
+  'bool_true': (False, True),
+  'bool_false': (True, False),
+  'none_from_int': (3, None),
+  'none_from_none': (None, None),
+  'bool_into_none': (None, True),
+  'list': ([], [1, 2.5, 'x', [True, None]]),
+  'tuple': ((), (1, 'a')),
+  'singleton_tuple': ((), (7,)),
+  'dict': ({}, {'b': 'q"', 'a': [1, {'z': 2}]}),
+  'dict_with_none': ({'k': None}, {'k': None}),
+  'nested_params': (_Sub(0.0, 0), _Sub(0.125, 7)),
+  'list_of_params': (
+    [_Sub(0.0, 0), _Sub(0.0, 0)],
+    [_Sub(1.5, 1), _Sub(2.5, 2)],
+  ),
+  'dict_of_params': ({'enc': _Sub(0.0, 0)}, {'enc': _Sub(3.5, 3)}),
+  'pairs_of_params': ([('enc', _Sub(0.0, 0))], [('enc', _Sub(4.5, 4))]),
+  'mixed_list_with_params': ([0, _Sub(0.0, 0)], [5, _Sub(5.5, 5)]),
+  'class': (Gadget, Widget),
+  'class_from_none': (None, Widget),
+  'function': (MakeActivation, _TrainParams),
+  'function_value': (Gadget, MakeActivation),
+  'dtype_float32': (tf.int32, tf.float32),
+  'dtype_bfloat16': (tf.float32, tf.bfloat16),
+  'enum': (Color.RED, Color.GREEN),
+  'int_enum': (Level.LOW, Level.HIGH),
+  'list_with_encoded_items': (
+    [tf.int32, None, Gadget, Color.RED],
+    [tf.bfloat16, None, Widget, Color.GREEN],
+  ),
+  'namedtuple': (Point(0, ''), Point(3, 'y')),
+  'dataclass': (Box(), Box(5, 'wide')),
+  'ndarray': (np.zeros(3, np.float32), np.array([1.5, 2, 3], np.float32)),
 }
 
 
 @pytest.mark.parametrize('name', sorted(ROUND_TRIP_CASES))
-def test_round_trip(name):
+def testRoundTrip(name):
   template, value = ROUND_TRIP_CASES[name]
   src = hyperparams.Params()
   src.Define('x', value, 'The value.')
@@ -369,40 +407,57 @@ def test_round_trip(name):
   assert dst.ToText() == text
 
 
-def test_from_text_comments_blank_lines_and_bare_strings():
+def testFromTextCommentsBlankLinesAndBareStrings():
   p = _ModelParams()
-  p.FromText('# A comment.\n\n  train.steps : 4  \nname : bare words\n'
-             'train.learning_rate:0.25\n')
-  assert p.name == 'bare words' and p.train.steps == 4 and p.train.learning_rate == 0.25
+  p.FromText(
+    '# A comment.\n\n  train.steps : 4  \nname : bare words\n'
+    'train.learning_rate:0.25\n'
+  )
+  assert (
+    p.name == 'bare words'
+    and p.train.steps == 4
+    and p.train.learning_rate == 0.25
+  )
 
 
-def test_from_text_allow_missing():
+def testFromTextAllowMissing():
   p = _ModelParams()
   p.FromText('nope : 1\ntrain.steps : 2\n', allow_missing=True)
   assert p.train.steps == 2
 
 
-def test_from_text_unknown_key_names_line_and_suggestion():
+def testFromTextUnknownKeyNamesLineAndSuggestion():
   p = _ModelParams()
-  with pytest.raises(AttributeError,
-                     match=r"Line 3: unknown parameter 'train\.lerning_rate'; "
-                     r"did you mean 'train\.learning_rate'\?"):
+  with pytest.raises(
+    AttributeError,
+    match=r"Line 3: unknown parameter 'train\.lerning_rate'; "
+    r"did you mean 'train\.learning_rate'\?",
+  ):
     p.FromText("name : 'x'\n\ntrain.lerning_rate : 0.1\n")
   assert p.name == 'model'  # Nothing applied.
 
 
-@pytest.mark.parametrize('text,pattern', [
+@pytest.mark.parametrize(
+  'text,pattern',
+  [
     ('train.steps : 1.5', r"Line 1: .*'1\.5'.*'train\.steps' as int"),
-    ('train.learning_rate : fast', r"Line 1: .*'fast'.*'train\.learning_rate' as float"),
+    (
+      'train.learning_rate : fast',
+      r"Line 1: .*'fast'.*'train\.learning_rate' as float",
+    ),
     ('\nflag : maybe', r"Line 2: .*'maybe'.*'flag' as bool"),
     ('color : Color.BLUE', r"Line 1: .*'color' as Color.*Color\.RED"),
     ('cls : type/no_such_module_xyz/Foo', r"Line 1: .*'cls' as type"),
     ('dtype : float33', r"Line 1: .*'dtype' as DType"),
     ('items : [1, 2', r"Line 1: .*'items' as list"),
     ('name : just text\nno colon here', r'Line 2: expected "<key> : <value>"'),
-    ("name : 'unterminated\nstill going", r"Line 1: .*'name' is missing its closing ' quote"),
-])
-def test_from_text_bad_values(text, pattern):
+    (
+      "name : 'unterminated\nstill going",
+      r"Line 1: .*'name' is missing its closing ' quote",
+    ),
+  ],
+)
+def testFromTextBadValues(text, pattern):
   p = _ModelParams()
   p.Define('flag', False, 'A bool.')
   p.Define('color', Color.RED, 'An enum.')
@@ -415,18 +470,23 @@ def test_from_text_bad_values(text, pattern):
   assert p.ToText() == before
 
 
-def test_module_does_not_import_lingvo():
-  code = ('import sys; import lingvo_gpipe.core.hyperparams; '
-          "assert not [m for m in sys.modules if m.split('.')[0] == 'lingvo'], 'lingvo'")
-  repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def testModuleDoesNotImportLingvo():
+  code = (
+    'import sys; import lingvo_gpipe.core.hyperparams; '
+    "assert not [m for m in sys.modules if m.split('.')[0] == 'lingvo'], "
+    "'lingvo'"
+  )
+  repo_root = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  )
   subprocess.run([sys.executable, '-c', code], check=True, cwd=repo_root)
 
 
-# ---- Two-way Lingvo compatibility --------------------------------------------------
+# ---- Two-way Lingvo compatibility --------------------------------------------
 
 
 def _Build(module, variant):
-  """Same keys/types in `module`'s Params; `variant` 0 and 1 differ in values."""
+  """Same keys and types in `module`'s Params; variants 0 and 1 differ."""
   v = variant
 
   def Sub(lr):
@@ -437,26 +497,26 @@ def _Build(module, variant):
 
   p = module.InstantiableParams([Widget, Gadget][v])
   values = {
-      'int': [3, -7][v],
-      'float': [0.5, 1e-05][v],
-      'str': ['plain', 'it\'s "quoted"\nand multi-line\\'][v],
-      'bool': [True, False][v],
-      'none': [None, None][v],
-      'list': [[1, 'a'], [2.5, 'b', [False, True]]][v],
-      'empty_list': [],
-      'tuple': [(1,), (2, 'x')][v],
-      'dict': [{'b': 1, 'a': 'x'}, {'b': 2, 'a': 'y"z', 'c': [1]}][v],
-      'empty_dict': {},
-      'nested': Sub(0.1),
-      'params_list': [Sub(0.2), Sub(0.3)],
-      'params_dict': {'enc': Sub(0.4), 'dec': Sub(0.5)},
-      'class': [Gadget, Widget][v],
-      'function': [MakeActivation, _Build][v],
-      'dtype': [tf.float32, tf.bfloat16][v],
-      'dtype_list': [[tf.float32], [tf.int64]][v],
-      'enum': [Color.RED, Color.GREEN][v],
-      'namedtuple': [Point(1, 'a'), Point(2, 'b')][v],
-      'dataclass': [Box(), Box(3, 'c')][v],
+    'int': [3, -7][v],
+    'float': [0.5, 1e-05][v],
+    'str': ['plain', 'it\'s "quoted"\nand multi-line\\'][v],
+    'bool': [True, False][v],
+    'none': [None, None][v],
+    'list': [[1, 'a'], [2.5, 'b', [False, True]]][v],
+    'empty_list': [],
+    'tuple': [(1,), (2, 'x')][v],
+    'dict': [{'b': 1, 'a': 'x'}, {'b': 2, 'a': 'y"z', 'c': [1]}][v],
+    'empty_dict': {},
+    'nested': Sub(0.1),
+    'params_list': [Sub(0.2), Sub(0.3)],
+    'params_dict': {'enc': Sub(0.4), 'dec': Sub(0.5)},
+    'class': [Gadget, Widget][v],
+    'function': [MakeActivation, _Build][v],
+    'dtype': [tf.float32, tf.bfloat16][v],
+    'dtype_list': [[tf.float32], [tf.int64]][v],
+    'enum': [Color.RED, Color.GREEN][v],
+    'namedtuple': [Point(1, 'a'), Point(2, 'b')][v],
+    'dataclass': [Box(), Box(3, 'c')][v],
   }
   for key, value in values.items():
     p.Define(key, value, f'The {key} value.')
@@ -470,13 +530,13 @@ def _BuildLingvoWriteOnly(module, variant):
   sub.Define('steps', [1, 2][v], 'Steps.')
   p = module.Params()
   values = {
-      'int_enum': [Level.LOW, Level.HIGH][v],
-      'enum_list': [[Color.RED], [Color.GREEN]][v],
-      'dict_none': [{'k': 1}, {'k': None}][v],
-      'list_none': [[1], [None, 2]][v],
-      'pairs': [('enc', sub.Copy())],
-      'mixed': [0, sub.Copy()],
-      'str_escaped_end': ['x', '"ab\''][v],
+    'int_enum': [Level.LOW, Level.HIGH][v],
+    'enum_list': [[Color.RED], [Color.GREEN]][v],
+    'dict_none': [{'k': 1}, {'k': None}][v],
+    'list_none': [[1], [None, 2]][v],
+    'pairs': [('enc', sub.Copy())],
+    'mixed': [0, sub.Copy()],
+    'str_escaped_end': ['x', '"ab\''][v],
   }
   for key, value in values.items():
     p.Define(key, value, f'The {key} value.')
@@ -485,7 +545,7 @@ def _BuildLingvoWriteOnly(module, variant):
 
 @pytest.mark.parametrize('builder', [_Build, _BuildLingvoWriteOnly])
 @pytest.mark.parametrize('variant', [0, 1])
-def test_lingvo_writes_the_same_text(builder, variant):
+def testLingvoWritesTheSameText(builder, variant):
   ours = builder(hyperparams, variant)
   theirs = builder(lingvo_hyperparams, variant)
   assert ours.ToText() == theirs.ToText()
@@ -493,7 +553,7 @@ def test_lingvo_writes_the_same_text(builder, variant):
 
 
 @pytest.mark.parametrize('builder', [_Build, _BuildLingvoWriteOnly])
-def test_lingvo_text_loads_into_ours(builder):
+def testLingvoTextLoadsIntoOurs(builder):
   theirs_text = builder(lingvo_hyperparams, 1).ToText()
   ours = builder(hyperparams, 0)
   ours.FromText(theirs_text)
@@ -501,7 +561,7 @@ def test_lingvo_text_loads_into_ours(builder):
   assert ours.ToText() == theirs_text
 
 
-def test_our_text_loads_into_lingvo():
+def testOurTextLoadsIntoLingvo():
   ours_text = _Build(hyperparams, 1).ToText()
   theirs = _Build(lingvo_hyperparams, 0)
   theirs.FromText(ours_text)

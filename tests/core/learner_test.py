@@ -10,8 +10,9 @@ from lingvo_gpipe.core import schedule
 
 
 def _Learner(**kwargs):
-  p = learner.Learner.Params().Set(learning_rate=1.0,
-                                   optimizer=optimizer.SGD.Params())
+  p = learner.Learner.Params().Set(
+    learning_rate=1.0, optimizer=optimizer.SGD.Params()
+  )
   return p.Set(**kwargs).Instantiate()
 
 
@@ -19,90 +20,96 @@ def _Var(value, name):
   return tf.Variable(np.asarray(value, np.float32), name=name)
 
 
-def test_global_norm_clipping():
-  a, b = _Var([0., 0.], 'l/a'), _Var([0.], 'l/c')
+def testGlobalNormClipping():
+  a, b = _Var([0.0, 0.0], 'l/a'), _Var([0.0], 'l/c')
   lrn = _Learner(clip_gradient_norm_to_value=1.0)
   lrn.CreateSlots([a, b])
-  stats, _ = lrn.Apply(None, [(tf.constant([3., 0.]), a),
-                              (tf.constant([4.]), b)], 0)
+  stats, _ = lrn.Apply(
+    None, [(tf.constant([3.0, 0.0]), a), (tf.constant([4.0]), b)], 0
+  )
   np.testing.assert_allclose(float(stats.grad_norm), 5.0)
   np.testing.assert_allclose(float(stats.grad_scale), 0.2)
   np.testing.assert_allclose(a.numpy(), [-0.6, 0.0], rtol=1e-6)
   np.testing.assert_allclose(b.numpy(), [-0.8], rtol=1e-6)
 
 
-def test_no_clipping_below_threshold():
-  a = _Var([0., 0.], 'l/a')
+def testNoClippingBelowThreshold():
+  a = _Var([0.0, 0.0], 'l/a')
   lrn = _Learner(clip_gradient_norm_to_value=10.0)
-  lrn.Apply(None, [(tf.constant([3., 4.]), a)], 0)
-  np.testing.assert_allclose(a.numpy(), [-3., -4.])
+  lrn.Apply(None, [(tf.constant([3.0, 4.0]), a)], 0)
+  np.testing.assert_allclose(a.numpy(), [-3.0, -4.0])
 
 
-def test_single_norm_clipping():
-  a, b = _Var([0., 0.], 'l/a'), _Var([0.], 'l/c')
+def testSingleNormClipping():
+  a, b = _Var([0.0, 0.0], 'l/a'), _Var([0.0], 'l/c')
   lrn = _Learner(clip_gradient_single_norm_to_value=1.0)
-  lrn.Apply(None, [(tf.constant([3., 4.]), a), (tf.constant([0.5]), b)], 0)
+  lrn.Apply(None, [(tf.constant([3.0, 4.0]), a), (tf.constant([0.5]), b)], 0)
   np.testing.assert_allclose(a.numpy(), [-0.6, -0.8], rtol=1e-6)
   np.testing.assert_allclose(b.numpy(), [-0.5], rtol=1e-6)
 
 
-def test_both_clippings_rejected():
+def testBothClippingsRejected():
   with pytest.raises(ValueError, match='set one to 0'):
-    _Learner(clip_gradient_norm_to_value=1.0,
-             clip_gradient_single_norm_to_value=1.0)
+    _Learner(
+      clip_gradient_norm_to_value=1.0, clip_gradient_single_norm_to_value=1.0
+    )
 
 
-def test_l2_regularization_skips_biases_and_listed_vars():
-  w = _Var([1., 2.], 'fc/w')
-  bias = _Var([3.], 'fc/b')
-  gamma = _Var([1.], 'bn/gamma')
-  other = _Var([4.], 'emb/table')
+def testL2RegularizationSkipsBiasesAndListedVars():
+  w = _Var([1.0, 2.0], 'fc/w')
+  bias = _Var([3.0], 'fc/b')
+  gamma = _Var([1.0], 'bn/gamma')
+  other = _Var([4.0], 'emb/table')
   lrn = _Learner(l2_regularizer_weight=0.1)
   lrn.CreateSlots([w, bias, gamma, other], skip_lp_regularization=['emb/table'])
   zeros = [tf.zeros_like(v) for v in (w, bias, gamma, other)]
   stats, _ = lrn.Apply(None, list(zip(zeros, [w, bias, gamma, other])), 0)
-  np.testing.assert_allclose(float(stats.l2_loss), 0.5 * 0.1 * (1 + 4),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    float(stats.l2_loss), 0.5 * 0.1 * (1 + 4), rtol=1e-6
+  )
   np.testing.assert_allclose(w.numpy(), [0.9, 1.8], rtol=1e-6)
-  np.testing.assert_allclose(bias.numpy(), [3.])
-  np.testing.assert_allclose(gamma.numpy(), [1.])
-  np.testing.assert_allclose(other.numpy(), [4.])
+  np.testing.assert_allclose(bias.numpy(), [3.0])
+  np.testing.assert_allclose(gamma.numpy(), [1.0])
+  np.testing.assert_allclose(other.numpy(), [4.0])
 
 
-def test_nan_gradient_skips_step():
-  a = _Var([1., 1.], 'l/a')
+def testNanGradientSkipsStep():
+  a = _Var([1.0, 1.0], 'l/a')
   lrn = _Learner()
-  stats, _ = lrn.Apply(None, [(tf.constant([np.nan, 1.]), a)], 0)
+  stats, _ = lrn.Apply(None, [(tf.constant([np.nan, 1.0]), a)], 0)
   assert float(stats.has_nan_or_inf) == 1.0
-  np.testing.assert_allclose(a.numpy(), [1., 1.])
+  np.testing.assert_allclose(a.numpy(), [1.0, 1.0])
 
 
-def test_grad_norm_to_clip_to_zero():
-  a = _Var([1.], 'l/a')
+def testGradNormToClipToZero():
+  a = _Var([1.0], 'l/a')
   lrn = _Learner(grad_norm_to_clip_to_zero=2.0)
-  lrn.Apply(None, [(tf.constant([3.]), a)], 0)
-  np.testing.assert_allclose(a.numpy(), [1.])
-  lrn.Apply(None, [(tf.constant([1.]), a)], 0)
-  np.testing.assert_allclose(a.numpy(), [0.])
+  lrn.Apply(None, [(tf.constant([3.0]), a)], 0)
+  np.testing.assert_allclose(a.numpy(), [1.0])
+  lrn.Apply(None, [(tf.constant([1.0]), a)], 0)
+  np.testing.assert_allclose(a.numpy(), [0.0])
 
 
-def test_learning_rate_is_base_times_schedule():
-  a = _Var([0.], 'l/a')
+def testLearningRateIsBaseTimesSchedule():
+  a = _Var([0.0], 'l/a')
   sched = schedule.PiecewiseConstantSchedule.Params().Set(
-      boundaries=[10], values=[1.0, 0.1])
+    boundaries=[10], values=[1.0, 0.1]
+  )
   lrn = _Learner(learning_rate=0.5, lr_schedule=sched)
-  stats, _ = lrn.Apply(None, [(tf.constant([1.]), a)], tf.constant(3,
-                                                                    tf.int64))
+  stats, _ = lrn.Apply(
+    None, [(tf.constant([1.0]), a)], tf.constant(3, tf.int64)
+  )
   np.testing.assert_allclose(float(stats.learning_rate), 0.5)
-  stats, _ = lrn.Apply(None, [(tf.constant([1.]), a)], 10)
+  stats, _ = lrn.Apply(None, [(tf.constant([1.0]), a)], 10)
   np.testing.assert_allclose(float(stats.learning_rate), 0.05, rtol=1e-6)
   np.testing.assert_allclose(a.numpy(), [-0.55], rtol=1e-6)
 
 
-def test_apply_with_tape_and_in_function():
-  w = _Var([1., 2.], 'm/w')
-  lrn = _Learner(learning_rate=0.1,
-                 optimizer=optimizer.Momentum.Params().Set(alpha=0.5))
+def testApplyWithTapeAndInFunction():
+  w = _Var([1.0, 2.0], 'm/w')
+  lrn = _Learner(
+    learning_rate=0.1, optimizer=optimizer.Momentum.Params().Set(alpha=0.5)
+  )
   lrn.CreateSlots([w])
   assert sorted(lrn.slots()) == ['m/w/momentum']
 
@@ -117,21 +124,22 @@ def test_apply_with_tape_and_in_function():
   np.testing.assert_allclose(w.numpy(), [0.8, 1.6], rtol=1e-6)
 
 
-def test_variable_filters_and_missing_gradients():
-  a, b, c = _Var([1.], 'x/a'), _Var([1.], 'y/b'), _Var([1.], 'x/c')
-  frozen = tf.Variable([1.], name='x/frozen', trainable=False)
+def testVariableFiltersAndMissingGradients():
+  a, b, c = _Var([1.0], 'x/a'), _Var([1.0], 'y/b'), _Var([1.0], 'x/c')
+  frozen = tf.Variable([1.0], name='x/frozen', trainable=False)
   lrn = _Learner(bprop_variable_filter='^x/', bprop_variable_exclusion='/c$')
   lrn.CreateSlots([a, b, c, frozen])
   assert [v.name.split(':')[0] for v in lrn.variables] == ['x/a']
-  one = tf.constant([1.])
+  one = tf.constant([1.0])
   lrn.Apply(None, [(one, a), (one, b), (one, c), (None, frozen)], 0)
-  np.testing.assert_allclose([a.numpy()[0], b.numpy()[0], c.numpy()[0]],
-                             [0., 1., 1.])
+  np.testing.assert_allclose(
+    [a.numpy()[0], b.numpy()[0], c.numpy()[0]], [0.0, 1.0, 1.0]
+  )
   with pytest.raises(ValueError, match='no variable has a gradient'):
     lrn.Apply(None, [(None, a)], 0)
 
 
-def test_params_errors():
+def testParamsErrors():
   with pytest.raises(ValueError, match='learning_rate'):
     _Learner(learning_rate=-1.0)
   with pytest.raises(TypeError, match='optimizer'):
@@ -150,7 +158,7 @@ def _Float16Step(lrn, w, x, loss_factor):
   return lrn.Apply(loss, tape, 0)
 
 
-def test_static_loss_scale_keeps_float16_gradients_from_underflowing():
+def testStaticLossScaleKeepsFloat16GradientsFromUnderflowing():
   x = tf.constant(np.random.RandomState(0).rand(4, 3).astype(np.float32))
   w0 = np.zeros([3, 2], np.float32)  # updates of 1e-8 stay exact
   factor = 1e-8  # float16 gradients below its smallest subnormal (6e-8)
@@ -172,11 +180,14 @@ def test_static_loss_scale_keeps_float16_gradients_from_underflowing():
   np.testing.assert_allclose(grads[2.0**15], want, rtol=2e-2)
 
 
-def test_dynamic_loss_scale_halves_on_overflow_and_grows_when_finite():
+def testDynamicLossScaleHalvesOnOverflowAndGrowsWhenFinite():
   x = tf.ones([2, 2])
   w = _Var(np.full([2, 2], 0.5, np.float32), 'dyn/w')
-  lrn = _Learner(loss_scale='dynamic', initial_loss_scale=2.0**20,
-                 loss_scale_growth_interval=2)
+  lrn = _Learner(
+    loss_scale='dynamic',
+    initial_loss_scale=2.0**20,
+    loss_scale_growth_interval=2,
+  )
   lrn.CreateSlots([w])
   assert 'loss/loss_scale' in lrn.slots()
   # 2**20 * 10 overflows float16 (max 65504): halve until finite.

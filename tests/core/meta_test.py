@@ -10,19 +10,21 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
 
-# -- ToSpec / ToShape --------------------------------------------------------------
+# -- ToSpec / ToShape ----------------------------------------------------------
 
 
 def testToSpecFromTensorShape():
   assert meta.ToSpec(tf.TensorShape([2, None])) == tf.TensorSpec([2, None])
   assert meta.ToSpec(tf.TensorShape([3]), tf.int32) == tf.TensorSpec(
-      [3], tf.int32)
+    [3], tf.int32
+  )
 
 
 def testToSpecFromListsAndTuplesOfInts():
   assert meta.ToSpec([4, 5]) == tf.TensorSpec([4, 5], tf.float32)
   assert meta.ToSpec((4, None), tf.bfloat16) == tf.TensorSpec(
-      [4, None], tf.bfloat16)
+    [4, None], tf.bfloat16
+  )
   assert meta.ToSpec([]) == tf.TensorSpec([], tf.float32)
 
 
@@ -34,9 +36,11 @@ def testToSpecKeepsTensorSpec():
 
 def testToSpecFromTensorLike():
   assert meta.ToSpec(tf.zeros([2, 3], tf.int32)) == tf.TensorSpec(
-      [2, 3], tf.int32)
+    [2, 3], tf.int32
+  )
   assert meta.ToSpec(np.zeros([4], np.float64)) == tf.TensorSpec(
-      [4], tf.float64)
+    [4], tf.float64
+  )
 
 
 def testToSpecFromNestedMap():
@@ -63,8 +67,9 @@ def testToSpecAcceptsNumpyIntDims():
 
 
 def testToShape():
-  out = meta.ToShape(NestedMap(a=tf.TensorShape([2, 3]),
-                               b=tf.TensorSpec([1], tf.int32)))
+  out = meta.ToShape(
+    NestedMap(a=tf.TensorShape([2, 3]), b=tf.TensorSpec([1], tf.int32))
+  )
   assert out == NestedMap(a=tf.TensorShape([2, 3]), b=tf.TensorShape([1]))
   assert isinstance(out.a, tf.TensorShape) and isinstance(out.b, tf.TensorShape)
   assert meta.ToShape(tf.zeros([4, 1])) == tf.TensorShape([4, 1])
@@ -73,17 +78,19 @@ def testToShape():
 def testToShapeOfListShapes():
   assert meta.ToShape([2, 3]) == tf.TensorShape([2, 3])
   assert meta.ToShape(NestedMap(a=[2, 3])) == NestedMap(
-      a=tf.TensorShape([2, 3]))
+    a=tf.TensorShape([2, 3])
+  )
 
 
 def testMeta():
   out = meta.Meta(12.0, tf.TensorShape([2]), tf.TensorShape([3]))
   assert out == NestedMap(
-      flops=12, out_shapes=(tf.TensorShape([2]), tf.TensorShape([3])))
+    flops=12, out_shapes=(tf.TensorShape([2]), tf.TensorShape([3]))
+  )
   assert isinstance(out.flops, int)
 
 
-# -- GraphFlops ---------------------------------------------------------------------
+# -- GraphFlops ----------------------------------------------------------------
 
 
 def _Graph(fn, *specs):
@@ -98,14 +105,18 @@ def testGraphFlopsMatMul():
 
 def testGraphFlopsMatMulPlusElementwise():
   m, k, n = 4, 6, 2
-  graph = _Graph(lambda a, b: tf.nn.relu(tf.matmul(a, b)),
-                 tf.TensorSpec([m, k]), tf.TensorSpec([k, n]))
+  graph = _Graph(
+    lambda a, b: tf.nn.relu(tf.matmul(a, b)),
+    tf.TensorSpec([m, k]),
+    tf.TensorSpec([k, n]),
+  )
   assert meta.GraphFlops(graph) == 2 * m * n * k + m * n
 
 
 def testGraphFlopsIgnoresShapeOps():
-  graph = _Graph(lambda a: tf.reshape(tf.cast(a, tf.float64), [-1]),
-                 tf.TensorSpec([4, 4]))
+  graph = _Graph(
+    lambda a: tf.reshape(tf.cast(a, tf.float64), [-1]), tf.TensorSpec([4, 4])
+  )
   assert meta.GraphFlops(graph) == 0
 
 
@@ -114,7 +125,7 @@ def testGraphFlopsUnknownShapesCountZero():
   assert meta.GraphFlops(graph) == 0
 
 
-# -- TraceFPropMeta --------------------------------------------------------------------
+# -- TraceFPropMeta ------------------------------------------------------------
 
 
 class _MapLayer(base_layer.BaseLayer):
@@ -130,8 +141,7 @@ class _MapLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self.CreateVariable(
-        'w', py_utils.WeightParams([p.input_dim, p.output_dim]))
+    self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
 
   def FProp(self, theta, inputs):
     assert isinstance(inputs, NestedMap)
@@ -140,7 +150,6 @@ class _MapLayer(base_layer.BaseLayer):
 
 
 class _TwoOutputs(base_layer.BaseLayer):
-
   def FProp(self, theta, a, b):
     return tf.matmul(a, b), tf.reduce_sum(a, axis=1)
 
@@ -165,14 +174,14 @@ def testTraceFPropMetaWithNestedMaps():
 
 
 def testTraceFPropMetaWithoutNameAndPartialShapes():
-  out = meta.TraceFPropMeta(_MapLayer.Params(),
-                            NestedMap(x=[None, 4], paddings=[None]))
+  out = meta.TraceFPropMeta(
+    _MapLayer.Params(), NestedMap(x=[None, 4], paddings=[None])
+  )
   assert out.out_shapes[0].y.as_list() == [None, 3]
 
 
 def testTraceFPropMetaMultipleOutputsNoWeights():
-  out = meta.TraceFPropMeta(_TwoOutputs.Params(), [2, 3],
-                            tf.TensorSpec([3, 5]))
+  out = meta.TraceFPropMeta(_TwoOutputs.Params(), [2, 3], tf.TensorSpec([3, 5]))
   assert out.out_shapes == (tf.TensorShape([2, 5]), tf.TensorShape([2]))
   assert out.flops >= 2 * 2 * 3 * 5
 
@@ -181,12 +190,14 @@ def testTraceFPropMetaInsideInitDoesNotAddChildren():
   metas = []
 
   class Outer(base_layer.BaseLayer):
-
     def __init__(self, params):
       super().__init__(params)
-      metas.append(_MapLayer.FPropMeta(
-          _MapLayer.Params().Set(name='probe'), NestedMap(x=[2, 4],
-                                                          paddings=[2])))
+      metas.append(
+        _MapLayer.FPropMeta(
+          _MapLayer.Params().Set(name='probe'),
+          NestedMap(x=[2, 4], paddings=[2]),
+        )
+      )
       self.CreateChild('inner', _MapLayer.Params())
 
   outer = Outer.Params().Set(name='outer').Instantiate()

@@ -15,13 +15,14 @@ Pair = collections.namedtuple('Pair', ['first', 'second'])
 def _Sample():
   """A map whose insertion order differs from its sorted order."""
   return NestedMap(
-      z=1,
-      a=NestedMap(y=2, b=[3, NestedMap(k=4), (5, 6)]),
-      m={'q': 7, 'c': 8},
-      n=Pair(first=9, second=10))
+    z=1,
+    a=NestedMap(y=2, b=[3, NestedMap(k=4), (5, 6)]),
+    m={'q': 7, 'c': 8},
+    n=Pair(first=9, second=10),
+  )
 
 
-# -- Attribute access -----------------------------------------------------------
+# -- Attribute access ----------------------------------------------------------
 
 
 def testAttributeGetSetDel():
@@ -69,8 +70,9 @@ def testNonStringKeyRejected():
     NestedMap({3: 'x'})
 
 
-@pytest.mark.parametrize('key', ['keys', 'items', 'values', 'get', 'update',
-                                 'pop', 'copy'])
+@pytest.mark.parametrize(
+  'key', ['keys', 'items', 'values', 'get', 'update', 'pop', 'copy']
+)
 def testKeysShadowingDictMethodsRejected(key):
   with pytest.raises(ValueError, match=f'shadows the dict method "{key}"'):
     NestedMap(**{key: 1})
@@ -109,7 +111,7 @@ def testCopyModuleDeepcopyCopiesLeaves():
   assert m.a.l == [1, 2]
 
 
-# -- Flatten / Pack -------------------------------------------------------------
+# -- Flatten / Pack ------------------------------------------------------------
 
 
 def testFlattenOrderMatchesTfNest():
@@ -119,8 +121,9 @@ def testFlattenOrderMatchesTfNest():
 
 
 def testFlattenWithTensorsMatchesTfNest():
-  m = NestedMap(b=tf.constant(1.0), a=[tf.constant(2.0), None],
-                c=NestedMap(), d=[])
+  m = NestedMap(
+    b=tf.constant(1.0), a=[tf.constant(2.0), None], c=NestedMap(), d=[]
+  )
   flat = m.Flatten()
   expected = tf.nest.flatten(m)
   assert len(flat) == len(expected) == 3
@@ -130,8 +133,18 @@ def testFlattenWithTensorsMatchesTfNest():
 
 def testFlattenItemsKeys():
   keys = [k for k, _ in _Sample().FlattenItems()]
-  assert keys == ['a.b[0]', 'a.b[1].k', 'a.b[2][0]', 'a.b[2][1]', 'a.y',
-                  'm.c', 'm.q', 'n[0]', 'n[1]', 'z']
+  assert keys == [
+    'a.b[0]',
+    'a.b[1].k',
+    'a.b[2][0]',
+    'a.b[2][1]',
+    'a.y',
+    'm.c',
+    'm.q',
+    'n[0]',
+    'n[1]',
+    'z',
+  ]
   values = [v for _, v in _Sample().FlattenItems()]
   assert values == _Sample().Flatten()
 
@@ -180,7 +193,7 @@ def testTransformWithKey():
   assert out == NestedMap(a='a=1', b=NestedMap(c=['b.c[0]=2', 'b.c[1]=3']))
 
 
-# -- Dotted keys ------------------------------------------------------------------
+# -- Dotted keys ---------------------------------------------------------------
 
 
 def testGetItemDottedAndListIndex():
@@ -204,9 +217,9 @@ def testGetWithDefault():
   assert m.Get('a.b') == 1
   assert m.Get('a.c') is None
   assert m.Get('a.c', 7) == 7
-  assert m.Get('a.l.5', 'x') == 'x'      # IndexError
-  assert m.Get('a.l.q', 'x') == 'x'      # ValueError (not an int)
-  assert m.Get('a.b.c', 'x') == 'x'      # TypeError (int is not a map)
+  assert m.Get('a.l.5', 'x') == 'x'  # IndexError
+  assert m.Get('a.l.q', 'x') == 'x'  # ValueError (not an int)
+  assert m.Get('a.b.c', 'x') == 'x'  # TypeError (int is not a map)
 
 
 def testSetDottedCreatesNestedMaps():
@@ -228,7 +241,7 @@ def testSetThroughLeafOrInvalidKeyFails():
     m.Set('x.keys', 2)
 
 
-# -- Structure checks, filtering, printing ----------------------------------------
+# -- Structure checks, filtering, printing -------------------------------------
 
 
 def testIsCompatible():
@@ -286,7 +299,7 @@ def testDeepCopyIsStructurallyIndependent():
   assert m.l == [1, NestedMap(c=2)]
 
 
-# -- TensorFlow integration --------------------------------------------------------
+# -- TensorFlow integration ----------------------------------------------------
 
 
 def testTfNestMapStructureKeepsNestedMap():

@@ -73,8 +73,7 @@ def _Rms(x):
   return np.sqrt(np.mean(x * x))
 
 
-def _NpAdafactor(w, grads, factored, beta1, clip, mbps, eps1=1e-30,
-                 eps2=1e-3):
+def _NpAdafactor(w, grads, factored, beta1, clip, mbps, eps1=1e-30, eps2=1e-3):
   vr = np.zeros(w.shape[:-1])
   vc = np.zeros(w.shape[:-2] + w.shape[-1:])
   v, m = np.zeros_like(w), np.zeros_like(w)
@@ -108,67 +107,80 @@ def _Init(shape):
 
 
 @pytest.mark.parametrize('use_function', [False, True])
-def test_sgd(use_function):
+def testSgd(use_function):
   w0, grads = _Init([3, 2]), _Grads([3, 2])
   got, _ = _Run(optimizer.SGD.Params(), w0, grads, use_function=use_function)
   np.testing.assert_allclose(got, _NpSGD(w0, grads), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('nesterov', [False, True])
-def test_momentum(nesterov):
+def testMomentum(nesterov):
   w0, grads = _Init([4]), _Grads([4])
   p = optimizer.Momentum.Params().Set(alpha=0.8, use_nesterov=nesterov)
   got, opt = _Run(p, w0, grads)
-  np.testing.assert_allclose(got, _NpMomentum(w0, grads, 0.8, nesterov),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    got, _NpMomentum(w0, grads, 0.8, nesterov), rtol=1e-5, atol=1e-6
+  )
   assert sorted(opt.slots()) == ['layer/w/momentum']
 
 
-@pytest.mark.parametrize('momentum, centered', [(0.0, False), (0.9, False),
-                                                (0.9, True)])
-def test_rmsprop(momentum, centered):
+@pytest.mark.parametrize(
+  'momentum, centered', [(0.0, False), (0.9, False), (0.9, True)]
+)
+def testRmsprop(momentum, centered):
   w0, grads = _Init([3, 2]), _Grads([3, 2])
-  p = optimizer.RMSProp.Params().Set(decay=0.9, momentum=momentum,
-                                     epsilon=1e-3, centered=centered)
+  p = optimizer.RMSProp.Params().Set(
+    decay=0.9, momentum=momentum, epsilon=1e-3, centered=centered
+  )
   got, opt = _Run(p, w0, grads)
   want = _NpRMSProp(w0, grads, 0.9, momentum, 1e-3, centered)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   slots = {'layer/w/rms', 'layer/w/momentum'} | (
-      {'layer/w/mg'} if centered else set())
+    {'layer/w/mg'} if centered else set()
+  )
   assert set(opt.slots()) == slots
   # TF1 starts the mean square at 1.
   fresh = optimizer.RMSProp.Params().Instantiate()
   v = tf.Variable(tf.zeros([2]), name='fresh/w')
   fresh.CreateSlots([v])
-  np.testing.assert_array_equal(fresh.GetSlot(v, 'rms').numpy(), [1., 1.])
+  np.testing.assert_array_equal(fresh.GetSlot(v, 'rms').numpy(), [1.0, 1.0])
 
 
 @pytest.mark.parametrize('use_function', [False, True])
-def test_adam(use_function):
+def testAdam(use_function):
   w0, grads = _Init([3, 2]), _Grads([3, 2])
   p = optimizer.Adam.Params().Set(beta1=0.8, beta2=0.99, epsilon=1e-7)
   got, opt = _Run(p, w0, grads, use_function=use_function)
-  np.testing.assert_allclose(got, _NpAdam(w0, grads, 0.8, 0.99, 1e-7),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    got, _NpAdam(w0, grads, 0.8, 0.99, 1e-7), rtol=1e-5, atol=1e-6
+  )
   assert sorted(opt.slots()) == ['Adam/iterations', 'layer/w/m', 'layer/w/v']
   assert int(opt.iterations.numpy()) == _STEPS
 
 
-@pytest.mark.parametrize('shape, factored, beta1, clip, mbps', [
+@pytest.mark.parametrize(
+  'shape, factored, beta1, clip, mbps',
+  [
     ([3, 4], True, 0.0, 1.0, False),
     ([2, 3, 4], True, 0.9, None, True),
-    ([5], True, 0.0, 1.0, False),     # rank 1: never factored
+    ([5], True, 0.0, 1.0, False),  # rank 1: never factored
     ([3, 4], False, 0.0, 1.0, True),
-])
-def test_adafactor(shape, factored, beta1, clip, mbps):
+  ],
+)
+def testAdafactor(shape, factored, beta1, clip, mbps):
   w0, grads = _Init(shape), _Grads(shape, seed=3)
   p = optimizer.Adafactor.Params().Set(
-      factored=factored, beta1=beta1, clipping_threshold=clip,
-      multiply_by_parameter_scale=mbps, min_dim_size_to_factor=1)
+    factored=factored,
+    beta1=beta1,
+    clipping_threshold=clip,
+    multiply_by_parameter_scale=mbps,
+    min_dim_size_to_factor=1,
+  )
   got, opt = _Run(p, w0, grads)
   use_factored = factored and len(shape) >= 2
-  want = _NpAdafactor(w0.astype(np.float64), grads, use_factored, beta1, clip,
-                      mbps)
+  want = _NpAdafactor(
+    w0.astype(np.float64), grads, use_factored, beta1, clip, mbps
+  )
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   names = set(opt.slots()) - {'Adafactor/iterations'}
   expected = {'layer/w/vr', 'layer/w/vc'} if use_factored else {'layer/w/v'}
@@ -180,18 +192,24 @@ def test_adafactor(shape, factored, beta1, clip, mbps):
     assert opt.slots()['layer/w/vc'].shape.as_list() == shape[:-2] + shape[-1:]
 
 
-def test_adafactor_min_dim_size_keeps_small_vars_unfactored():
+def testAdafactorMinDimSizeKeepsSmallVarsUnfactored():
   var = tf.Variable(tf.ones([4, 4]), name='small/w')
   opt = optimizer.Adafactor.Params().Instantiate()  # min dim 128
   opt.CreateSlots([var])
   assert sorted(opt.slots()) == ['Adafactor/iterations', 'small/w/v']
 
 
-@pytest.mark.parametrize('params', [
-    optimizer.SGD.Params(), optimizer.Momentum.Params(),
-    optimizer.RMSProp.Params().Set(centered=True), optimizer.Adam.Params(),
-    optimizer.Adafactor.Params().Set(beta1=0.5, min_dim_size_to_factor=1)])
-def test_slots_named_after_variable_and_on_its_device(params):
+@pytest.mark.parametrize(
+  'params',
+  [
+    optimizer.SGD.Params(),
+    optimizer.Momentum.Params(),
+    optimizer.RMSProp.Params().Set(centered=True),
+    optimizer.Adam.Params(),
+    optimizer.Adafactor.Params().Set(beta1=0.5, min_dim_size_to_factor=1),
+  ],
+)
+def testSlotsNamedAfterVariableAndOnItsDevice(params):
   with tf.device('/device:CPU:2'):
     var = tf.Variable(tf.ones([2, 3]), name='cell/fc/w')
   opt = params.Instantiate()
@@ -207,7 +225,7 @@ def test_slots_named_after_variable_and_on_its_device(params):
   opt.Apply(0.1, [(tf.ones([2, 3]), var)])
 
 
-def test_slots_created_lazily_inside_function():
+def testSlotsCreatedLazilyInsideFunction():
   var = tf.Variable(tf.ones([2]), name='lazy/w')
   opt = optimizer.Adam.Params().Instantiate()
 
@@ -221,7 +239,7 @@ def test_slots_created_lazily_inside_function():
   assert int(opt.iterations.numpy()) == 2
 
 
-def test_none_gradients_are_skipped():
+def testNoneGradientsAreSkipped():
   a = tf.Variable([1.0], name='a')
   b = tf.Variable([1.0], name='b')
   opt = optimizer.SGD.Params().Instantiate()
@@ -229,7 +247,7 @@ def test_none_gradients_are_skipped():
   assert a.numpy()[0] == 0.0 and b.numpy()[0] == 1.0
 
 
-def test_errors():
+def testErrors():
   with pytest.raises(ValueError, match='alpha'):
     optimizer.Momentum.Params().Set(alpha=1.5).Instantiate()
   with pytest.raises(ValueError, match='beta1'):
@@ -246,14 +264,17 @@ def test_errors():
     opt.GetSlot(tf.Variable([1.0], name='other'), 'm')
 
 
-@pytest.mark.parametrize('params', [
+@pytest.mark.parametrize(
+  'params',
+  [
     optimizer.SGD.Params(),
     optimizer.Momentum.Params(),
     optimizer.RMSProp.Params().Set(centered=True),
     optimizer.Adam.Params(),
     optimizer.Adafactor.Params().Set(beta1=0.9),
-])
-def test_slot_specs_predict_created_slots(params):
+  ],
+)
+def testSlotSpecsPredictCreatedSlots(params):
   opt = params.Instantiate()
   var = tf.Variable(tf.zeros([4, 3]), name='spec/w')
   specs = opt.SlotSpecs(var)
@@ -264,4 +285,5 @@ def test_slot_specs_predict_created_slots(params):
     assert list(got.shape) == shape, slot
     np.testing.assert_array_equal(got, np.full(shape, init, np.float32))
   assert {f'spec/w/{s}' for s, _, _ in specs} == {
-      k for k in opt.slots() if k.startswith('spec/w/')}
+    k for k in opt.slots() if k.startswith('spec/w/')
+  }

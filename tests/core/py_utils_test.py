@@ -14,7 +14,7 @@ def _Draw(init, shape, dtype=tf.float32, seed=_SEED):
   return py_utils.InitialValue(init, shape, dtype, seed).numpy()
 
 
-# -- Weight initializers -----------------------------------------------------------
+# -- Weight initializers -------------------------------------------------------
 
 
 def testWeightInitParams():
@@ -49,11 +49,14 @@ def testUniform():
   assert x.std() == pytest.approx(3.0 / np.sqrt(3.0), rel=0.02)
 
 
-@pytest.mark.parametrize('shape,fan_in,fan_out', [
+@pytest.mark.parametrize(
+  'shape,fan_in,fan_out',
+  [
     ([200, 300], 200, 300),
     ([3, 3, 16, 32], 144, 288),
     ([500], 500, 500),
-])
+  ],
+)
 def testXavierLimit(shape, fan_in, fan_out):
   x = _Draw(WeightInit.Xavier(2.0), shape)
   limit = 2.0 * np.sqrt(6.0 / (fan_in + fan_out))
@@ -114,8 +117,9 @@ def testInitialValueCastsToDtype():
 def testUnknownMethodError():
   p = WeightInit.Gaussian().Copy()
   p.method = 'bogus'
-  with pytest.raises(ValueError,
-                     match=r"Unknown weight init method 'bogus'.*xavier"):
+  with pytest.raises(
+    ValueError, match=r"Unknown weight init method 'bogus'.*xavier"
+  ):
     py_utils.InitialValue(p, [2], tf.float32, 0)
 
 
@@ -128,7 +132,7 @@ def testInitialValueDeterministicPerSeed():
   assert not np.allclose(a, c)
 
 
-# -- Hashes and seeds -----------------------------------------------------------------
+# -- Hashes and seeds ----------------------------------------------------------
 
 
 def testStableHashHardValues():
@@ -180,7 +184,8 @@ def testSameSeedPairSameRandomValues():
   def Draw(step):
     with py_utils.StepSeed(step):
       return tf.random.stateless_uniform(
-          [16], py_utils.GenerateStepSeedPair(3)).numpy()
+        [16], py_utils.GenerateStepSeedPair(3)
+      ).numpy()
 
   np.testing.assert_array_equal(Draw(10), Draw(10))
   assert not np.allclose(Draw(10), Draw(11))
@@ -195,11 +200,10 @@ def testMixSeed():
   assert int(py_utils.MixSeed(11, 3)) != values[3]
 
 
-# -- Deferred updates --------------------------------------------------------------
+# -- Deferred updates ----------------------------------------------------------
 
 
 class _FakeLayer:
-
   def __init__(self, name, result=None):
     self.name = name
     self.calls = []
@@ -219,7 +223,9 @@ def testUpdateCollectorGroupsPerLayerInFirstSeenOrder():
   assert not a.calls and not b.calls  # Nothing applied yet.
   grouped = updates.Grouped()
   assert [(layer.name, stats) for layer, stats in grouped] == [
-      ('b', [1, 3]), ('a', [2])]
+    ('b', [1, 3]),
+    ('a', [2]),
+  ]
   ops = updates.Apply()
   assert b.calls == [[1, 3]] and a.calls == [[2]]
   assert ops == ['op_a']  # None results are dropped.
@@ -252,7 +258,7 @@ def testNoUpdateCollectionDrops():
   assert not outer.updates and not a.calls
 
 
-# -- Shapes ---------------------------------------------------------------------------
+# -- Shapes --------------------------------------------------------------------
 
 
 def testHasShapeAccepts():
@@ -331,4 +337,5 @@ def testNestAliases():
   packed = py_utils.Pack(m, [4, 5, 6])
   assert isinstance(packed, py_utils.NestedMap) and packed.a == [4, 5]
   assert py_utils.Transform(lambda x, y: x + y, m, m) == py_utils.NestedMap(
-      b=2, a=[4, 6])
+    b=2, a=[4, 6]
+  )

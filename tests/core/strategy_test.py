@@ -18,8 +18,11 @@ MODEL = 'image.digits.MlpDigitsTinyBN'
 
 def _Params(num_micro_batches):
   return trainer.BuildParams(
-      MODEL, 'Train', worker_split_size=1,
-      overrides=[f'task.network.num_micro_batches : {num_micro_batches}'])
+    MODEL,
+    'Train',
+    worker_split_size=1,
+    overrides=[f'task.network.num_micro_batches : {num_micro_batches}'],
+  )
 
 
 def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
@@ -44,13 +47,16 @@ def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
     dp_task = dp_model.GetTask()
     dp_task.CreateOptimizerSlots()
   assert "each MirroredStrategy replica's device" in (
-      dp_task.network.PlacementText())
+    dp_task.network.PlacementText()
+  )
 
   @tf.function(autograph=False)
   def DpStep(batch):
     shards = strategy.experimental_distribute_values_from_function(
-        lambda ctx: batch.Transform(
-            lambda t: tf.split(t, 2)[ctx.replica_id_in_sync_group]))
+      lambda ctx: batch.Transform(
+        lambda t: tf.split(t, 2)[ctx.replica_id_in_sync_group]
+      )
+    )
     return strategy.run(dp_task.TrainStep, args=(shards,))
 
   for b in batches:
@@ -60,8 +66,9 @@ def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
   assert int(got['global_step']) == 3
   assert any('moving_mean' in n for n in got)
   for name in want:
-    np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name
+    )
   # Every replica's copy holds the same values.
   for v in dp_model.VariablesByName().values():
     copies = [c.numpy() for c in strategy.experimental_local_results(v)]
@@ -75,6 +82,9 @@ def testMultiCellPipelineUnderMirroredStrategyIsRefused():
   p.task.network.num_stages = 2
   p.task.network.devices = None
   with strategy.scope():
-    with pytest.raises(ValueError, match=r'2 cells x 1 replicas but is built '
-                       r'under MirroredStrategy.*--worker_replicas'):
+    with pytest.raises(
+      ValueError,
+      match=r'2 cells x 1 replicas but is built '
+      r'under MirroredStrategy.*--worker_replicas',
+    ):
       p.Instantiate()

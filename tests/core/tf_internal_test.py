@@ -14,20 +14,22 @@ def testTapeRecordingInternals():
   v = tf.Variable(2.0)
   x = tf.constant(3.0)
   assert not _tf_internal.CouldPossiblyRecord(), (
-      'tensorflow.python.eager.record.could_possibly_record changed')
+    'tensorflow.python.eager.record.could_possibly_record changed'
+  )
   with tf.GradientTape() as tape:
     tape.watch(x)
     assert _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
       _ = v * 1.0
     assert [w.name for w in watcher.watched_variables()] == [v.name], (
-        'tensorflow.python.eager.record.VariableWatcher changed')
+      'tensorflow.python.eager.record.VariableWatcher changed'
+    )
     y = tf.identity(x * 5.0)
-    _tf_internal.RecordOperation('Test', [y], [x],
-                                 lambda dy: [dy * 7.0])
+    _tf_internal.RecordOperation('Test', [y], [x], lambda dy: [dy * 7.0])
   # The recorded op's gradient (7) is used, not the one of x * 5.
   assert float(tape.gradient(y, x)) == 7.0, (
-      'tensorflow.python.eager.record.record_operation changed')
+    'tensorflow.python.eager.record.record_operation changed'
+  )
 
 
 def testOpFlops():
@@ -37,16 +39,17 @@ def testOpFlops():
     b = tf.zeros([3, 4])
     c = tf.matmul(a, b)
   assert _tf_internal.OpFlops(graph, c.op.node_def) == 2 * 2 * 3 * 4, (
-      'tensorflow.python.framework.ops.get_stats_for_node_def changed')
+    'tensorflow.python.framework.ops.get_stats_for_node_def changed'
+  )
 
 
 def testRunIndependently():
 
   @tf.function
   def F():
-    assert hasattr(tf.compat.v1.get_default_graph(),
-                   'experimental_acd_manager'), (
-                       'FuncGraph.experimental_acd_manager is gone')
+    assert hasattr(
+      tf.compat.v1.get_default_graph(), 'experimental_acd_manager'
+    ), 'FuncGraph.experimental_acd_manager is gone'
     t = tf.timestamp()
     _tf_internal.RunIndependently(t.op)
     return t
@@ -59,11 +62,13 @@ def testTPUStrategyAttributes():
   # whose __init__ sets them; a rename shows up in its source.
   import inspect  # pylint: disable=g-import-not-at-top
   from tensorflow.python.distribute import tpu_strategy  # pylint: disable=g-import-not-at-top
+
   src = inspect.getsource(tpu_strategy.TPUExtended.__init__)
   for attr in ('_device_assignment', '_tpu_devices'):
     assert f'self.{attr} =' in src, (
-        f'TPUStrategy.extended.{attr} is gone: update '
-        '_tf_internal.TPUDeviceAssignment / TPUDevices.')
+      f'TPUStrategy.extended.{attr} is gone: update '
+      '_tf_internal.TPUDeviceAssignment / TPUDevices.'
+    )
 
   class FakeExtended:
     _device_assignment = 'da'

@@ -27,11 +27,17 @@ def _AllCoordinates(topology):
 # Topologies.
 
 
-@pytest.mark.parametrize('name,mesh,tasks', [
-    ('v2-8', [2, 2, 1, 2], 1), ('v3-8', [2, 2, 1, 2], 1),
-    ('v3-32', [4, 4, 1, 2], 4), ('v4-8', [2, 2, 1, 1], 1),
-    ('v4-32', [2, 2, 4, 1], 4)])
-def test_preset_topologies(name, mesh, tasks):
+@pytest.mark.parametrize(
+  'name,mesh,tasks',
+  [
+    ('v2-8', [2, 2, 1, 2], 1),
+    ('v3-8', [2, 2, 1, 2], 1),
+    ('v3-32', [4, 4, 1, 2], 4),
+    ('v4-8', [2, 2, 1, 1], 1),
+    ('v4-32', [2, 2, 4, 1], 4),
+  ],
+)
+def testPresetTopologies(name, mesh, tasks):
   t = tpu.MakeTopology(name)
   assert isinstance(t, tf.tpu.experimental.Topology)
   assert list(t.mesh_shape) == mesh
@@ -54,7 +60,7 @@ def test_preset_topologies(name, mesh, tasks):
   np.testing.assert_array_equal(again.mesh_shape, t.mesh_shape)
 
 
-def test_v3_32_hosts_own_2x2_chip_blocks():
+def testV332HostsOwn2x2ChipBlocks():
   t = tpu.MakeTopology('v3-32')
   for task in range(4):
     chips = {tuple(c[:3]) for c in t.device_coordinates[task]}
@@ -65,7 +71,7 @@ def test_v3_32_hosts_own_2x2_chip_blocks():
     assert [c[3] for c in t.device_coordinates[task]] == [0, 1] * 4
 
 
-def test_make_topology_from_shapes():
+def testMakeTopologyFromShapes():
   a = tpu.MakeTopology([2, 2, 1], cores_per_chip=2)
   b = tpu.MakeTopology([2, 2, 1, 2])
   np.testing.assert_array_equal(a.device_coordinates, b.device_coordinates)
@@ -76,15 +82,18 @@ def test_make_topology_from_shapes():
   assert tpu.MakeTopology('v3-32', num_tasks=1).num_tasks == 1
 
 
-@pytest.mark.parametrize('kwargs,match', [
+@pytest.mark.parametrize(
+  'kwargs,match',
+  [
     (dict(mesh_shape=[2, 2, 1]), r'cores_per_chip'),
     (dict(mesh_shape=[2, 2, 1, 2], cores_per_chip=1), r'cores_per_chip=1'),
     (dict(mesh_shape=[2, 2]), r'\[2, 2\]'),
     (dict(mesh_shape=[2, 0, 1, 2]), r'positive integer; got 0'),
     (dict(mesh_shape='v9-8'), r"'v9-8'.*v3-8"),
     (dict(mesh_shape=[2, 2, 1, 2], num_tasks=3), r'num_tasks=3.*4 chips'),
-])
-def test_make_topology_errors(kwargs, match):
+  ],
+)
+def testMakeTopologyErrors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     tpu.MakeTopology(**kwargs)
 
@@ -92,16 +101,25 @@ def test_make_topology_errors(kwargs, match):
 # Computation shapes.
 
 
-@pytest.mark.parametrize('name,k,shape', [
-    ('v3-8', 1, [1, 1, 1, 1]), ('v3-8', 2, [1, 1, 1, 2]),
-    ('v3-8', 4, [2, 1, 1, 2]), ('v3-8', 8, [2, 2, 1, 2]),
-    ('v3-32', 1, [1, 1, 1, 1]), ('v3-32', 2, [1, 1, 1, 2]),
-    ('v3-32', 4, [2, 1, 1, 2]), ('v3-32', 8, [2, 2, 1, 2]),
-    ('v3-32', 16, [4, 2, 1, 2]), ('v3-32', 32, [4, 4, 1, 2]),
-    ('v4-8', 2, [2, 1, 1, 1]), ('v4-8', 4, [2, 2, 1, 1]),
+@pytest.mark.parametrize(
+  'name,k,shape',
+  [
+    ('v3-8', 1, [1, 1, 1, 1]),
+    ('v3-8', 2, [1, 1, 1, 2]),
+    ('v3-8', 4, [2, 1, 1, 2]),
+    ('v3-8', 8, [2, 2, 1, 2]),
+    ('v3-32', 1, [1, 1, 1, 1]),
+    ('v3-32', 2, [1, 1, 1, 2]),
+    ('v3-32', 4, [2, 1, 1, 2]),
+    ('v3-32', 8, [2, 2, 1, 2]),
+    ('v3-32', 16, [4, 2, 1, 2]),
+    ('v3-32', 32, [4, 4, 1, 2]),
+    ('v4-8', 2, [2, 1, 1, 1]),
+    ('v4-8', 4, [2, 2, 1, 1]),
     ('v4-32', 8, [2, 2, 2, 1]),
-])
-def test_computation_shape(name, k, shape):
+  ],
+)
+def testComputationShape(name, k, shape):
   t = tpu.MakeTopology(name)
   got = tpu.ComputationShape(t, k)
   assert got == shape
@@ -109,10 +127,16 @@ def test_computation_shape(name, k, shape):
   assert all(m % s == 0 for m, s in zip(t.mesh_shape, got))  # tiles the mesh
 
 
-@pytest.mark.parametrize('name,k,valid', [
-    ('v3-8', 3, '[1, 2, 4, 8]'), ('v3-8', 16, '[1, 2, 4, 8]'),
-    ('v3-32', 6, '[1, 2, 4, 8, 16, 32]'), ('v4-8', 8, '[1, 2, 4]')])
-def test_computation_shape_error(name, k, valid):
+@pytest.mark.parametrize(
+  'name,k,valid',
+  [
+    ('v3-8', 3, '[1, 2, 4, 8]'),
+    ('v3-8', 16, '[1, 2, 4, 8]'),
+    ('v3-32', 6, '[1, 2, 4, 8, 16, 32]'),
+    ('v4-8', 8, '[1, 2, 4]'),
+  ],
+)
+def testComputationShapeError(name, k, valid):
   mesh = str(list(tpu.TOPOLOGIES[name]['mesh_shape']))
   with pytest.raises(ValueError) as e:
     tpu.ComputationShape(tpu.MakeTopology(name), k)
@@ -121,7 +145,7 @@ def test_computation_shape_error(name, k, valid):
   assert mesh in message and valid in message
 
 
-def test_computation_shape_rejects_non_positive():
+def testComputationShapeRejectsNonPositive():
   with pytest.raises(ValueError, match=r'got 0.*\[1, 2, 4, 8\]'):
     tpu.ComputationShape(tpu.MakeTopology('v3-8'), 0)
 
@@ -133,12 +157,23 @@ def _ChipDistance(a, b):
   return sum(abs(int(x) - int(y)) for x, y in zip(a[:3], b[:3]))
 
 
-@pytest.mark.parametrize('name,k,r,want_r', [
-    ('v3-8', 1, None, 8), ('v3-8', 2, None, 4), ('v3-8', 2, 2, 2),
-    ('v3-8', 4, None, 2), ('v3-8', 8, None, 1), ('v3-32', 2, None, 16),
-    ('v3-32', 4, None, 8), ('v3-32', 8, 3, 3), ('v3-32', 16, None, 2),
-    ('v4-8', 2, None, 2), ('v4-32', 4, None, 4)])
-def test_build_device_assignment(name, k, r, want_r):
+@pytest.mark.parametrize(
+  'name,k,r,want_r',
+  [
+    ('v3-8', 1, None, 8),
+    ('v3-8', 2, None, 4),
+    ('v3-8', 2, 2, 2),
+    ('v3-8', 4, None, 2),
+    ('v3-8', 8, None, 1),
+    ('v3-32', 2, None, 16),
+    ('v3-32', 4, None, 8),
+    ('v3-32', 8, 3, 3),
+    ('v3-32', 16, None, 2),
+    ('v4-8', 2, None, 2),
+    ('v4-32', 4, None, 4),
+  ],
+)
+def testBuildDeviceAssignment(name, k, r, want_r):
   t = tpu.MakeTopology(name)
   da = tpu.BuildDeviceAssignment(t, k, r)
   assert isinstance(da, tf.tpu.experimental.DeviceAssignment)
@@ -163,13 +198,18 @@ def test_build_device_assignment(name, k, r, want_r):
       assert len({da.host_device(i, c) for c in range(k)}) == 1
 
 
-def test_device_assignment_too_large():
+def testDeviceAssignmentTooLarge():
   t = tpu.MakeTopology('v3-32')
   with pytest.raises(ValueError) as e:
     tpu.BuildDeviceAssignment(t, 8, 5)
   message = str(e.value)
-  for part in ('num_replicas=5', 'num_cores_per_replica=8', '= 40',
-               'has 32 cores', 'at most 4 replicas'):
+  for part in (
+    'num_replicas=5',
+    'num_cores_per_replica=8',
+    '= 40',
+    'has 32 cores',
+    'at most 4 replicas',
+  ):
     assert part in message, message
   with pytest.raises(ValueError, match=r'num_replicas=3.*= 24.*has 8 cores'):
     tpu.BuildDeviceAssignment(tpu.MakeTopology('v3-8'), 8, 3)
@@ -179,23 +219,40 @@ def test_device_assignment_too_large():
     tpu.BuildDeviceAssignment(t, 3)
 
 
-def test_describe_assignment():
+def testDescribeAssignment():
   da = tpu.BuildDeviceAssignment(tpu.MakeTopology('v3-32'), 2, 3)
   text = tpu.DescribeAssignment(da, job='worker')
   lines = text.splitlines()
-  assert lines[0].startswith('TPU device assignment: 3 replicas x 2 logical '
-                             'cores (pipeline stages) on mesh [4, 4, 1, 2] '
-                             '(32 cores, 4 tasks)')
-  assert lines[1].split() == ['replica', 'core', 'coordinates', 'task',
-                              'ordinal', 'tpu', 'device', 'host', 'device']
+  assert lines[0].startswith(
+    'TPU device assignment: 3 replicas x 2 logical '
+    'cores (pipeline stages) on mesh [4, 4, 1, 2] '
+    '(32 cores, 4 tasks)'
+  )
+  assert lines[1].split() == [
+    'replica',
+    'core',
+    'coordinates',
+    'task',
+    'ordinal',
+    'tpu',
+    'device',
+    'host',
+    'device',
+  ]
   rows = lines[2:]
   assert len(rows) == 3 * 2
   for row, (r, c) in zip(rows, [(r, c) for r in range(3) for c in range(2)]):
     coords = '(' + ', '.join(str(int(v)) for v in da.coordinates(r, c)) + ')'
     task = da.topology.task_ordinal_at_coordinates(da.coordinates(r, c))
-    want = [str(r), str(c), coords, str(task), str(da.tpu_ordinal(r, c)),
-            da.tpu_device(r, c, job='worker'),
-            da.host_device(r, c, job='worker')]
+    want = [
+      str(r),
+      str(c),
+      coords,
+      str(task),
+      str(da.tpu_ordinal(r, c)),
+      da.tpu_device(r, c, job='worker'),
+      da.host_device(r, c, job='worker'),
+    ]
     got = [v for v in row.split('  ') if v.strip()]
     assert [v.strip() for v in got] == want, row
   assert '/job:worker/task:0/device:TPU:1' in rows[1]
@@ -224,10 +281,11 @@ def _TimedFailure(match, **kwargs):
 
 
 @pytest.mark.parametrize('name', ['', 'local'])
-def test_create_tpu_strategy_without_tpu(no_tpu_env, name):
+def testCreateTpuStrategyWithoutTpu(no_tpu_env, name):
   del no_tpu_env
   elapsed, message = _TimedFailure(
-      f'No TPU was found for tpu={name!r}', tpu=name, num_cores_per_replica=2)
+    f'No TPU was found for tpu={name!r}', tpu=name, num_cores_per_replica=2
+  )
   assert elapsed < 10
   assert 'has no TPU devices' in message
   assert '--run_locally=cpu' in message
@@ -239,16 +297,17 @@ def _ClosedPort():
     return s.getsockname()[1]
 
 
-def test_create_tpu_strategy_unreachable_grpc(no_tpu_env):
+def testCreateTpuStrategyUnreachableGrpc(no_tpu_env):
   del no_tpu_env
   address = f'127.0.0.1:{_ClosedPort()}'
-  elapsed, message = _TimedFailure(r'No TPU was found', tpu=f'grpc://{address}',
-                                   timeout_s=5)
+  elapsed, message = _TimedFailure(
+    r'No TPU was found', tpu=f'grpc://{address}', timeout_s=5
+  )
   assert elapsed < 10
   assert address in message and 'TCP' in message
 
 
-def test_create_tpu_strategy_silent_server_from_env(no_tpu_env):
+def testCreateTpuStrategySilentServerFromEnv(no_tpu_env):
   # TCP accepts, nothing answers: TF's own connect would wait for minutes.
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -260,20 +319,21 @@ def test_create_tpu_strategy_silent_server_from_env(no_tpu_env):
   assert address in message and 'no gRPC server answered' in message
 
 
-def test_create_tpu_strategy_bounds_tpu_name_lookup(no_tpu_env):
+def testCreateTpuStrategyBoundsTpuNameLookup(no_tpu_env):
   release = threading.Event()
 
   class HangingResolver:
-
     def __init__(self, tpu=None):  # pylint: disable=redefined-outer-name
       del tpu
       release.wait(30)  # like urllib waiting on a metadata server
 
-  no_tpu_env.setattr(tf.distribute.cluster_resolver, 'TPUClusterResolver',
-                     HangingResolver)
+  no_tpu_env.setattr(
+    tf.distribute.cluster_resolver, 'TPUClusterResolver', HangingResolver
+  )
   try:
-    elapsed, message = _TimedFailure(r"No TPU was found for tpu='my-tpu'",
-                                     tpu='my-tpu', timeout_s=0.5)
+    elapsed, message = _TimedFailure(
+      r"No TPU was found for tpu='my-tpu'", tpu='my-tpu', timeout_s=0.5
+    )
   finally:
     release.set()
   assert elapsed < 5
@@ -284,21 +344,26 @@ def test_create_tpu_strategy_bounds_tpu_name_lookup(no_tpu_env):
 # Code-path selection.
 
 
-def test_default_strategy_has_no_assigner():
+def testDefaultStrategyHasNoAssigner():
   assert tpu.LogicalDeviceAssigner() is None
   assert tpu.NumCoresPerReplica() == 1
   assert not tpu.IsTPUStrategy(tf.distribute.get_strategy())
 
 
-def test_mirrored_strategy_has_no_assigner():
+def testMirroredStrategyHasNoAssigner():
   strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
   assert tpu.NumCoresPerReplica(strategy) == 1
   assert tpu.LogicalDeviceAssigner(strategy) is None
   seen = []
 
   def Step():
-    seen.append((tpu.LogicalDeviceAssigner(), tpu.NumCoresPerReplica(),
-                 tf.distribute.get_strategy() is strategy))
+    seen.append(
+      (
+        tpu.LogicalDeviceAssigner(),
+        tpu.NumCoresPerReplica(),
+        tf.distribute.get_strategy() is strategy,
+      )
+    )
     return tf.constant(1.0)
 
   strategy.run(Step)
@@ -312,25 +377,28 @@ class _FakeTPUStrategy(tf.distribute.TPUStrategy):
   method runs against the stand-in.
   """
 
-  def __init__(self, num_replicas, num_cores, device_assignment=None,
-               record=True):  # pylint: disable=super-init-not-called
+  def __init__(
+    self, num_replicas, num_cores, device_assignment=None, record=True
+  ):  # pylint: disable=super-init-not-called
     self._extended = types.SimpleNamespace(
-        _device_assignment=device_assignment,
-        _tpu_devices=np.empty([num_replicas, num_cores], dtype=object),
-        _use_spmd_for_xla_partitioning=False,
-        _get_local_replica_id=lambda replica_id: replica_id)
+      _device_assignment=device_assignment,
+      _tpu_devices=np.empty([num_replicas, num_cores], dtype=object),
+      _use_spmd_for_xla_partitioning=False,
+      _get_local_replica_id=lambda replica_id: replica_id,
+    )
     self.calls = []
     self._record = record
 
   def experimental_assign_to_logical_device(self, tensor, logical_device_id):
     if not self._record:
       return super().experimental_assign_to_logical_device(
-          tensor, logical_device_id)
+        tensor, logical_device_id
+      )
     self.calls.append((tensor, logical_device_id))
     return tf.identity(tensor)
 
 
-def test_num_cores_per_replica_of_tpu_strategy():
+def testNumCoresPerReplicaOfTpuStrategy():
   da = tpu.BuildDeviceAssignment(tpu.MakeTopology('v3-8'), 4)
   assert tpu.NumCoresPerReplica(_FakeTPUStrategy(2, 4, da)) == 4
   assert tpu.NumCoresPerReplica(_FakeTPUStrategy(8, 1)) == 1
@@ -338,14 +406,16 @@ def test_num_cores_per_replica_of_tpu_strategy():
   assert tpu.IsTPUStrategy(_FakeTPUStrategy(4, 2))
 
 
-def test_tpu_assigner_wraps_every_tensor():
+def testTpuAssignerWrapsEveryTensor():
   strategy = _FakeTPUStrategy(2, 4)
   assert tpu.LogicalDeviceAssigner(strategy) is None  # cross-replica context
   x, y, z = tf.ones([2]), tf.zeros([3]), tf.constant(5)
   structure = nested_map.NestedMap(a=x, b=(y, [z, None]), n=3)
   with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
-    assert tpu.LogicalDeviceAssigner(tf.distribute.MirroredStrategy(
-        ['/cpu:0'])) is None  # not this replica context's strategy
+    assert (
+      tpu.LogicalDeviceAssigner(tf.distribute.MirroredStrategy(['/cpu:0']))
+      is None
+    )  # not this replica context's strategy
     assign = tpu.LogicalDeviceAssigner()  # the current strategy
     assert assign is not None
     out = assign(structure, 2)
@@ -362,8 +432,9 @@ def test_tpu_assigner_wraps_every_tensor():
     assert tpu.LogicalDeviceAssigner() is None
 
 
-def test_tpu_assigner_emits_xla_sharding():
+def testTpuAssignerEmitsXlaSharding():
   from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-import-not-at-top
+
   strategy = _FakeTPUStrategy(2, 4, record=False)
 
   @tf.function

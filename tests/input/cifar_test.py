@@ -8,8 +8,7 @@ from lingvo_gpipe.input import cifar
 
 
 def _Images(n, seed):
-  return np.random.RandomState(seed).randint(0, 256, [n, 3, 32, 32],
-                                             np.uint8)
+  return np.random.RandomState(seed).randint(0, 256, [n, 3, 32, 32], np.uint8)
 
 
 def WriteCifar10(path, labels, seed=0):
@@ -29,12 +28,13 @@ def WriteCifar100(path, coarse, fine, seed=0):
   return images.transpose(0, 2, 3, 1)
 
 
-def test_cifar10_layout_and_eval_split(tmp_path):
+def testCifar10LayoutAndEvalSplit(tmp_path):
   for i in range(1, 6):
     WriteCifar10(tmp_path / f'data_batch_{i}.bin', [i, i + 1], seed=i)
   test_images = WriteCifar10(tmp_path / 'test_batch.bin', [3, 9, 0], seed=9)
-  p = cifar.CifarInput.Params().Set(data_dir=str(tmp_path), batch_size=4,
-                                    num_epochs=1, seed=1)
+  p = cifar.CifarInput.Params().Set(
+    data_dir=str(tmp_path), batch_size=4, num_epochs=1, seed=1
+  )
   batches = list(p.Instantiate().GetDataset())
   assert len(batches) == 2  # 10 examples, remainder dropped.
   labels = sorted(np.concatenate([b.label.numpy() for b in batches]))
@@ -46,16 +46,23 @@ def test_cifar10_layout_and_eval_split(tmp_path):
   np.testing.assert_array_equal(b.label.numpy(), [3, 9, 0, 0])
   np.testing.assert_array_equal(b.weight.numpy(), [1, 1, 1, 0])
   # Planes R, G, B -> HWC, scaled to [-1, 1], not augmented.
-  np.testing.assert_allclose(b.image.numpy()[:3],
-                             test_images / 127.5 - 1.0, atol=1e-6)
+  np.testing.assert_allclose(
+    b.image.numpy()[:3], test_images / 127.5 - 1.0, atol=1e-6
+  )
 
 
-def test_cifar100_fine_coarse_resize_grayscale(tmp_path):
+def testCifar100FineCoarseResizeGrayscale(tmp_path):
   images = WriteCifar100(tmp_path / 'train.bin', [1, 19], [42, 99])
   p = cifar.CifarInput.Params().Set(
-      dataset='cifar100', data_dir=str(tmp_path), batch_size=2,
-      num_epochs=1, augment=False, shuffle=False, image_size=48,
-      grayscale=True)
+    dataset='cifar100',
+    data_dir=str(tmp_path),
+    batch_size=2,
+    num_epochs=1,
+    augment=False,
+    shuffle=False,
+    image_size=48,
+    grayscale=True,
+  )
   gen = p.Instantiate()
   assert gen.num_classes == 100
   (b,) = list(gen.GetDataset())
@@ -70,11 +77,15 @@ def test_cifar100_fine_coarse_resize_grayscale(tmp_path):
   np.testing.assert_array_equal(b.label.numpy(), [1, 19])
 
 
-def test_training_augmentation_is_seeded(tmp_path):
+def testTrainingAugmentationIsSeeded(tmp_path):
   WriteCifar10(tmp_path / 'train.bin', list(range(8)))
   p = cifar.CifarInput.Params().Set(
-      file_pattern=str(tmp_path / 'train.bin'), batch_size=8, num_epochs=1,
-      shuffle=False, seed=5)
+    file_pattern=str(tmp_path / 'train.bin'),
+    batch_size=8,
+    num_epochs=1,
+    shuffle=False,
+    seed=5,
+  )
   a = next(iter(p.Instantiate().GetDataset())).image.numpy()
   b = next(iter(p.Instantiate().GetDataset())).image.numpy()
   c = next(iter(p.Copy().Set(seed=6).Instantiate().GetDataset())).image
@@ -84,27 +95,37 @@ def test_training_augmentation_is_seeded(tmp_path):
   assert not np.array_equal(a, plain.image.numpy())
 
 
-def test_errors_name_the_file(tmp_path):
+def testErrorsNameTheFile(tmp_path):
   path = tmp_path / 'train.bin'
   WriteCifar100(path, [0, 1, 2], [3, 4, 5])
   p = cifar.CifarInput.Params().Set(file_pattern=str(path), batch_size=1)
-  with pytest.raises(ValueError, match=r'train.bin has 9222 bytes, not a '
-                     r'positive multiple of the 3073-byte cifar10 record; is '
-                     r'it a CIFAR-100 file\?'):
+  with pytest.raises(
+    ValueError,
+    match=r'train.bin has 9222 bytes, not a '
+    r'positive multiple of the 3073-byte cifar10 record; is '
+    r'it a CIFAR-100 file\?',
+  ):
     p.Instantiate().GetDataset()
   bad = tmp_path / 'labels.bin'
   WriteCifar10(bad, [1, 200])
-  p = cifar.CifarInput.Params().Set(file_pattern=str(bad), batch_size=1,
-                                    num_epochs=1, shuffle=False)
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r'label out of \[0, 10\).*labels.bin'):
+  p = cifar.CifarInput.Params().Set(
+    file_pattern=str(bad), batch_size=1, num_epochs=1, shuffle=False
+  )
+  with pytest.raises(
+    tf.errors.InvalidArgumentError, match=r'label out of \[0, 10\).*labels.bin'
+  ):
     list(p.Instantiate().GetDataset())
-  with pytest.raises(ValueError, match=r"not found; data_dir = .* must hold "
-                     r"the cifar10 binary files \['test_batch.bin'\]"):
-    cifar.CifarInput.EvalParams(cifar.CifarInput.Params().Set(
-        data_dir=str(tmp_path)), 'Test').Instantiate().GetDataset()
+  with pytest.raises(
+    ValueError,
+    match=r'not found; data_dir = .* must hold '
+    r"the cifar10 binary files \['test_batch.bin'\]",
+  ):
+    cifar.CifarInput.EvalParams(
+      cifar.CifarInput.Params().Set(data_dir=str(tmp_path)), 'Test'
+    ).Instantiate().GetDataset()
   with pytest.raises(ValueError, match='set data_dir'):
     cifar.CifarInput.Params().Instantiate()
   with pytest.raises(ValueError, match="dataset = 'cifar1000'"):
-    cifar.CifarInput.Params().Set(dataset='cifar1000',
-                                  data_dir='x').Instantiate()
+    cifar.CifarInput.Params().Set(
+      dataset='cifar1000', data_dir='x'
+    ).Instantiate()

@@ -14,11 +14,12 @@ def _Gen(**kwargs):
 
 
 def _Rows(images, labels):
-  return sorted(img.tobytes() + bytes([int(lab)])
-                for img, lab in zip(images, labels))
+  return sorted(
+    img.tobytes() + bytes([int(lab)]) for img, lab in zip(images, labels)
+  )
 
 
-def test_splits_are_fixed_disjoint_and_cover_the_data():
+def testSplitsAreFixedDisjointAndCoverTheData():
   parts = {s: digits.LoadSplit(s) for s in ('train', 'dev', 'test')}
   assert {s: len(p[1]) for s, p in parts.items()} == digits.SPLIT_SIZES
   all_images, all_labels = digits._LoadAll()  # pylint: disable=protected-access
@@ -30,7 +31,7 @@ def test_splits_are_fixed_disjoint_and_cover_the_data():
   assert not np.array_equal(other[1], parts['dev'][1])
 
 
-def test_train_batches():
+def testTrainBatches():
   gen = _Gen(split='train', batch_size=32)
   batch = gen.GetPreprocessedInputBatch()
   assert isinstance(batch, NestedMap)
@@ -43,7 +44,7 @@ def test_train_batches():
   assert gen.InfeedBatchSize() == 32 and gen.GlobalBatchSize() == 32
 
 
-def test_shuffling_is_deterministic_by_seed():
+def testShufflingIsDeterministicBySeed():
   a = _Gen(batch_size=16).GetPreprocessedInputBatch()
   b = _Gen(batch_size=16).GetPreprocessedInputBatch()
   c = _Gen(batch_size=16, seed=5).GetPreprocessedInputBatch()
@@ -51,11 +52,16 @@ def test_shuffling_is_deterministic_by_seed():
   assert not np.array_equal(a.image.numpy(), c.image.numpy())
 
 
-def test_eval_params_one_padded_pass():
+def testEvalParamsOnePaddedPass():
   train_p = digits.DigitsInput.Params().Set(batch_size=64, random_translate=2)
   dev_p = digits.DigitsInput.EvalParams(train_p, 'Dev')
-  assert (dev_p.split, dev_p.num_epochs, dev_p.shuffle, dev_p.remainder,
-          dev_p.random_translate) == ('dev', 1, False, 'pad', 0)
+  assert (
+    dev_p.split,
+    dev_p.num_epochs,
+    dev_p.shuffle,
+    dev_p.remainder,
+    dev_p.random_translate,
+  ) == ('dev', 1, False, 'pad', 0)
   batches = list(dev_p.Instantiate().GetDataset())
   assert len(batches) == 3
   for b in batches:
@@ -65,30 +71,34 @@ def test_eval_params_one_padded_pass():
   last = batches[-1]
   assert last.weight.numpy()[:52].all() and not last.weight.numpy()[52:].any()
   assert not last.image.numpy()[52:].any()
-  labels = np.concatenate([b.label.numpy()[b.weight.numpy() > 0]
-                           for b in batches])
+  labels = np.concatenate(
+    [b.label.numpy()[b.weight.numpy() > 0] for b in batches]
+  )
   np.testing.assert_array_equal(labels, digits.LoadSplit('dev')[1])
   with pytest.raises(ValueError, match='no dataset'):
     digits.DigitsInput.EvalParams(train_p, 'Validation')
 
 
-def test_resize_and_translate():
+def testResizeAndTranslate():
   big = _Gen(batch_size=8, image_size=16, shuffle=False)
   assert big.GetPreprocessedInputBatch().image.shape == (8, 16, 16, 1)
   plain = _Gen(batch_size=64, shuffle=False).GetPreprocessedInputBatch()
-  moved1 = _Gen(batch_size=64, shuffle=False,
-                random_translate=2).GetPreprocessedInputBatch()
-  moved2 = _Gen(batch_size=64, shuffle=False,
-                random_translate=2).GetPreprocessedInputBatch()
+  moved1 = _Gen(
+    batch_size=64, shuffle=False, random_translate=2
+  ).GetPreprocessedInputBatch()
+  moved2 = _Gen(
+    batch_size=64, shuffle=False, random_translate=2
+  ).GetPreprocessedInputBatch()
   assert moved1.image.shape == (64, 8, 8, 1)
   np.testing.assert_array_equal(moved1.image.numpy(), moved2.image.numpy())
   np.testing.assert_array_equal(moved1.label.numpy(), plain.label.numpy())
   assert not np.array_equal(moved1.image.numpy(), plain.image.numpy())
 
 
-def test_num_samples_epochs_and_reset():
-  gen = _Gen(batch_size=10, num_samples=25, num_epochs=1, shuffle=False,
-             remainder='keep')
+def testNumSamplesEpochsAndReset():
+  gen = _Gen(
+    batch_size=10, num_samples=25, num_epochs=1, shuffle=False, remainder='keep'
+  )
   sizes = [int(b.label.shape[0]) for b in gen.GetDataset()]
   assert sizes == [10, 10, 5]
   assert gen.num_examples == 25
@@ -98,11 +108,12 @@ def test_num_samples_epochs_and_reset():
   with pytest.raises(StopIteration):
     gen.GetPreprocessedInputBatch()
   gen.Reset()
-  np.testing.assert_array_equal(gen.GetPreprocessedInputBatch().label,
-                                first.label)
+  np.testing.assert_array_equal(
+    gen.GetPreprocessedInputBatch().label, first.label
+  )
 
 
-def test_iterator_checkpoint_round_trip(tmp_path):
+def testIteratorCheckpointRoundTrip(tmp_path):
   gen = _Gen(batch_size=16, random_translate=1)
   ckpt = tf.train.Checkpoint(iterator=gen.iterator)
   gen.GetPreprocessedInputBatch()
@@ -114,7 +125,7 @@ def test_iterator_checkpoint_round_trip(tmp_path):
   np.testing.assert_array_equal(got.image.numpy(), want.image.numpy())
 
 
-def test_iterator_not_tracked_by_the_layer(tmp_path):
+def testIteratorNotTrackedByTheLayer(tmp_path):
   gen = _Gen(batch_size=4)
   gen.GetPreprocessedInputBatch()
   assert not gen.variables
@@ -123,7 +134,7 @@ def test_iterator_not_tracked_by_the_layer(tmp_path):
   assert not [n for n in names if 'iterator' in n], names
 
 
-def test_errors():
+def testErrors():
   with pytest.raises(ValueError, match='split'):
     _Gen(split='validation')
   with pytest.raises(ValueError, match='batch_size'):

@@ -11,12 +11,15 @@ def _Example(encoded=None, label=None):
   feature = {}
   if encoded is not None:
     feature[imagenet.IMAGE_KEY] = tf.train.Feature(
-        bytes_list=tf.train.BytesList(value=[encoded]))
+      bytes_list=tf.train.BytesList(value=[encoded])
+    )
   if label is not None:
     feature[imagenet.LABEL_KEY] = tf.train.Feature(
-        int64_list=tf.train.Int64List(value=[label]))
-  return tf.train.Example(features=tf.train.Features(
-      feature=feature)).SerializeToString()
+      int64_list=tf.train.Int64List(value=[label])
+    )
+  return tf.train.Example(
+    features=tf.train.Features(feature=feature)
+  ).SerializeToString()
 
 
 def _Jpeg(h, w, seed):
@@ -34,20 +37,32 @@ def _Write(path, records):
 @pytest.fixture(scope='module')
 def files(tmp_path_factory):
   d = tmp_path_factory.mktemp('imagenet')
-  train = [_Write(d / f'train-0000{k}-of-00002',
-                  [_Example(_Jpeg(20 + i, 30 + 2 * i, 10 * k + i),
-                            1 + (5 * k + i) % 5) for i in range(5)])
-           for k in range(2)]
-  val = _Write(d / 'validation-00000-of-00001',
-               [_Example(_Jpeg(40, 24, 100 + i), 1 + i) for i in range(3)])
+  train = [
+    _Write(
+      d / f'train-0000{k}-of-00002',
+      [
+        _Example(_Jpeg(20 + i, 30 + 2 * i, 10 * k + i), 1 + (5 * k + i) % 5)
+        for i in range(5)
+      ],
+    )
+    for k in range(2)
+  ]
+  val = _Write(
+    d / 'validation-00000-of-00001',
+    [_Example(_Jpeg(40, 24, 100 + i), 1 + i) for i in range(3)],
+  )
   return d, train, val
 
 
 def _Params(d, **kwargs):
   p = imagenet.ImageNetInput.Params().Set(
-      file_pattern=str(d / 'train-*'),
-      eval_file_pattern=str(d / 'validation-*'), batch_size=4,
-      image_size=12, num_classes=5, seed=3)
+    file_pattern=str(d / 'train-*'),
+    eval_file_pattern=str(d / 'validation-*'),
+    batch_size=4,
+    image_size=12,
+    num_classes=5,
+    seed=3,
+  )
   return p.Set(**kwargs)
 
 
@@ -56,7 +71,7 @@ def _All(p):
   return gen, list(gen.GetDataset())
 
 
-def test_training_batches_are_augmented_and_reproducible(files):
+def testTrainingBatchesAreAugmentedAndReproducible(files):
   d, _, _ = files
   p = _Params(d, num_epochs=1)
   _, batches = _All(p)
@@ -64,8 +79,12 @@ def test_training_batches_are_augmented_and_reproducible(files):
   for b in batches:
     assert b.image.shape == [4, 12, 12, 3] and b.image.dtype == tf.float32
     assert b.label.dtype == tf.int32
-    assert -1.0 <= float(tf.reduce_min(b.image)) <= float(
-        tf.reduce_max(b.image)) <= 1.0
+    assert (
+      -1.0
+      <= float(tf.reduce_min(b.image))
+      <= float(tf.reduce_max(b.image))
+      <= 1.0
+    )
     assert set(b.label.numpy()) <= set(range(5))
   _, again = _All(p)
   for a, b in zip(batches, again):
@@ -74,7 +93,7 @@ def test_training_batches_are_augmented_and_reproducible(files):
   assert not np.array_equal(batches[0].image.numpy(), other[0].image.numpy())
 
 
-def test_eval_central_crop_at_any_resolution(files):
+def testEvalCentralCropAtAnyResolution(files):
   d, _, val = files
   p = imagenet.ImageNetInput.EvalParams(_Params(d, image_size=20), 'Dev')
   assert p.file_pattern == str(d / 'validation-*') and not p.augment
@@ -84,10 +103,17 @@ def test_eval_central_crop_at_any_resolution(files):
   np.testing.assert_array_equal(b.weight.numpy(), [1, 1, 1, 0])
   np.testing.assert_array_equal(b.label.numpy()[:3], [0, 1, 2])
   # The central 87.5% (35x21 of 40x24) resized to 20x20, scaled to [-1, 1].
-  raw = tf.io.decode_jpeg(tf.data.TFRecordDataset(val).map(
-      lambda r: tf.io.parse_single_example(r, {imagenet.IMAGE_KEY: tf.io.
-                                               FixedLenFeature([], tf.string)})
-      [imagenet.IMAGE_KEY]).take(1).get_single_element(), channels=3)
+  raw = tf.io.decode_jpeg(
+    tf.data.TFRecordDataset(val)
+    .map(
+      lambda r: tf.io.parse_single_example(
+        r, {imagenet.IMAGE_KEY: tf.io.FixedLenFeature([], tf.string)}
+      )[imagenet.IMAGE_KEY]
+    )
+    .take(1)
+    .get_single_element(),
+    channels=3,
+  )
   crop = raw[2:37, 1:22]
   want = tf.image.resize(tf.cast(crop, tf.float32), [20, 20]) / 127.5 - 1
   np.testing.assert_allclose(b.image[0].numpy(), want.numpy(), atol=1e-4)
@@ -95,48 +121,66 @@ def test_eval_central_crop_at_any_resolution(files):
     imagenet.ImageNetInput.EvalParams(_Params(d, eval_file_pattern=''), 'Dev')
 
 
-def test_missing_feature_names_the_file_and_feature(tmp_path):
-  bad = _Write(tmp_path / 'train-bad', [_Example(_Jpeg(8, 8, 0), 1),
-                                        _Example(_Jpeg(8, 8, 1), None)])
-  p = _Params(tmp_path, file_pattern=bad, num_epochs=1, batch_size=1,
-              shuffle=False)
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r'lacks the feature .*image/class/label.*'
-                     r'train-bad\] \[1\]'):
+def testMissingFeatureNamesTheFileAndFeature(tmp_path):
+  bad = _Write(
+    tmp_path / 'train-bad',
+    [_Example(_Jpeg(8, 8, 0), 1), _Example(_Jpeg(8, 8, 1), None)],
+  )
+  p = _Params(
+    tmp_path, file_pattern=bad, num_epochs=1, batch_size=1, shuffle=False
+  )
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match=r'lacks the feature .*image/class/label.*'
+    r'train-bad\] \[1\]',
+  ):
     _All(p)
   no_image = _Write(tmp_path / 'train-noimg', [_Example(None, 1)])
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match='lacks the feature .*image/encoded.*train-noimg'):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match='lacks the feature .*image/encoded.*train-noimg',
+  ):
     _All(p.Copy().Set(file_pattern=no_image))
 
 
-def test_label_out_of_range_names_the_file(tmp_path):
+def testLabelOutOfRangeNamesTheFile(tmp_path):
   path = _Write(tmp_path / 'train-labels', [_Example(_Jpeg(8, 8, 0), 7)])
   p = _Params(tmp_path, file_pattern=path, num_epochs=1, batch_size=1)
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r'outside \[0, 5\).*\[6\].*train-labels'):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match=r'outside \[0, 5\).*\[6\].*train-labels',
+  ):
     _All(p)
   _, batches = _All(p.Copy().Set(num_classes=10))
   assert batches[0].label.numpy().tolist() == [6]
 
 
-def test_corrupt_images_are_skipped_and_counted_or_fail(tmp_path):
-  path = _Write(tmp_path / 'train-corrupt', [
-      _Example(_Jpeg(8, 8, 0), 1), _Example(b'not a jpeg', 2),
-      _Example(_Jpeg(8, 8, 1)[:40], 3), _Example(_Jpeg(9, 9, 2), 4)])
-  p = _Params(tmp_path, file_pattern=path, num_epochs=1, batch_size=1,
-              shuffle=False)
+def testCorruptImagesAreSkippedAndCountedOrFail(tmp_path):
+  path = _Write(
+    tmp_path / 'train-corrupt',
+    [
+      _Example(_Jpeg(8, 8, 0), 1),
+      _Example(b'not a jpeg', 2),
+      _Example(_Jpeg(8, 8, 1)[:40], 3),
+      _Example(_Jpeg(9, 9, 2), 4),
+    ],
+  )
+  p = _Params(
+    tmp_path, file_pattern=path, num_epochs=1, batch_size=1, shuffle=False
+  )
   gen, batches = _All(p)
   assert [int(b.label[0]) for b in batches] == [0, 3]
   assert gen.num_corrupt == 2
   # Images decode in parallel, so the corrupt ones are recorded in any order.
   assert sorted(gen.corrupt_records) == [(path, 1), (path, 2)]
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match=r'train-corrupt \(record 1\) does not decode'):
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match=r'train-corrupt \(record 1\) does not decode',
+  ):
     _All(p.Copy().Set(corrupt_images='fail'))
 
 
-def test_param_errors(tmp_path):
+def testParamErrors(tmp_path):
   with pytest.raises(ValueError, match="corrupt_images = 'drop'"):
     _Params(tmp_path, corrupt_images='drop').Instantiate()
   with pytest.raises(ValueError, match='no file matches'):

@@ -1,4 +1,4 @@
-"""Tests of the multilingual MT input: corpora, vocabulary, sampling, buckets."""
+"""Tests of the multilingual MT input: corpora, vocab, sampling, buckets."""
 
 import collections
 import os
@@ -11,8 +11,18 @@ from lingvo_gpipe.input import mt_input
 from lingvo_gpipe.input import mt_vocab
 
 VOCAB_SIZE = 32
-_WORDS = ['alpha', 'beta', 'gamma', 'delta', 'omega', 'sigma', 'kappa',
-          'zeta', 'theta', 'iota']
+_WORDS = [
+  'alpha',
+  'beta',
+  'gamma',
+  'delta',
+  'omega',
+  'sigma',
+  'kappa',
+  'zeta',
+  'theta',
+  'iota',
+]
 _SIZES = {'de': 400, 'fr': 40, 'ru': 8}
 
 
@@ -22,8 +32,10 @@ def _Sentence(rng, n):
 
 def _Pairs(seed, count):
   rng = np.random.RandomState(seed)
-  return [(_Sentence(rng, rng.randint(1, 4)), _Sentence(rng, rng.randint(1, 4)))
-          for _ in range(count)]
+  return [
+    (_Sentence(rng, rng.randint(1, 4)), _Sentence(rng, rng.randint(1, 4)))
+    for _ in range(count)
+  ]
 
 
 @pytest.fixture(scope='module')
@@ -33,26 +45,31 @@ def data(tmp_path_factory):
   pairs = {lang: _Pairs(i, n) for i, (lang, n) in enumerate(_SIZES.items())}
   mt_corpus.WriteTsv(str(d / 'de-en.train.tsv'), pairs['de'])
   with open(d / 'de-en.train.tsv', 'a') as f:
-    f.write('\n')                                  # empty line
-    f.write('   \n')                               # blank line
-    f.write('no tab on this line\n')               # malformed
-    f.write('a\tb\tc\n')                           # malformed: two tabs
-    f.write('alpha beta\t  \n')                    # empty target
+    f.write('\n')  # empty line
+    f.write('   \n')  # blank line
+    f.write('no tab on this line\n')  # malformed
+    f.write('a\tb\tc\n')  # malformed: two tabs
+    f.write('alpha beta\t  \n')  # empty target
     f.write(' '.join(['omega'] * 40) + '\talpha\n')  # too long
   mt_corpus.WriteTfRecord(str(d / 'fr-en.train.tfrecord'), pairs['fr'])
   mt_corpus.WriteTsv(str(d / 'ru-en.train.tsv'), pairs['ru'])
   mt_corpus.WriteTsv(str(d / 'de-en.dev.tsv'), pairs['de'][:10])
   mt_corpus.WriteTsv(str(d / 'fr-en.dev.tsv'), pairs['fr'][:5])
   texts = [s for p in pairs.values() for pair in p for s in pair]
-  mt_vocab.TrainVocabulary(texts, str(d / 'spm'), VOCAB_SIZE,
-                           target_languages=['en', 'fr'])
+  mt_vocab.TrainVocabulary(
+    texts, str(d / 'spm'), VOCAB_SIZE, target_languages=['en', 'fr']
+  )
   return d, pairs
 
 
 def _Params(data_dir, **kwargs):
   p = mt_input.MultilingualMTInput.Params().Set(
-      data_dir=str(data_dir), vocab_size=VOCAB_SIZE, batch_size=8,
-      bucket_upper_bound=[16], seed=1)
+    data_dir=str(data_dir),
+    vocab_size=VOCAB_SIZE,
+    batch_size=8,
+    bucket_upper_bound=[16],
+    seed=1,
+  )
   return p.Set(**kwargs)
 
 
@@ -60,39 +77,42 @@ def _Batches(gen, n):
   return list(gen.GetDataset().take(n))
 
 
-# -- Readers ---------------------------------------------------------------------
+# -- Readers -------------------------------------------------------------------
 
 
-def test_tsv_and_tfrecord_readers_agree(data, tmp_path):
+def testTsvAndTfrecordReadersAgree(data, tmp_path):
   _, pairs = data
   mt_corpus.WriteTsv(str(tmp_path / 'a.tsv'), pairs['fr'])
   mt_corpus.WriteTfRecord(str(tmp_path / 'a.tfrecord'), pairs['fr'])
   tsv = [(s, t) for _, s, t in mt_corpus.ReadPairs(str(tmp_path / 'a.tsv'))]
-  rec = [(s, t) for _, s, t in mt_corpus.ReadPairs(
-      str(tmp_path / 'a.tfrecord'))]
+  rec = [
+    (s, t) for _, s, t in mt_corpus.ReadPairs(str(tmp_path / 'a.tfrecord'))
+  ]
   assert tsv == rec == pairs['fr']
 
 
-def test_tfrecord_without_the_features_is_malformed(tmp_path):
+def testTfrecordWithoutTheFeaturesIsMalformed(tmp_path):
   path = str(tmp_path / 'x.tfrecord')
   mt_corpus.WriteTfRecord(path, [('a', 'b')], source_key='src')
   assert list(mt_corpus.ReadPairs(path)) == [(1, None, None)]
   assert list(mt_corpus.ReadPairs(path, 'src', 'target')) == [(1, 'a', 'b')]
 
 
-def test_corpus_specs_and_discovery(data):
+def testCorpusSpecsAndDiscovery(data):
   d, _ = data
   assert mt_corpus.ParseCorpusSpec('de-en:/x/*.tsv') == ('de', 'en', '/x/*.tsv')
   assert mt_corpus.DiscoverCorpora(str(d), 'train') == [
-      f'de-en:{d}/de-en.train.tsv', f'fr-en:{d}/fr-en.train.tfrecord',
-      f'ru-en:{d}/ru-en.train.tsv']
+    f'de-en:{d}/de-en.train.tsv',
+    f'fr-en:{d}/fr-en.train.tfrecord',
+    f'ru-en:{d}/ru-en.train.tsv',
+  ]
   with pytest.raises(ValueError, match='SRC-TGT:FILE_PATTERN'):
     mt_corpus.ParseCorpusSpec('de-en.tsv')
   with pytest.raises(ValueError, match='No <src>-<tgt>.test.tsv'):
     mt_corpus.DiscoverCorpora(str(d), 'test')
 
 
-def test_unknown_language_codes_are_errors(data):
+def testUnknownLanguageCodesAreErrors(data):
   d, _ = data
   with pytest.raises(ValueError, match=r"Unknown language code 'xq'"):
     mt_corpus.ParseCorpusSpec('xq-en:/tmp/a.tsv')
@@ -102,10 +122,10 @@ def test_unknown_language_codes_are_errors(data):
     _Params(d, corpora=[f'zz-en:{d}/de-en.train.tsv']).Instantiate()
 
 
-# -- Examples ----------------------------------------------------------------------
+# -- Examples ------------------------------------------------------------------
 
 
-def test_batches_have_static_shapes_and_the_target_language_token(data):
+def testBatchesHaveStaticShapesAndTheTargetLanguageToken(data):
   d, _ = data
   gen = _Params(d).Instantiate()
   batch = _Batches(gen, 1)[0]
@@ -120,25 +140,33 @@ def test_batches_have_static_shapes_and_the_target_language_token(data):
   tgt_len = (1 - batch.tgt.paddings.numpy()).sum(1).astype(int)
   ids, labels = batch.tgt.ids.numpy(), batch.tgt.labels.numpy()
   for r in range(8):
-    assert src[r, 0] == en                       # <2en> first
+    assert src[r, 0] == en  # <2en> first
     assert src[r, src_len[r] - 1] == mt_vocab.EOS_ID
-    assert np.all(src[r, src_len[r]:] == mt_vocab.PAD_ID)
-    assert ids[r, 0] == mt_vocab.BOS_ID          # decoder input: <s> + y
+    assert np.all(src[r, src_len[r] :] == mt_vocab.PAD_ID)
+    assert ids[r, 0] == mt_vocab.BOS_ID  # decoder input: <s> + y
     assert labels[r, tgt_len[r] - 1] == mt_vocab.EOS_ID  # labels: y + </s>
-    np.testing.assert_array_equal(ids[r, 1:tgt_len[r]],
-                                  labels[r, :tgt_len[r] - 1])
-  np.testing.assert_array_equal(batch.tgt.weights.numpy(),
-                                1 - batch.tgt.paddings.numpy())
+    np.testing.assert_array_equal(
+      ids[r, 1 : tgt_len[r]], labels[r, : tgt_len[r] - 1]
+    )
+  np.testing.assert_array_equal(
+    batch.tgt.weights.numpy(), 1 - batch.tgt.paddings.numpy()
+  )
   assert 'text' not in batch.src  # Training batches carry no strings.
   assert en != vocab.TargetLanguageId('fr')
 
 
-def test_bad_lines_are_counted_and_skipped(data):
+def testBadLinesAreCountedAndSkipped(data):
   d, pairs = data
   gen = _Params(d).Instantiate()
   stats = gen.stats['de-en']
-  assert stats == dict(read=len(pairs['de']) + 6, kept=len(pairs['de']),
-                       empty=3, malformed=2, too_long=1, truncated=0)
+  assert stats == dict(
+    read=len(pairs['de']) + 6,
+    kept=len(pairs['de']),
+    empty=3,
+    malformed=2,
+    too_long=1,
+    truncated=0,
+  )
   trunc = _Params(d, long_sentence_policy='truncate').Instantiate()
   assert trunc.stats['de-en']['truncated'] == 1
   assert trunc.stats['de-en']['kept'] == len(pairs['de']) + 1
@@ -146,10 +174,14 @@ def test_bad_lines_are_counted_and_skipped(data):
   assert limited.stats['de-en']['kept'] == 5
 
 
-def test_truncated_sentences_keep_their_eos(data):
+def testTruncatedSentencesKeepTheirEos(data):
   d, _ = data
-  gen = _Params(d, long_sentence_policy='truncate', corpora=[
-      f'de-en:{d}/de-en.train.tsv'], bucket_upper_bound=[6]).Instantiate()
+  gen = _Params(
+    d,
+    long_sentence_policy='truncate',
+    corpora=[f'de-en:{d}/de-en.train.tsv'],
+    bucket_upper_bound=[6],
+  ).Instantiate()
   batch = _Batches(gen, 1)[0]
   src = batch.src.ids.numpy()
   assert src.shape[1] == 6
@@ -158,7 +190,7 @@ def test_truncated_sentences_keep_their_eos(data):
     assert row[n - 1] == mt_vocab.EOS_ID
 
 
-def test_corpus_without_usable_pairs_is_an_error(data, tmp_path):
+def testCorpusWithoutUsablePairsIsAnError(data, tmp_path):
   d, _ = data
   path = tmp_path / 'de-en.train.tsv'
   path.write_text('\n\nno tab\n')
@@ -168,10 +200,10 @@ def test_corpus_without_usable_pairs_is_an_error(data, tmp_path):
     _ = _Params(d, corpora=[f'de-en:{tmp_path}/nope*.tsv']).Instantiate().stats
 
 
-# -- Vocabulary --------------------------------------------------------------------
+# -- Vocabulary ----------------------------------------------------------------
 
 
-def test_vocabulary_ids_and_round_trip(data):
+def testVocabularyIdsAndRoundTrip(data):
   d, pairs = data
   vocab = mt_vocab.Vocabulary(str(d / 'spm.model'))
   assert vocab.size == VOCAB_SIZE
@@ -179,19 +211,28 @@ def test_vocabulary_ids_and_round_trip(data):
   text = pairs['de'][0][0]
   ids = vocab.Encode(text)
   assert vocab.Decode(ids) == text
-  assert vocab.Decode([vocab.TargetLanguageId('en'), mt_vocab.BOS_ID] + ids +
-                      [mt_vocab.EOS_ID, 0, 0]) == text
+  assert (
+    vocab.Decode(
+      [vocab.TargetLanguageId('en'), mt_vocab.BOS_ID]
+      + ids
+      + [mt_vocab.EOS_ID, 0, 0]
+    )
+    == text
+  )
 
 
-def test_vocab_size_mismatch_is_a_clear_error(data):
+def testVocabSizeMismatchIsAClearError(data):
   d, _ = data
   gen = _Params(d, vocab_size=VOCAB_SIZE + 1).Instantiate()
-  with pytest.raises(ValueError, match=r'has 32 pieces but the model.s '
-                     r'vocab_size is 33.*build_vocab.py --vocab_size=33'):
+  with pytest.raises(
+    ValueError,
+    match=r'has 32 pieces but the model.s '
+    r'vocab_size is 33.*build_vocab.py --vocab_size=33',
+  ):
     _ = gen.vocab
 
 
-def test_missing_vocab_and_target_token_are_clear_errors(data, tmp_path):
+def testMissingVocabAndTargetTokenAreClearErrors(data, tmp_path):
   d, _ = data
   gen = _Params(d, vocab_path=str(tmp_path / 'none.model')).Instantiate()
   with pytest.raises(FileNotFoundError, match='tools/build_vocab.py'):
@@ -201,13 +242,14 @@ def test_missing_vocab_and_target_token_are_clear_errors(data, tmp_path):
     _ = gen.stats
 
 
-# -- Sampling and buckets --------------------------------------------------------------
+# -- Sampling and buckets ------------------------------------------------------
 
 
-def test_temperature_sampling_probabilities():
+def testTemperatureSamplingProbabilities():
   sizes = [400, 40, 8]
-  np.testing.assert_allclose(mt_input.TemperatureSamplingProbs(sizes, 1.0),
-                             np.array(sizes) / 448)
+  np.testing.assert_allclose(
+    mt_input.TemperatureSamplingProbs(sizes, 1.0), np.array(sizes) / 448
+  )
   q5 = mt_input.TemperatureSamplingProbs(sizes, 5.0)
   p = np.array(sizes) / 448
   np.testing.assert_allclose(q5, p**0.2 / (p**0.2).sum())
@@ -219,10 +261,11 @@ def test_temperature_sampling_probabilities():
 
 
 @pytest.mark.parametrize('temperature', [1.0, 5.0])
-def test_sampled_language_frequencies(data, temperature):
+def testSampledLanguageFrequencies(data, temperature):
   d, _ = data
-  gen = _Params(d, sampling_temperature=temperature,
-                batch_size=50).Instantiate()
+  gen = _Params(
+    d, sampling_temperature=temperature, batch_size=50
+  ).Instantiate()
   counts = collections.Counter()
   for batch in _Batches(gen, 60):
     counts.update(batch.lang.numpy().tolist())
@@ -233,24 +276,30 @@ def test_sampled_language_frequencies(data, temperature):
     assert counts[i] / total == pytest.approx(probs[lang], abs=0.025), lang
 
 
-def test_length_buckets(data):
+def testLengthBuckets(data):
   d, _ = data
-  gen = _Params(d, bucket_upper_bound=[4, 16], bucket_batch_limit=[8, 4],
-                long_sentence_policy='drop').Instantiate()
+  gen = _Params(
+    d,
+    bucket_upper_bound=[4, 16],
+    bucket_batch_limit=[8, 4],
+    long_sentence_policy='drop',
+  ).Instantiate()
   shapes = collections.Counter()
   for batch in _Batches(gen, 40):
     b, w = batch.src.ids.shape.as_list()
     assert (b, w) in ((8, 4), (4, 16))
     assert batch.tgt.ids.shape.as_list() == [b, w]
-    longest = np.maximum((1 - batch.src.paddings.numpy()).sum(1),
-                         (1 - batch.tgt.paddings.numpy()).sum(1))
+    longest = np.maximum(
+      (1 - batch.src.paddings.numpy()).sum(1),
+      (1 - batch.tgt.paddings.numpy()).sum(1),
+    )
     if w == 16:
       assert longest.max() > 4  # Only what does not fit the small bucket.
     shapes[w] += 1
   assert shapes[4] and shapes[16]
 
 
-def test_bad_bucket_params_are_errors(data):
+def testBadBucketParamsAreErrors(data):
   d, _ = data
   with pytest.raises(ValueError, match='bucket_upper_bound'):
     _Params(d, bucket_upper_bound=[16, 8]).Instantiate()
@@ -260,10 +309,10 @@ def test_bad_bucket_params_are_errors(data):
     _Params(d, long_sentence_policy='cut').Instantiate()
 
 
-# -- Evaluation input --------------------------------------------------------------------
+# -- Evaluation input ----------------------------------------------------------
 
 
-def test_eval_input_is_one_padded_pass_with_text(data):
+def testEvalInputIsOnePaddedPassWithText(data):
   d, pairs = data
   p = mt_input.MultilingualMTInput.EvalParams(_Params(d), 'Dev')
   assert p.split == 'dev' and p.num_epochs == 1 and not p.shuffle
@@ -272,18 +321,23 @@ def test_eval_input_is_one_padded_pass_with_text(data):
   assert len(batches) == 2  # 15 examples, batches of 8.
   weight = np.concatenate([b.weight.numpy() for b in batches])
   assert weight.sum() == 15 and weight.tolist()[-1] == 0
-  text = [t.decode() for b in batches for t, w in zip(b.tgt.text.numpy(),
-                                                      b.weight.numpy()) if w]
+  text = [
+    t.decode()
+    for b in batches
+    for t, w in zip(b.tgt.text.numpy(), b.weight.numpy())
+    if w
+  ]
   assert text == [t for _, t in pairs['de'][:10] + pairs['fr'][:5]]
   langs = np.concatenate([b.lang.numpy() for b in batches])[:15]
   assert langs.tolist() == [0] * 10 + [1] * 5
   assert gen.languages == ['de-en', 'fr-en']
   with pytest.raises(NotImplementedError, match='Dev'):
     mt_input.MultilingualMTInput.EvalParams(
-        _Params(d, corpora=[f'de-en:{d}/de-en.train.tsv']), 'Dev')
+      _Params(d, corpora=[f'de-en:{d}/de-en.train.tsv']), 'Dev'
+    )
 
 
-def test_input_params_round_trip_as_text(data):
+def testInputParamsRoundTripAsText(data):
   d, _ = data
   p = _Params(d, corpora=[f'de-en:{d}/de-en.train.tsv'])
   fresh = mt_input.MultilingualMTInput.Params()
@@ -291,11 +345,12 @@ def test_input_params_round_trip_as_text(data):
   assert fresh.ToText() == p.ToText()
 
 
-def test_demo_corpus_is_built_when_missing(tmp_path):
+def testDemoCorpusIsBuiltWhenMissing(tmp_path):
   d = tmp_path / 'demo'
   p = _Params(d, demo_corpus=True, vocab_size=120)
-  p.demo.Set(languages=['de', 'fr'], max_train_pairs=150, eval_pairs=10,
-             max_digits=3)
+  p.demo.Set(
+    languages=['de', 'fr'], max_train_pairs=150, eval_pairs=10, max_digits=3
+  )
   gen = p.Instantiate()
   assert not os.path.exists(d)  # Nothing happens before the data is read.
   batch = _Batches(gen, 1)[0]

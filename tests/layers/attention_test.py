@@ -12,7 +12,8 @@ B, T, S, D, N, H = 2, 3, 4, 6, 2, 4
 
 def _Atten(**kwargs):
   p = attention.MultiHeadedAttention.Params().Set(
-      name='att', input_dim=D, hidden_dim=N * H, num_heads=N)
+    name='att', input_dim=D, hidden_dim=N * H, num_heads=N
+  )
   return p.Set(**kwargs)
 
 
@@ -57,8 +58,9 @@ def testMatchesNumpy(causal):
     b.assign(tf.random.stateless_normal(b.shape, [1, 2]))
   q, kv, paddings = _Inputs()
   enc, probs = layer.FProp(layer.theta, q, kv, kv, paddings, causal=causal)
-  want_enc, want_probs = _Reference(_NpTheta(layer), q, kv, kv, paddings,
-                                    causal)
+  want_enc, want_probs = _Reference(
+    _NpTheta(layer), q, kv, kv, paddings, causal
+  )
   np.testing.assert_allclose(probs.numpy(), want_probs, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(enc.numpy(), want_enc, rtol=1e-4, atol=1e-5)
   assert np.all(probs.numpy()[1, :, :, 2:] == 0.0)
@@ -69,8 +71,9 @@ def testPerStepPaddingEqualsCausal():
   layer = _Atten().Instantiate()
   q, kv, paddings = _Inputs(1)
   per_step = np.broadcast_to(
-      (np.arange(S)[None, :] > np.arange(T)[:, None]).astype(np.float32),
-      [B, T, S])
+    (np.arange(S)[None, :] > np.arange(T)[:, None]).astype(np.float32),
+    [B, T, S],
+  )
   a = layer.FProp(layer.theta, q, kv, kv, paddings, per_step_padding=per_step)
   b = _Atten(causal=True).Instantiate()
   b_out = b.FProp(layer.theta, q, kv, kv, paddings)
@@ -89,10 +92,10 @@ def testGradientsMatchTfReference():
     ref, _ = _Reference(theta, q, kv, kv, paddings.numpy(), lib=tf)
     loss, ref_loss = tf.reduce_sum(tf.sin(enc)), tf.reduce_sum(tf.sin(ref))
   np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5)
-  for got, want in zip(tape.gradient(loss, leaves),
-                       tape.gradient(ref_loss, leaves)):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4,
-                               atol=1e-5)
+  for got, want in zip(
+    tape.gradient(loss, leaves), tape.gradient(ref_loss, leaves)
+  ):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def testMetaAndVariableNames():
@@ -127,8 +130,11 @@ def testDropoutIsDeterministicPerStepSeed():
 def testShapeErrorsNameLayerAndShapes():
   layer = _Atten().Instantiate()
   q, kv, paddings = _Inputs()
-  with pytest.raises(ValueError, match=r"MultiHeadedAttention 'att'.*"
-                     r"query_vec.*\[2, 3, 5\].*\[\?, \?, 6\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"MultiHeadedAttention 'att'.*"
+    r'query_vec.*\[2, 3, 5\].*\[\?, \?, 6\]',
+  ):
     layer.FProp(layer.theta, q[..., :5], kv, kv, paddings)
   with pytest.raises(ValueError, match=r"'att'.*paddings.*\[2, 3\]"):
     layer.FProp(layer.theta, q, kv, kv, paddings[:, :3])

@@ -33,33 +33,48 @@ def _NumpyConv(x, w, stride, dilation, padding, depthwise=False):
   out = np.zeros([x.shape[0], oh, ow, n_out], np.float64)
   for i in range(oh):
     for j in range(ow):
-      patch = xp[:, i * stride[0]:i * stride[0] + eh:dilation[0],
-                 j * stride[1]:j * stride[1] + ew:dilation[1], :]
+      patch = xp[
+        :,
+        i * stride[0] : i * stride[0] + eh : dilation[0],
+        j * stride[1] : j * stride[1] + ew : dilation[1],
+        :,
+      ]
       if depthwise:
         out[:, i, j, :] = np.einsum('bhwc,hwcm->bcm', patch, w).reshape(
-            [x.shape[0], -1])
+          [x.shape[0], -1]
+        )
       else:
         out[:, i, j, :] = np.einsum('bhwc,hwco->bo', patch, w)
   return out
 
 
-@pytest.mark.parametrize('fs,stride,dil,pad', [
+@pytest.mark.parametrize(
+  'fs,stride,dil,pad',
+  [
     ((3, 3, 2, 4), (1, 1), (1, 1), 'SAME'),
     ((3, 2, 2, 4), (2, 2), (1, 1), 'SAME'),
     ((3, 3, 2, 3), (2, 1), (1, 1), 'VALID'),
     ((2, 3, 2, 3), (1, 1), (2, 2), 'VALID'),
     ((3, 3, 2, 3), (1, 1), (2, 1), 'SAME'),
-])
+  ],
+)
 def testConv2DMatchesNumpyAndMeta(fs, stride, dil, pad):
   p = convolutions.Conv2DLayer.Params().Set(
-      name='conv', filter_shape=fs, filter_stride=stride, dilation_rate=dil,
-      padding_algorithm=pad, activation='NONE', bias=True)
+    name='conv',
+    filter_shape=fs,
+    filter_stride=stride,
+    dilation_rate=dil,
+    padding_algorithm=pad,
+    activation='NONE',
+    bias=True,
+  )
   layer = p.Instantiate()
   layer.vars.b.assign(tf.range(fs[3], dtype=tf.float32))
   x = np.random.RandomState(0).randn(2, 7, 6, 2).astype(np.float32)
   out = layer.FProp(layer.theta, tf.constant(x))
   want = _NumpyConv(x, layer.vars.w.numpy(), stride, dil, pad) + np.arange(
-      fs[3])
+    fs[3]
+  )
   np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-5)
   m = p.cls.FPropMeta(p, [2, 7, 6, 2])
   assert m.out_shapes == (out.shape,)
@@ -69,34 +84,44 @@ def testConv2DMatchesNumpyAndMeta(fs, stride, dil, pad):
 
 def testConv2DGradientsMatchReference():
   p = convolutions.Conv2DLayer.Params().Set(
-      name='conv', filter_shape=(3, 3, 2, 3), filter_stride=(2, 2), bias=True,
-      activation='RELU')
+    name='conv',
+    filter_shape=(3, 3, 2, 3),
+    filter_stride=(2, 2),
+    bias=True,
+    activation='RELU',
+  )
   layer = p.Instantiate()
   x = tf.constant(np.random.RandomState(1).randn(2, 5, 5, 2), tf.float32)
   w = tf.constant(layer.vars.w.numpy())
   b = tf.constant([0.1, -0.1, 0.2])
   with tf.GradientTape(persistent=True) as tape:
     tape.watch([x, w, b])
-    loss = tf.reduce_sum(tf.square(
-        layer.FProp(py_utils.NestedMap(w=w, b=b), x)))
-    ref = tf.reduce_sum(tf.square(tf.nn.relu(
-        tf.nn.conv2d(x, w, [2, 2], 'SAME') + b)))
+    loss = tf.reduce_sum(
+      tf.square(layer.FProp(py_utils.NestedMap(w=w, b=b), x))
+    )
+    ref = tf.reduce_sum(
+      tf.square(tf.nn.relu(tf.nn.conv2d(x, w, [2, 2], 'SAME') + b))
+    )
   np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-5)
-  for got, want in zip(tape.gradient(loss, [x, w, b]),
-                       tape.gradient(ref, [x, w, b])):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4,
-                               atol=1e-5)
+  for got, want in zip(
+    tape.gradient(loss, [x, w, b]), tape.gradient(ref, [x, w, b])
+  ):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def testDepthwiseMatchesNumpy():
   p = convolutions.DepthwiseConv2DLayer.Params().Set(
-      name='dw', filter_shape=(3, 3, 2, 2), filter_stride=(2, 2),
-      activation='NONE')
+    name='dw',
+    filter_shape=(3, 3, 2, 2),
+    filter_stride=(2, 2),
+    activation='NONE',
+  )
   layer = p.Instantiate()
   x = np.random.RandomState(2).randn(1, 5, 6, 2).astype(np.float32)
   out = layer.FProp(layer.theta, tf.constant(x))
-  want = _NumpyConv(x, layer.vars.w.numpy(), (2, 2), (1, 1), 'SAME',
-                    depthwise=True)
+  want = _NumpyConv(
+    x, layer.vars.w.numpy(), (2, 2), (1, 1), 'SAME', depthwise=True
+  )
   np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-5)
   m = p.cls.FPropMeta(p, [1, 5, 6, 2])
   assert m.out_shapes == (out.shape,) and out.shape[-1] == 4
@@ -105,15 +130,25 @@ def testDepthwiseMatchesNumpy():
 
 def testSeparableIsDepthwiseThenPointwise():
   p = convolutions.SeparableConv2DLayer.Params().Set(
-      name='sep', filter_shape=(3, 3, 2, 5), depth_multiplier=2,
-      activation='NONE', bias=True)
+    name='sep',
+    filter_shape=(3, 3, 2, 5),
+    depth_multiplier=2,
+    activation='NONE',
+    bias=True,
+  )
   layer = p.Instantiate()
   assert layer.vars.w.shape == (1, 1, 4, 5)
   assert layer.vars.depthwise_conv.w.shape == (3, 3, 2, 2)
   x = np.random.RandomState(3).randn(1, 4, 4, 2).astype(np.float32)
   out = layer.FProp(layer.theta, tf.constant(x))
-  dw = _NumpyConv(x, layer.vars.depthwise_conv.w.numpy(), (1, 1), (1, 1),
-                  'SAME', depthwise=True)
+  dw = _NumpyConv(
+    x,
+    layer.vars.depthwise_conv.w.numpy(),
+    (1, 1),
+    (1, 1),
+    'SAME',
+    depthwise=True,
+  )
   want = dw @ layer.vars.w.numpy()[0, 0] + layer.vars.b.numpy()
   np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-5)
   m = p.cls.FPropMeta(p, [1, 4, 4, 2])
@@ -123,11 +158,16 @@ def testSeparableIsDepthwiseThenPointwise():
 
 def testBatchNormChild():
   p = convolutions.Conv2DLayer.Params().Set(
-      name='conv', filter_shape=(1, 1, 2, 3), batch_norm=True)
+    name='conv', filter_shape=(1, 1, 2, 3), batch_norm=True
+  )
   layer = p.Instantiate()
   assert sorted(layer.VariablesByName()) == [
-      'conv/bn/beta', 'conv/bn/gamma', 'conv/bn/moving_mean',
-      'conv/bn/moving_variance', 'conv/w']
+    'conv/bn/beta',
+    'conv/bn/gamma',
+    'conv/bn/moving_mean',
+    'conv/bn/moving_variance',
+    'conv/w',
+  ]
   with py_utils.UpdateCollector():  # keep the moving averages untouched
     out = layer.FProp(layer.theta, tf.random.normal([4, 3, 3, 2]))
   pre = out.numpy()
@@ -136,20 +176,22 @@ def testBatchNormChild():
 
 def testPaddingsGiveOutputPaddings():
   p = convolutions.Conv2DLayer.Params().Set(
-      name='conv', filter_shape=(3, 1, 1, 1), filter_stride=(2, 1))
+    name='conv', filter_shape=(3, 1, 1, 1), filter_stride=(2, 1)
+  )
   layer = p.Instantiate()
   x = tf.ones([1, 6, 1, 1])
-  paddings = tf.constant([[0., 0., 0., 0., 1., 1.]])
+  paddings = tf.constant([[0.0, 0.0, 0.0, 0.0, 1.0, 1.0]])
   out, out_paddings = layer.FProp(layer.theta, x, paddings)
-  np.testing.assert_array_equal(out_paddings.numpy(), [[0., 0., 1.]])
+  np.testing.assert_array_equal(out_paddings.numpy(), [[0.0, 0.0, 1.0]])
   assert out.numpy()[0, 2, 0, 0] == 0.0
   m = p.cls.FPropMeta(p, [1, 6, 1, 1], [1, 6])
   assert m.out_shapes == (out.shape, out_paddings.shape)
 
 
 def testChannelMismatchNamesLayerAndShapes():
-  p = convolutions.Conv2DLayer.Params().Set(name='conv',
-                                            filter_shape=(3, 3, 2, 4))
+  p = convolutions.Conv2DLayer.Params().Set(
+    name='conv', filter_shape=(3, 3, 2, 4)
+  )
   layer = p.Instantiate()
   with pytest.raises(ValueError) as e:
     layer.FProp(layer.theta, tf.zeros([1, 5, 5, 3]))
@@ -159,8 +201,9 @@ def testChannelMismatchNamesLayerAndShapes():
 
 
 def testBadParams():
-  base = convolutions.Conv2DLayer.Params().Set(name='conv',
-                                               filter_shape=(3, 3, 2, 4))
+  base = convolutions.Conv2DLayer.Params().Set(
+    name='conv', filter_shape=(3, 3, 2, 4)
+  )
   with pytest.raises(ValueError, match='both > 1'):
     base.Copy().Set(filter_stride=(2, 2), dilation_rate=(2, 2)).Instantiate()
   with pytest.raises(ValueError, match='padding_algorithm'):

@@ -10,8 +10,11 @@ from lingvo_gpipe.layers import sequential
 
 
 def _Dropout(name='drop', keep_prob=0.5, **kwargs):
-  return dropout.DropoutLayer.Params().Set(
-      name=name, keep_prob=keep_prob, **kwargs).Instantiate()
+  return (
+    dropout.DropoutLayer.Params()
+    .Set(name=name, keep_prob=keep_prob, **kwargs)
+    .Instantiate()
+  )
 
 
 def _Run(layer, seed, x=None):
@@ -33,9 +36,13 @@ def testDifferentStepSeedDifferentMask():
 
 
 def testDifferentLayersDifferentMasks():
-  p = sequential.SequentialLayer.Params().Set(name='root', sub=[
+  p = sequential.SequentialLayer.Params().Set(
+    name='root',
+    sub=[
       dropout.DropoutLayer.Params().Set(name='a', keep_prob=0.5),
-      dropout.DropoutLayer.Params().Set(name='b', keep_prob=0.5)])
+      dropout.DropoutLayer.Params().Set(name='b', keep_prob=0.5),
+    ],
+  )
   root = p.Instantiate()
   a, b = root.sub
   assert a.layer_seed != b.layer_seed
@@ -56,8 +63,7 @@ def testIdentityInEvalAndAtKeepProbOne():
   x = tf.random.normal([4, 5])
   with py_utils.EvalMode():
     np.testing.assert_array_equal(_Run(_Dropout(), 1, x), x.numpy())
-  np.testing.assert_array_equal(_Run(_Dropout(keep_prob=1.0), 1, x),
-                                x.numpy())
+  np.testing.assert_array_equal(_Run(_Dropout(keep_prob=1.0), 1, x), x.numpy())
   assert _Dropout(dropout_at_eval=True).params.dropout_at_eval
   with py_utils.EvalMode():
     assert (_Run(_Dropout(dropout_at_eval=True), 1, x) == 0).any()

@@ -11,7 +11,8 @@ from lingvo_gpipe.layers import softmax
 
 def _Emb(**kwargs):
   return embedding.SimpleEmbeddingLayer.Params().Set(
-      name='emb', vocab_size=7, embedding_dim=4, **kwargs)
+    name='emb', vocab_size=7, embedding_dim=4, **kwargs
+  )
 
 
 def testLookupMatchesNumpy():
@@ -28,8 +29,9 @@ def testLookupMatchesNumpy():
 def testScaleSqrtDepth():
   layer = _Emb(scale_sqrt_depth=True).Instantiate()
   out = layer.FProp(layer.theta, tf.constant([[1]]))
-  np.testing.assert_allclose(out.numpy()[0, 0], layer.vars.wm.numpy()[1] * 2.0,
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    out.numpy()[0, 0], layer.vars.wm.numpy()[1] * 2.0, rtol=1e-6
+  )
 
 
 def testFloatIdsAreRejected():
@@ -51,11 +53,22 @@ class _TiedModel(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    self.CreateChild('emb', embedding.SimpleEmbeddingLayer.Params().Set(
-        vocab_size=p.vocab, embedding_dim=p.dim, shared_weight_name='tied'))
-    self.CreateChild('softmax', softmax.SimpleFullSoftmax.Params().Set(
-        input_dim=p.dim, num_classes=p.vocab, shared_weight_name='tied',
-        use_num_classes_major_weight=True, has_bias=False))
+    self.CreateChild(
+      'emb',
+      embedding.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.vocab, embedding_dim=p.dim, shared_weight_name='tied'
+      ),
+    )
+    self.CreateChild(
+      'softmax',
+      softmax.SimpleFullSoftmax.Params().Set(
+        input_dim=p.dim,
+        num_classes=p.vocab,
+        shared_weight_name='tied',
+        use_num_classes_major_weight=True,
+        has_bias=False,
+      ),
+    )
 
   def FProp(self, theta, ids, labels):
     x = tf.tanh(self.emb.FProp(theta.emb, ids))
@@ -82,16 +95,23 @@ def testTiedGradientIsTheSumOfBothUses():
   with tf.GradientTape() as ref_tape:
     ref_tape.watch(w)
     logits = tf.matmul(tf.tanh(tf.gather(w, ids)), w, transpose_b=True)
-    ref = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits))
+    ref = tf.reduce_mean(
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits
+      )
+    )
   np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-6)
-  np.testing.assert_allclose(tf.convert_to_tensor(grad).numpy(),
-                             ref_tape.gradient(ref, w).numpy(), rtol=1e-5,
-                             atol=1e-7)
+  np.testing.assert_allclose(
+    tf.convert_to_tensor(grad).numpy(),
+    ref_tape.gradient(ref, w).numpy(),
+    rtol=1e-5,
+    atol=1e-7,
+  )
 
 
 def testTyingNeedsClassMajorLayout():
   p = softmax.SimpleFullSoftmax.Params().Set(
-      name='sm', input_dim=4, num_classes=6, shared_weight_name='tied')
+    name='sm', input_dim=4, num_classes=6, shared_weight_name='tied'
+  )
   with pytest.raises(ValueError, match="'sm'.*use_num_classes_major_weight"):
     p.Instantiate()

@@ -24,8 +24,9 @@ def testFCForwardMatchesNumpyOnRank3():
   x = np.random.RandomState(0).randn(2, 5, 4).astype(np.float32)
   out = layer.FProp(layer.theta, tf.constant(x)).numpy()
   w, b = layer.vars.w.numpy(), layer.vars.b.numpy()
-  np.testing.assert_allclose(out, np.maximum(x @ w + b, 0), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    out, np.maximum(x @ w + b, 0), rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(b, 0.5)
 
 
@@ -40,10 +41,10 @@ def testFCGradientsMatchReference():
     loss = tf.reduce_sum(tf.square(layer.FProp(theta, x)))
     ref = tf.reduce_sum(tf.square(tf.tanh(tf.matmul(x, w) + b)))
   np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-6)
-  for got, want in zip(tape.gradient(loss, [x, w, b]),
-                       tape.gradient(ref, [x, w, b])):
-    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5,
-                               atol=1e-6)
+  for got, want in zip(
+    tape.gradient(loss, [x, w, b]), tape.gradient(ref, [x, w, b])
+  ):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def testFPropMetaMatchesFProp():
@@ -76,8 +77,13 @@ def testBadParamsNameLayer():
 
 def testProjectionWithBatchNormAndPaddings():
   p = linears.ProjectionLayer.Params().Set(
-      name='proj', input_dim=4, output_dim=3, has_bias=False, batch_norm=True,
-      activation='NONE')
+    name='proj',
+    input_dim=4,
+    output_dim=3,
+    has_bias=False,
+    batch_norm=True,
+    activation='NONE',
+  )
   layer = p.Instantiate()
   assert 'b' not in layer.vars and 'bn' in layer.vars
   x = np.random.RandomState(2).randn(2, 4, 4).astype(np.float32)
@@ -88,13 +94,15 @@ def testProjectionWithBatchNormAndPaddings():
   valid = y[paddings.reshape([-1]) == 0]
   mean, var = valid.mean(0), valid.var(0)
   want = (y - mean) / np.sqrt(var + 1e-3) * (1 - paddings.reshape([-1, 1]))
-  np.testing.assert_allclose(out.numpy().reshape([-1, 3]), want, rtol=1e-4,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    out.numpy().reshape([-1, 3]), want, rtol=1e-4, atol=1e-5
+  )
 
 
 def testVariableNamesAreHierarchical():
-  p = sequential.SequentialLayer.Params().Set(name='root', sub=[
-      _Fc(name='child')])
+  p = sequential.SequentialLayer.Params().Set(
+    name='root', sub=[_Fc(name='child')]
+  )
   layer = p.Instantiate()
   assert sorted(layer.VariablesByName()) == ['root/child/b', 'root/child/w']
 

@@ -16,7 +16,8 @@ def _Bn(name='bn', **kwargs):
 def _Data(shape=(8, 5, 3), seed=0):
   rng = np.random.RandomState(seed)
   return (rng.randn(*shape) * [1.0, 2.0, 0.5] + [0.0, 1.0, -2.0]).astype(
-      np.float32)
+    np.float32
+  )
 
 
 def _SetAffine(layer):
@@ -28,8 +29,12 @@ def _SetAffine(layer):
 def testVariables():
   layer = _Bn().Instantiate()
   names = {v.name.split(':')[0]: v.trainable for v in layer.variables}
-  assert names == {'bn/beta': True, 'bn/gamma': True,
-                   'bn/moving_mean': False, 'bn/moving_variance': False}
+  assert names == {
+    'bn/beta': True,
+    'bn/gamma': True,
+    'bn/moving_mean': False,
+    'bn/moving_variance': False,
+  }
 
 
 def testTrainingUsesBatchStatsAndUpdatesAtOnce():
@@ -41,10 +46,12 @@ def testTrainingUsesBatchStatsAndUpdatesAtOnce():
   want = (x - mean) / np.sqrt(var + 1e-3) * gamma + beta
   np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
   # No collector: the moving averages were updated once.
-  np.testing.assert_allclose(layer.vars.moving_mean.numpy(), 0.1 * mean,
-                             rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(layer.vars.moving_variance.numpy(),
-                             0.9 + 0.1 * var, rtol=1e-5)
+  np.testing.assert_allclose(
+    layer.vars.moving_mean.numpy(), 0.1 * mean, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    layer.vars.moving_variance.numpy(), 0.9 + 0.1 * var, rtol=1e-5
+  )
 
 
 def testEvalUsesMovingAverages():
@@ -57,9 +64,9 @@ def testEvalUsesMovingAverages():
     with py_utils.UpdateCollector() as updates:
       out = layer.FProp(layer.theta, tf.constant(x)).numpy()
   assert not updates.updates
-  want = (x - [1., 2., 3.]) / np.sqrt(np.array([4., 1., .25]) + 1e-3)
+  want = (x - [1.0, 2.0, 3.0]) / np.sqrt(np.array([4.0, 1.0, 0.25]) + 1e-3)
   np.testing.assert_allclose(out, want * gamma + beta, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(layer.vars.moving_mean.numpy(), [1., 2., 3.])
+  np.testing.assert_allclose(layer.vars.moving_mean.numpy(), [1.0, 2.0, 3.0])
 
 
 def testDeferredUpdatesOfChunksEqualWholeBatchUpdate():
@@ -75,22 +82,31 @@ def testDeferredUpdatesOfChunksEqualWholeBatchUpdate():
     whole.FProp(whole.theta, tf.constant(x))
   whole_updates.Apply()
   for name in ('moving_mean', 'moving_variance'):
-    np.testing.assert_allclose(chunked.vars[name].numpy(),
-                               whole.vars[name].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      chunked.vars[name].numpy(), whole.vars[name].numpy(), rtol=1e-5, atol=1e-6
+    )
   # Each chunk is normalized with its own statistics.
   c0 = x[:2].reshape([-1, 3])
   np.testing.assert_allclose(
-      outs[0].numpy().reshape([-1, 3]),
-      (c0 - c0.mean(0)) / np.sqrt(c0.var(0) + 1e-3), rtol=1e-4, atol=1e-4)
+    outs[0].numpy().reshape([-1, 3]),
+    (c0 - c0.mean(0)) / np.sqrt(c0.var(0) + 1e-3),
+    rtol=1e-4,
+    atol=1e-4,
+  )
 
 
 def testMergeMomentsIsExact():
   x = _Data(shape=(10, 3), seed=2)
   sizes = [1, 2, 3, 4]
   chunks = np.split(x, np.cumsum(sizes)[:-1])
-  stats = [py_utils.NestedMap(mean=tf.constant(c.mean(0)),
-                              variance=tf.constant(c.var(0)),
-                              count=float(len(c))) for c in chunks]
+  stats = [
+    py_utils.NestedMap(
+      mean=tf.constant(c.mean(0)),
+      variance=tf.constant(c.var(0)),
+      count=float(len(c)),
+    )
+    for c in chunks
+  ]
   mean, var, count = normalizations.MergeMoments(stats)
   np.testing.assert_allclose(mean.numpy(), x.mean(0), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(var.numpy(), x.var(0), rtol=1e-5, atol=1e-6)
@@ -105,8 +121,9 @@ def testPaddedPositionsAreLeftOut():
     out = layer.FProp(layer.theta, tf.constant(x), tf.constant(paddings))
   valid = x[paddings == 0]
   stats = updates.updates[0][1]
-  np.testing.assert_allclose(stats.mean.numpy(), valid.mean(0), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    stats.mean.numpy(), valid.mean(0), rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(stats.variance.numpy(), valid.var(0), rtol=1e-4)
   assert stats.count.numpy() == 5
   assert np.all(out.numpy()[paddings == 1] == 0)
@@ -149,13 +166,16 @@ def testLayerNormMatchesNumpyWithGradients():
     ref = (x - mean) / tf.sqrt(var + 1e-6) * scale + bias
     loss, ref_loss = [tf.reduce_sum(tf.sin(y)) for y in (out, ref)]
   xn = x.numpy()
-  want = ((xn - xn.mean(-1, keepdims=True)) /
-          np.sqrt(xn.var(-1, keepdims=True) + 1e-6)) * scale.numpy() + bias
+  want = (
+    (xn - xn.mean(-1, keepdims=True))
+    / np.sqrt(xn.var(-1, keepdims=True) + 1e-6)
+  ) * scale.numpy() + bias
   np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-5)
-  for got, exp in zip(tape.gradient(loss, [x, scale, bias]),
-                      tape.gradient(ref_loss, [x, scale, bias])):
-    np.testing.assert_allclose(got.numpy(), exp.numpy(), rtol=1e-3,
-                               atol=1e-4)
+  for got, exp in zip(
+    tape.gradient(loss, [x, scale, bias]),
+    tape.gradient(ref_loss, [x, scale, bias]),
+  ):
+    np.testing.assert_allclose(got.numpy(), exp.numpy(), rtol=1e-3, atol=1e-4)
   assert p.cls.FPropMeta(p, x.shape).out_shapes == (out.shape,)
   with pytest.raises(ValueError, match=r"LayerNorm 'ln'.*\[2, 4\]"):
     layer.FProp(layer.theta, tf.zeros([2, 4]))

@@ -9,12 +9,15 @@ from lingvo_gpipe.layers import pooling
 _X = np.random.RandomState(0).randn(2, 4, 6, 3).astype(np.float32)
 
 
-@pytest.mark.parametrize('pooling_type,fn', [('MAX', np.max),
-                                             ('AVG', np.mean)])
+@pytest.mark.parametrize('pooling_type,fn', [('MAX', np.max), ('AVG', np.mean)])
 def testPoolingMatchesNumpy(pooling_type, fn):
   p = pooling.PoolingLayer.Params().Set(
-      name='pool', window_shape=(2, 3), window_stride=(2, 3),
-      pooling_type=pooling_type, padding_algorithm='VALID')
+    name='pool',
+    window_shape=(2, 3),
+    window_stride=(2, 3),
+    pooling_type=pooling_type,
+    padding_algorithm='VALID',
+  )
   layer = p.Instantiate()
   out = layer.FProp(layer.theta, tf.constant(_X))
   want = fn(_X.reshape([2, 2, 2, 2, 3, 3]), axis=(2, 4))
@@ -25,8 +28,9 @@ def testPoolingMatchesNumpy(pooling_type, fn):
 
 
 def testSamePaddingShape():
-  p = pooling.PoolingLayer.Params().Set(name='pool', window_shape=(3, 3),
-                                        window_stride=(2, 2))
+  p = pooling.PoolingLayer.Params().Set(
+    name='pool', window_shape=(3, 3), window_stride=(2, 2)
+  )
   layer = p.Instantiate()
   out = layer.FProp(layer.theta, tf.zeros([1, 5, 7, 2]))
   assert out.shape == (1, 3, 4, 2)
@@ -43,11 +47,11 @@ def testPoolingErrors():
 
 
 @pytest.mark.parametrize('keepdims', [True, False])
-@pytest.mark.parametrize('pooling_type,fn', [('MAX', np.max),
-                                             ('AVG', np.mean)])
+@pytest.mark.parametrize('pooling_type,fn', [('MAX', np.max), ('AVG', np.mean)])
 def testGlobalPooling(pooling_type, fn, keepdims):
   p = pooling.GlobalPoolingLayer.Params().Set(
-      name='gp', pooling_type=pooling_type, keepdims=keepdims)
+    name='gp', pooling_type=pooling_type, keepdims=keepdims
+  )
   layer = p.Instantiate()
   out = layer.FProp(layer.theta, tf.constant(_X))
   want = fn(_X, axis=(1, 2), keepdims=keepdims)

@@ -13,8 +13,9 @@ _WEIGHTS = np.array([[1.0, 0.5, 0.0], [2.0, 1.0, 1.0]], np.float32)
 
 
 def _Sm(**kwargs):
-  p = softmax.SimpleFullSoftmax.Params().Set(name='sm', input_dim=4,
-                                             num_classes=5)
+  p = softmax.SimpleFullSoftmax.Params().Set(
+    name='sm', input_dim=4, num_classes=5
+  )
   return p.Set(**kwargs)
 
 
@@ -33,26 +34,31 @@ def _NpLogits(layer):
 def testXentLossMatchesNumpy():
   layer = _Sm().Instantiate()
   layer.vars.bias_0.assign(np.arange(5, dtype=np.float32) * 0.1)
-  out = layer.XentLoss(layer.theta, tf.constant(_X), class_weights=_WEIGHTS,
-                       class_ids=_IDS)
+  out = layer.XentLoss(
+    layer.theta, tf.constant(_X), class_weights=_WEIGHTS, class_ids=_IDS
+  )
   logits = _NpLogits(layer)
   log_probs = _LogSoftmax(logits)
   xent = -np.take_along_axis(log_probs, _IDS[..., None], -1)[..., 0]
   np.testing.assert_allclose(out.logits.numpy(), logits, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(out.log_probs.numpy(), log_probs, rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    out.log_probs.numpy(), log_probs, rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(out.per_example_xent.numpy(), xent, rtol=1e-5)
-  np.testing.assert_array_equal(out.per_example_argmax.numpy(),
-                                logits.argmax(-1))
-  np.testing.assert_allclose(out.total_xent.numpy(), (xent * _WEIGHTS).sum(),
-                             rtol=1e-5)
+  np.testing.assert_array_equal(
+    out.per_example_argmax.numpy(), logits.argmax(-1)
+  )
+  np.testing.assert_allclose(
+    out.total_xent.numpy(), (xent * _WEIGHTS).sum(), rtol=1e-5
+  )
   assert out.total_weight.numpy() == _WEIGHTS.sum()
-  np.testing.assert_allclose(out.avg_xent.numpy(),
-                             (xent * _WEIGHTS).sum() / _WEIGHTS.sum(),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    out.avg_xent.numpy(), (xent * _WEIGHTS).sum() / _WEIGHTS.sum(), rtol=1e-5
+  )
   # FProp is XentLoss with Lingvo's argument order; [..., 1] labels work.
-  fprop = layer.FProp(layer.theta, tf.constant(_X), _WEIGHTS[..., None],
-                      _IDS[..., None])
+  fprop = layer.FProp(
+    layer.theta, tf.constant(_X), _WEIGHTS[..., None], _IDS[..., None]
+  )
   np.testing.assert_allclose(fprop.avg_xent.numpy(), out.avg_xent.numpy())
 
 
@@ -64,18 +70,23 @@ def testLabelSmoothingAndProbabilities():
   np.testing.assert_allclose(out.per_example_xent.numpy(), want, rtol=1e-5)
   # The same from class_probabilities, with smoothing passed per call.
   probs = np.eye(5, dtype=np.float32)[_IDS]
-  out2 = layer.XentLoss(layer.theta, tf.constant(_X),
-                        class_probabilities=probs, label_smoothing=0.1)
+  out2 = layer.XentLoss(
+    layer.theta, tf.constant(_X), class_probabilities=probs, label_smoothing=0.1
+  )
   np.testing.assert_allclose(out2.per_example_xent.numpy(), want, rtol=1e-5)
   fn = softmax.SoftmaxCrossEntropyWithLabelSmoothing(
-      tf.constant(_NpLogits(layer), tf.float32), class_ids=_IDS,
-      label_smoothing=0.1)
+    tf.constant(_NpLogits(layer), tf.float32),
+    class_ids=_IDS,
+    label_smoothing=0.1,
+  )
   np.testing.assert_allclose(fn.numpy(), want, rtol=1e-5)
   # No smoothing: the plain cross-entropy.
-  out0 = layer.XentLoss(layer.theta, tf.constant(_X), class_ids=_IDS,
-                        label_smoothing=0.0)
-  want0 = -np.take_along_axis(_LogSoftmax(_NpLogits(layer)), _IDS[..., None],
-                              -1)[..., 0]
+  out0 = layer.XentLoss(
+    layer.theta, tf.constant(_X), class_ids=_IDS, label_smoothing=0.0
+  )
+  want0 = -np.take_along_axis(
+    _LogSoftmax(_NpLogits(layer)), _IDS[..., None], -1
+  )[..., 0]
   np.testing.assert_allclose(out0.per_example_xent.numpy(), want0, rtol=1e-5)
 
 
@@ -89,16 +100,21 @@ def testLogitsAbsMax():
 def testShardsAndClassMajorLayout():
   sharded = _Sm(num_classes=6, num_shards=3).Instantiate()
   assert sharded.vars.weight_2.shape == (4, 2)
-  w = np.concatenate([sharded.vars[f'weight_{i}'].numpy() for i in range(3)],
-                     1)
+  w = np.concatenate([sharded.vars[f'weight_{i}'].numpy() for i in range(3)], 1)
   np.testing.assert_allclose(
-      sharded.Logits(sharded.theta, tf.constant(_X)).numpy(), _X @ w,
-      rtol=1e-5, atol=1e-6)
+    sharded.Logits(sharded.theta, tf.constant(_X)).numpy(),
+    _X @ w,
+    rtol=1e-5,
+    atol=1e-6,
+  )
   major = _Sm(use_num_classes_major_weight=True).Instantiate()
   assert major.vars.weight_0.shape == (5, 4)
   np.testing.assert_allclose(
-      major.Logits(major.theta, tf.constant(_X)).numpy(), _NpLogits(major),
-      rtol=1e-5, atol=1e-6)
+    major.Logits(major.theta, tf.constant(_X)).numpy(),
+    _NpLogits(major),
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def testMetaMatchesFProp():

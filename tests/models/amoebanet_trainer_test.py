@@ -24,24 +24,40 @@ TIMEOUT = 240
 
 def _Run(model, *args):
   path = os.environ.get('PYTHONPATH', '')
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
-             PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''))
-  cmd = [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={model}',
-         '--num_cpu_devices=2', '--run_locally=cpu', '--mode=sync', *args]
-  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=TIMEOUT)
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='2',
+    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
+  )
+  cmd = [
+    sys.executable,
+    '-m',
+    'lingvo_gpipe.trainer',
+    f'--model={model}',
+    '--num_cpu_devices=2',
+    '--run_locally=cpu',
+    '--mode=sync',
+    *args,
+  ]
+  return subprocess.run(
+    cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT
+  )
 
 
 @pytest.fixture(scope='module')
 def tiny_logdir(tmp_path_factory):
   logdir = tmp_path_factory.mktemp('amoeba') / 'logdir'
-  res = _Run('image.amoebanet.AmoebaNetTiny', f'--logdir={logdir}',
-             '--max_steps=3', '--log_interval_steps=1')
+  res = _Run(
+    'image.amoebanet.AmoebaNetTiny',
+    f'--logdir={logdir}',
+    '--max_steps=3',
+    '--log_interval_steps=1',
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   return logdir, res.stderr
 
 
-def test_tiny_trains_pipelined(tiny_logdir):
+def testTinyTrainsPipelined(tiny_logdir):
   logdir, log = tiny_logdir
   assert "Pipeline 'amoebanet/network': 2 cells, 2 micro-batches" in log
   assert 'cell 1 on /device:CPU:1' in log
@@ -57,30 +73,36 @@ def _WriteCifar100(path, n, seed):
   rng = np.random.RandomState(seed)
   with open(path, 'wb') as f:
     for _ in range(n):
-      f.write(bytes([rng.randint(20), rng.randint(100)]) +
-              rng.randint(0, 256, 3072).astype(np.uint8).tobytes())
+      f.write(
+        bytes([rng.randint(20), rng.randint(100)])
+        + rng.randint(0, 256, 3072).astype(np.uint8).tobytes()
+      )
 
 
 @pytest.mark.slow
-def test_fine_tune_restores_the_body_not_the_head(tiny_logdir, tmp_path):
+def testFineTuneRestoresTheBodyNotTheHead(tiny_logdir, tmp_path):
   source_dir, _ = tiny_logdir
   data = tmp_path / 'cifar-100-binary'
   data.mkdir()
   _WriteCifar100(data / 'train.bin', 64, 0)
   _WriteCifar100(data / 'test.bin', 8, 1)
   logdir = tmp_path / 'finetune'
-  res = _Run('image.amoebanet.AmoebaNetTinyCifar100', f'--logdir={logdir}',
-             '--max_steps=1', '--seed=99', f'--restore_from={source_dir}',
-             r'--restore_map=amoebanet/network/(.*)=>amoebanet/network/\1',
-             f'--model_params_override=input.data_dir : {data}')
+  res = _Run(
+    'image.amoebanet.AmoebaNetTinyCifar100',
+    f'--logdir={logdir}',
+    '--max_steps=1',
+    '--seed=99',
+    f'--restore_from={source_dir}',
+    r'--restore_map=amoebanet/network/(.*)=>amoebanet/network/\1',
+    f'--model_params_override=input.data_dir : {data}',
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   log = res.stderr
   source = checkpointer.LatestCheckpoint(str(source_dir / 'train'))
   assert f'variables from {source}:' in log
   body = 'amoebanet/network/cell_2/comb_iter_0_left/conv/w'
   assert f'{body} <- {body}' in log
-  assert ('amoebanet/softmax/weight_0: no --restore_map rule matches it'
-          in log)
+  assert 'amoebanet/softmax/weight_0: no --restore_map rule matches it' in log
   new = tf.train.load_checkpoint(str(logdir / 'train' / 'ckpt-1'))
   old = tf.train.load_checkpoint(source)
   key = checkpointer.VariableKey

@@ -20,15 +20,21 @@ def _TaskParams(num_stages=2, batch_norm=False, num_classes=10, hidden=32):
   layers = [reshape.FlattenLayer.Params().Set(name='flatten')]
   in_dim = 64
   for i in range(2):
-    layers.append(linears.ProjectionLayer.Params().Set(
-        name=f'fc{i}', input_dim=in_dim, output_dim=hidden,
-        batch_norm=batch_norm))
+    layers.append(
+      linears.ProjectionLayer.Params().Set(
+        name=f'fc{i}',
+        input_dim=in_dim,
+        output_dim=hidden,
+        batch_norm=batch_norm,
+      )
+    )
     in_dim = hidden
   p = classifier.ClassifierTask.Params().Set(
-      name='cls', num_classes=num_classes, random_seed=3)
+    name='cls', num_classes=num_classes, random_seed=3
+  )
   p.network = pipelining_layer.PipeliningLayer.Params().Set(
-      name='network', layers=layers, num_stages=num_stages,
-      num_micro_batches=4)
+    name='network', layers=layers, num_stages=num_stages, num_micro_batches=4
+  )
   p.softmax.input_dim = hidden
   p.train.Set(learning_rate=0.01, optimizer=optimizer.Adam.Params())
   return p
@@ -39,7 +45,7 @@ def _Batch(split='train', n=64):
   return NestedMap(image=tf.constant(images[:n]), label=tf.constant(labels[:n]))
 
 
-def test_registered_model_learns_the_digits():
+def testRegisteredModelLearnsTheDigits():
   p = model_registry.GetParams('image.digits.MlpDigitsTiny', 'Train')
   model = p.Instantiate()
   task = model.GetTask()
@@ -67,7 +73,7 @@ def _LossAndGrads(task, batch):
 
 
 @pytest.mark.parametrize('batch_norm', [False, True])
-def test_one_vs_two_stages_same_loss_and_grads(batch_norm):
+def testOneVsTwoStagesSameLossAndGrads(batch_norm):
   batch = _Batch()
   one = _TaskParams(num_stages=1, batch_norm=batch_norm).Instantiate()
   two = _TaskParams(num_stages=2, batch_norm=batch_norm).Instantiate()
@@ -78,32 +84,42 @@ def test_one_vs_two_stages_same_loss_and_grads(batch_norm):
   np.testing.assert_allclose(loss1, loss2, rtol=1e-6)
   for name, g in grads1.items():
     assert g is not None, name
-    np.testing.assert_allclose(g.numpy(), grads2[name].numpy(), rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+      g.numpy(), grads2[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+    )
   out1, out2 = one.TrainStep(batch), two.TrainStep(batch)
   np.testing.assert_allclose(float(out1.loss), float(out2.loss), rtol=1e-6)
   v2 = two.VariablesByName()
   for name, v in one.VariablesByName().items():
-    np.testing.assert_allclose(v.numpy(), v2[name].numpy(), rtol=1e-5,
-                               atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+      v.numpy(), v2[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+    )
 
 
-def test_metrics_honor_eval_weights():
+def testMetricsHonorEvalWeights():
   task = _TaskParams().Instantiate()
   full = _Batch(n=64)
   weighted = NestedMap(full, weight=tf.constant([1.0] * 32 + [0.0] * 32))
   half = NestedMap(image=full.image[:32], label=full.label[:32])
   a, b = task.EvalStep(weighted), task.EvalStep(half)
-  assert sorted(a) == ['acc5', 'accuracy', 'error', 'error5', 'log_pplx',
-                       'loss', 'num_preds']
+  assert sorted(a) == [
+    'acc5',
+    'accuracy',
+    'error',
+    'error5',
+    'log_pplx',
+    'loss',
+    'num_preds',
+  ]
   for k in a:
-    np.testing.assert_allclose(float(a[k][0]), float(b[k][0]), rtol=1e-5,
-                               err_msg=k)
+    np.testing.assert_allclose(
+      float(a[k][0]), float(b[k][0]), rtol=1e-5, err_msg=k
+    )
     np.testing.assert_allclose(float(a[k][1]), float(b[k][1]), err_msg=k)
   assert float(a.loss[1]) == 32.0
 
 
-def test_per_example_outputs_and_label_smoothing():
+def testPerExampleOutputsAndLabelSmoothing():
   p = _TaskParams()
   p.label_smoothing = 0.1
   task = p.Instantiate()
@@ -114,18 +130,20 @@ def test_per_example_outputs_and_label_smoothing():
   assert per_example.loss.shape == (16,)
   assert per_example.argmax.dtype == tf.int32
   assert float(metrics.loss[0]) > float(metrics.log_pplx[0])
-  np.testing.assert_allclose(float(metrics.loss[0]),
-                             float(tf.reduce_mean(per_example.loss)), rtol=1e-6)
+  np.testing.assert_allclose(
+    float(metrics.loss[0]), float(tf.reduce_mean(per_example.loss)), rtol=1e-6
+  )
 
 
-def test_no_top5_below_five_classes():
+def testNoTop5BelowFiveClasses():
   task = _TaskParams(num_classes=3).Instantiate()
-  batch = NestedMap(image=tf.zeros([8, 8, 8, 1]),
-                    label=tf.constant([0, 1, 2, 0, 1, 2, 0, 1]))
+  batch = NestedMap(
+    image=tf.zeros([8, 8, 8, 1]), label=tf.constant([0, 1, 2, 0, 1, 2, 0, 1])
+  )
   assert 'acc5' not in task.EvalStep(batch)
 
 
-def test_errors():
+def testErrors():
   p = _TaskParams()
   with pytest.raises(ValueError, match='p.network is None'):
     p.Copy().Set(network=None).Instantiate()
@@ -139,7 +157,8 @@ def test_errors():
     bad.Instantiate()
   no_flatten = p.Copy()
   no_flatten.network = linears.ProjectionLayer.Params().Set(
-      name='net', input_dim=1, output_dim=32)
+    name='net', input_dim=1, output_dim=32
+  )
   task = no_flatten.Instantiate()
   with pytest.raises(ValueError, match='FlattenLayer'):
     task.ComputePredictions(task.theta, _Batch(n=4))
@@ -147,7 +166,7 @@ def test_errors():
     task.ComputePredictions(task.theta, NestedMap(data=tf.zeros([4, 1])))
 
 
-def test_flatten_layer():
+def testFlattenLayer():
   layer = reshape.FlattenLayer.Params().Set(name='f').Instantiate()
   assert layer(tf.zeros([3, 2, 4])).shape == (3, 8)
   meta = reshape.FlattenLayer.FPropMeta(layer.params, [None, 8, 8, 1])
@@ -155,7 +174,7 @@ def test_flatten_layer():
   assert meta.flops == 0
 
 
-def test_model_wraps_task_names():
+def testModelWrapsTaskNames():
   model = base_model.SingleTaskModel.Params(_TaskParams()).Instantiate()
   names = model.VariablesByName()
   assert 'cls/network/fc0/w' in names and 'cls/network/fc0/w/m' in names

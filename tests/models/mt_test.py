@@ -20,22 +20,40 @@ B, S, T, D, V = 4, 7, 6, 16, 40
 
 def _Layers(num_layers=1, hidden=32, **kwargs):
   return mt_layers.TransformerMTLayers(
-      num_encoder_layers=num_layers, num_decoder_layers=num_layers,
-      model_dim=D, hidden_dim=hidden, num_heads=2, vocab_size=V, **kwargs)
+    num_encoder_layers=num_layers,
+    num_decoder_layers=num_layers,
+    model_dim=D,
+    hidden_dim=hidden,
+    num_heads=2,
+    vocab_size=V,
+    **kwargs,
+  )
 
 
-def _TaskParams(num_stages=2, num_micro_batches=2, num_layers=1, hidden=32,
-                pipelined=True, **kwargs):
-  p = mt_model.TransformerMTTask.Params().Set(name='mt', vocab_size=V,
-                                              random_seed=7, beam_size=1)
+def _TaskParams(
+  num_stages=2,
+  num_micro_batches=2,
+  num_layers=1,
+  hidden=32,
+  pipelined=True,
+  **kwargs,
+):
+  p = mt_model.TransformerMTTask.Params().Set(
+    name='mt', vocab_size=V, random_seed=7, beam_size=1
+  )
   layers = _Layers(num_layers, hidden, **kwargs)
   if pipelined:
     p.network = pipelining_layer.PipeliningLayer.Params().Set(
-        name='network', layers=layers, num_stages=num_stages,
-        num_micro_batches=num_micro_batches, balance_by='uniform')
+      name='network',
+      layers=layers,
+      num_stages=num_stages,
+      num_micro_batches=num_micro_batches,
+      balance_by='uniform',
+    )
   else:
-    p.network = sequential.SequentialLayer.Params().Set(name='network',
-                                                        sub=layers)
+    p.network = sequential.SequentialLayer.Params().Set(
+      name='network', sub=layers
+    )
   p.train.learning_rate = 1e-3
   return p
 
@@ -50,12 +68,16 @@ def _Batch(seed=0, batch=B):
   labels = rng.randint(4, V, size=[batch, T]) * (1 - tgt_pad)
   ids = np.concatenate([np.ones([batch, 1]), labels[:, :-1]], 1)
   return NestedMap(
-      src=NestedMap(ids=tf.constant(src, tf.int32),
-                    paddings=tf.constant(src_pad)),
-      tgt=NestedMap(ids=tf.constant(ids, tf.int32),
-                    labels=tf.constant(labels, tf.int32),
-                    paddings=tf.constant(tgt_pad),
-                    weights=tf.constant(1 - tgt_pad)))
+    src=NestedMap(
+      ids=tf.constant(src, tf.int32), paddings=tf.constant(src_pad)
+    ),
+    tgt=NestedMap(
+      ids=tf.constant(ids, tf.int32),
+      labels=tf.constant(labels, tf.int32),
+      paddings=tf.constant(tgt_pad),
+      weights=tf.constant(1 - tgt_pad),
+    ),
+  )
 
 
 def _LossAndGrads(task, batch):
@@ -68,23 +90,32 @@ def _LossAndGrads(task, batch):
 
 
 def _StateShapes():
-  return NestedMap({k: [B, S] if k.startswith('src') else [B, T]
-                    for k in mt_layers.INPUT_KEYS})
+  return NestedMap(
+    {k: [B, S] if k.startswith('src') else [B, T] for k in mt_layers.INPUT_KEYS}
+  )
 
 
 # -- Structure and shapes -----------------------------------------------------
 
 
-def test_flat_layer_list_and_analytic_fprop_meta():
+def testFlatLayerListAndAnalyticFpropMeta():
   layers = _Layers(num_layers=2)
   names = [p.name for p in layers]
-  assert names == ['emb', 'enc_0', 'enc_1', 'enc_ln', 'dec_0', 'dec_1',
-                   'softmax']
+  assert names == [
+    'emb',
+    'enc_0',
+    'enc_1',
+    'enc_ln',
+    'dec_0',
+    'dec_1',
+    'softmax',
+  ]
   metas = partition.LayerMetas(layers, _StateShapes())
   for p, (flops, _, _) in zip(layers, metas):
     # Every layer has its own formula: nothing is traced.
     assert p.cls.FPropMeta.__func__ is not (
-        base_layer.BaseLayer.FPropMeta.__func__), p.cls
+      base_layer.BaseLayer.FPropMeta.__func__
+    ), p.cls
     assert flops > 0, p.name
   emb_out = metas[0][2][0]
   assert emb_out.src.as_list() == [B, S, D]
@@ -97,7 +128,7 @@ def test_flat_layer_list_and_analytic_fprop_meta():
   assert metas[-2][2][0].src.as_list() == [B, S, D]
 
 
-def test_fprop_meta_names_a_missing_state_key():
+def testFpropMetaNamesAMissingStateKey():
   layers = _Layers()
   shapes = _StateShapes()
   del shapes['tgt_ids']
@@ -105,7 +136,7 @@ def test_fprop_meta_names_a_missing_state_key():
     partition.LayerMetas(layers, shapes)
 
 
-def test_predictions_and_metrics_shapes():
+def testPredictionsAndMetricsShapes():
   task = _TaskParams().Instantiate()
   batch = _Batch()
   preds = task.ComputePredictions(task.theta, batch)
@@ -125,14 +156,14 @@ def test_predictions_and_metrics_shapes():
   assert 'mt/network/body' not in ' '.join(task.VariablesByName())
 
 
-def test_task_rejects_mismatched_vocab_sizes():
+def testTaskRejectsMismatchedVocabSizes():
   p = _TaskParams()
   p.vocab_size = V + 1
   with pytest.raises(ValueError, match='vocab_size'):
     p.Instantiate()
 
 
-# -- Masking --------------------------------------------------------------------
+# -- Masking -------------------------------------------------------------------
 
 
 def _Logits(task, src_ids, src_pad, tgt_ids):
@@ -141,7 +172,7 @@ def _Logits(task, src_ids, src_pad, tgt_ids):
     return task.DecoderLogits(task.theta, enc, tgt_ids).numpy()
 
 
-def test_causal_masking_hides_future_target_tokens():
+def testCausalMaskingHidesFutureTargetTokens():
   task = _TaskParams(pipelined=False).Instantiate()
   batch = _Batch()
   src, pad = batch.src.ids, batch.src.paddings
@@ -155,7 +186,7 @@ def test_causal_masking_hides_future_target_tokens():
   assert np.abs(out[:, j:] - base[:, j:]).max() > 1e-3
 
 
-def test_source_padding_is_masked_in_self_and_cross_attention():
+def testSourcePaddingIsMaskedInSelfAndCrossAttention():
   task = _TaskParams(pipelined=False).Instantiate()
   batch = _Batch()
   src = batch.src.ids.numpy()
@@ -174,7 +205,7 @@ def test_source_padding_is_masked_in_self_and_cross_attention():
 # -- Tied embedding -----------------------------------------------------------
 
 
-def test_embedding_and_softmax_are_one_variable_across_cells():
+def testEmbeddingAndSoftmaxAreOneVariableAcrossCells():
   task = _TaskParams(num_stages=2).Instantiate()
   emb = task.network.body[0]
   sm = task.network.body[-1]
@@ -182,12 +213,13 @@ def test_embedding_and_softmax_are_one_variable_across_cells():
   # First and last pipeline cell: the tie crosses cells.
   assert emb in task.network.CellLayers(0)
   assert sm in task.network.CellLayers(task.network.num_stages - 1)
-  names = [n for n in task.VariablesByName() if n.endswith(('/wm',
-                                                            '/weight_0'))]
+  names = [
+    n for n in task.VariablesByName() if n.endswith(('/wm', '/weight_0'))
+  ]
   assert names == ['mt/network/emb/emb/wm']
 
 
-def test_tied_gradient_sums_both_uses():
+def testTiedGradientSumsBothUses():
   task = _TaskParams(num_stages=2, num_micro_batches=2).Instantiate()
   var = task.network.body[0].emb.wm
   batch = _Batch()
@@ -207,39 +239,54 @@ def test_tied_gradient_sums_both_uses():
   from_emb = Grad(stop_softmax=True)
   from_softmax = Grad(stop_emb=True)
   assert float(tf.norm(from_emb)) > 0 and float(tf.norm(from_softmax)) > 0
-  np.testing.assert_allclose(total.numpy(),
-                             (from_emb + from_softmax).numpy(), atol=1e-6)
+  np.testing.assert_allclose(
+    total.numpy(), (from_emb + from_softmax).numpy(), atol=1e-6
+  )
 
 
-def test_untied_softmax_has_its_own_weight():
+def testUntiedSoftmaxHasItsOwnWeight():
   task = _TaskParams(tie_softmax=False).Instantiate()
   assert task.network.body[0].emb.wm is not (
-      task.network.body[-1].softmax.weight_0)
+    task.network.body[-1].softmax.weight_0
+  )
 
 
-# -- Pipelining is transparent --------------------------------------------------
+# -- Pipelining is transparent -------------------------------------------------
 
 
-def test_pipelined_loss_and_grads_equal_the_unpipelined_ones():
+def testPipelinedLossAndGradsEqualTheUnpipelinedOnes():
   batch = _Batch(batch=8)
   loss1, grads1 = _LossAndGrads(
-      _TaskParams(num_stages=1, num_micro_batches=1).Instantiate(), batch)
+    _TaskParams(num_stages=1, num_micro_batches=1).Instantiate(), batch
+  )
   loss2, grads2 = _LossAndGrads(
-      _TaskParams(num_stages=2, num_micro_batches=2).Instantiate(), batch)
+    _TaskParams(num_stages=2, num_micro_batches=2).Instantiate(), batch
+  )
   loss4, grads4 = _LossAndGrads(
-      _TaskParams(num_stages=2, num_micro_batches=4).Instantiate(), batch)
+    _TaskParams(num_stages=2, num_micro_batches=4).Instantiate(), batch
+  )
   assert grads1.keys() == grads2.keys() == grads4.keys()
   assert loss1 == pytest.approx(loss2, rel=1e-5)
   assert loss1 == pytest.approx(loss4, rel=1e-5)
   for name in grads1:
     assert grads1[name] is not None, name
-    np.testing.assert_allclose(grads2[name].numpy(), grads1[name].numpy(),
-                               rtol=1e-4, atol=1e-6, err_msg=name)
-    np.testing.assert_allclose(grads4[name].numpy(), grads1[name].numpy(),
-                               rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(
+      grads2[name].numpy(),
+      grads1[name].numpy(),
+      rtol=1e-4,
+      atol=1e-6,
+      err_msg=name,
+    )
+    np.testing.assert_allclose(
+      grads4[name].numpy(),
+      grads1[name].numpy(),
+      rtol=1e-4,
+      atol=1e-6,
+      err_msg=name,
+    )
 
 
-def test_train_step_runs_in_a_tf_function():
+def testTrainStepRunsInATfFunction():
   model_p = _TaskParams(num_stages=2, num_micro_batches=2)
   task = model_p.Instantiate()
   step = tf.function(task.TrainStep, autograph=False)
@@ -251,32 +298,36 @@ def test_train_step_runs_in_a_tf_function():
   assert int(task.global_step.numpy()) == 6
 
 
-# -- Stability options ----------------------------------------------------------
+# -- Stability options ---------------------------------------------------------
 
 
-def test_fflayer_init_scaled_down_by_the_number_of_layers():
+def testFflayerInitScaledDownByTheNumberOfLayers():
   assert mt_layers.FFLayerInitScale(1.0, 'linear', 8) == 0.125
   assert mt_layers.FFLayerInitScale(2.0, 'sqrt', 16) == 0.5
   assert mt_layers.FFLayerInitScale(1.0, 'none', 128) == 1.0
   with pytest.raises(ValueError, match='depth_scaling'):
     mt_layers.FFLayerInitScale(1.0, 'log', 4)
   plain = _TaskParams(num_layers=2).Instantiate()
-  scaled = _TaskParams(num_layers=2,
-                       fflayer_init_depth_scaling='linear').Instantiate()
+  scaled = _TaskParams(
+    num_layers=2, fflayer_init_depth_scaling='linear'
+  ).Instantiate()
   for name in ('enc_0', 'dec_1'):
+
     def W(task, name=name):
       layer = [lyr for lyr in task.network.body if lyr.params.name == name][0]
       return layer.fflayer.fflayer_1.w.numpy()
+
     # 2 + 2 layers: Xavier limits and standard deviations are 4x smaller.
     ratio = W(plain).std() / W(scaled).std()
     assert ratio == pytest.approx(4.0, rel=0.1), name
   # Attention weights are not scaled.
   np.testing.assert_allclose(
-      plain.network.body[1].self_atten.atten.query.w.numpy(),
-      scaled.network.body[1].self_atten.atten.query.w.numpy())
+    plain.network.body[1].self_atten.atten.query.w.numpy(),
+    scaled.network.body[1].self_atten.atten.query.w.numpy(),
+  )
 
 
-def test_logit_clipping():
+def testLogitClipping():
   batch = _Batch()
   plain = _TaskParams(pipelined=False).Instantiate()
   clipped = _TaskParams(pipelined=False, logits_abs_max=0.5).Instantiate()
@@ -288,31 +339,33 @@ def test_logit_clipping():
     _TaskParams(logits_abs_max=-1.0).Instantiate()
 
 
-# -- Registered sizes -----------------------------------------------------------
+# -- Registered sizes ----------------------------------------------------------
 
 # (registry key, L, H, A, cells, the paper's round number of parameters)
 _SIZES = [
-    ('TransformerT6x8192x16', 6, 8192, 16, 2, 400e6),
-    ('TransformerT24x8192x16', 24, 8192, 16, 4, 1.3e9),
-    ('TransformerT12x16384x32', 12, 16384, 32, 4, 1.3e9),
-    ('TransformerT32x16384x32', 32, 16384, 32, 8, 3e9),
-    ('TransformerT64x16384x32', 64, 16384, 32, 16, 6e9),
+  ('TransformerT6x8192x16', 6, 8192, 16, 2, 400e6),
+  ('TransformerT24x8192x16', 24, 8192, 16, 4, 1.3e9),
+  ('TransformerT12x16384x32', 12, 16384, 32, 4, 1.3e9),
+  ('TransformerT32x16384x32', 32, 16384, 32, 8, 3e9),
+  ('TransformerT64x16384x32', 64, 16384, 32, 16, 6e9),
 ]
 
 
 def ExpectedParams(num_layers, hidden, d=1024, vocab=64000):
   """Our count: one tied table + softmax bias, LayerNorms, biases."""
-  attention = 2 * d + 4 * (d * d + d)            # LN + q, k, v, post
+  attention = 2 * d + 4 * (d * d + d)  # LN + q, k, v, post
   ffn = 2 * d + d * hidden + hidden + hidden * d + d
   encoder = attention + ffn
   decoder = 2 * attention + ffn
-  return (vocab * d + vocab + num_layers * (encoder + decoder) +
-          2 * (2 * d))                           # encoder and final LN
+  return (
+    vocab * d + vocab + num_layers * (encoder + decoder) + 2 * (2 * d)
+  )  # encoder and final LN
 
 
 @pytest.mark.parametrize('key,num_layers,hidden,heads,cells,paper', _SIZES)
-def test_registered_sizes_count_without_allocating(key, num_layers, hidden,
-                                                   heads, cells, paper):
+def testRegisteredSizesCountWithoutAllocating(
+  key, num_layers, hidden, heads, cells, paper
+):
   p = model_registry.GetParams(f'mt.multilingual.{key}', 'Train')
   net = p.task.network
   assert net.num_stages == cells
@@ -327,7 +380,7 @@ def test_registered_sizes_count_without_allocating(key, num_layers, hidden,
   assert 0.75 * paper < count < 1.05 * paper
 
 
-def test_tiny_config_is_small_and_pipelined():
+def testTinyConfigIsSmallAndPipelined():
   p = model_registry.GetParams('mt.multilingual.TransformerTiny', 'Train')
   assert p.task.network.num_stages == 2
   assert p.task.network.num_micro_batches in (2, 3, 4)
@@ -335,20 +388,21 @@ def test_tiny_config_is_small_and_pipelined():
   assert base_layer.CountParams(p) < 2_000_000
 
 
-# -- Checkpoints of another size --------------------------------------------------
+# -- Checkpoints of another size -----------------------------------------------
 
 
-def test_checkpoint_of_another_size_is_refused_clearly(tmp_path):
+def testCheckpointOfAnotherSizeIsRefusedClearly(tmp_path):
   small = _TaskParams(num_layers=1, hidden=32).Instantiate()
   other = _TaskParams(num_layers=2, hidden=48).Instantiate()
   writer = checkpointer.Checkpointer(str(tmp_path), small.VariablesByName())
   prefix = writer.Save(1)
-  reader = checkpointer.Checkpointer(str(tmp_path), other.VariablesByName(),
-                                     writable=False)
+  reader = checkpointer.Checkpointer(
+    str(tmp_path), other.VariablesByName(), writable=False
+  )
   with pytest.raises(checkpointer.IncompatibleCheckpointError) as e:
     reader.RestoreFrom(prefix)
   text = str(e.value)
   assert 'different model' in text
-  assert 'mt/network/dec_1/' in text          # Another number of layers.
+  assert 'mt/network/dec_1/' in text  # Another number of layers.
   assert 'fflayer_1/w: model [16, 48] float32, checkpoint [16, 32]' in text
   assert '--logdir' in text

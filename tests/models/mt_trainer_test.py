@@ -19,33 +19,64 @@ MODEL = 'mt.multilingual.TransformerTiny'
 
 def _Env(cache):
   path = os.environ.get('PYTHONPATH', '')
-  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', XDG_CACHE_HOME=str(cache),
-              PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''))
+  return dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='2',
+    XDG_CACHE_HOME=str(cache),
+    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
+  )
 
 
-def test_tiny_transformer_trains_and_is_scored(tmp_path):
+def testTinyTransformerTrainsAndIsScored(tmp_path):
   logdir = tmp_path / 'logdir'
   env = _Env(tmp_path / 'cache')
   res = subprocess.run(
-      [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={MODEL}',
-       f'--logdir={logdir}', '--num_cpu_devices=2', '--run_locally=cpu',
-       '--mode=sync', '--max_steps=3', '--log_interval_steps=1'],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    [
+      sys.executable,
+      '-m',
+      'lingvo_gpipe.trainer',
+      f'--model={MODEL}',
+      f'--logdir={logdir}',
+      '--num_cpu_devices=2',
+      '--run_locally=cpu',
+      '--mode=sync',
+      '--max_steps=3',
+      '--log_interval_steps=1',
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=180,
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   log = res.stderr
   assert 'cell 1 on /device:CPU:1' in log and 'mt/network/softmax' in log
   assert 'step       3/3' in log
   assert 'Corpus de-en' in log  # Per-corpus counts are logged.
-  assert os.path.exists(tmp_path / 'cache' / 'lingvo_gpipe' / 'demo_mt' /
-                        'spm.model')
-  assert checkpointer.LatestCheckpoint(str(logdir / 'train')).endswith(
-      'ckpt-3')
+  assert os.path.exists(
+    tmp_path / 'cache' / 'lingvo_gpipe' / 'demo_mt' / 'spm.model'
+  )
+  assert checkpointer.LatestCheckpoint(str(logdir / 'train')).endswith('ckpt-3')
   out = tmp_path / 'bleu.json'
   res = subprocess.run(
-      [sys.executable, str(REPO / 'tools' / 'eval_bleu.py'), f'--model={MODEL}',
-       f'--logdir={logdir}', '--dataset=Dev', '--beam_size=2',
-       '--max_batches=1', '--num_cpu_devices=2', f'--json={out}'],
-      cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    [
+      sys.executable,
+      str(REPO / 'tools' / 'eval_bleu.py'),
+      f'--model={MODEL}',
+      f'--logdir={logdir}',
+      '--dataset=Dev',
+      '--beam_size=2',
+      '--max_batches=1',
+      '--num_cpu_devices=2',
+      f'--json={out}',
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   assert f'{MODEL} step 3, Dev:' in res.stdout
   assert 'average' in res.stdout and 'corpus' in res.stdout

@@ -13,19 +13,21 @@ from lingvo_gpipe.core import base_model
 
 model_registry.ImportAllParams()
 _KEYS = sorted(
-    key for key, cls in model_registry.GetAllRegisteredClasses().items()
-    if cls.__module__.startswith(model_registry.PARAMS_PACKAGE + '.'))
+  key
+  for key, cls in model_registry.GetAllRegisteredClasses().items()
+  if cls.__module__.startswith(model_registry.PARAMS_PACKAGE + '.')
+)
 
 # Models up to this many weights are also built with real variables.
 _MAX_WEIGHTS_TO_BUILD = 200_000
 
 
-def test_there_are_experiments():
+def testThereAreExperiments():
   assert 'image.digits.MlpDigitsTiny' in _KEYS
 
 
 @pytest.mark.parametrize('key', _KEYS)
-def test_params(key):
+def testParams(key):
   cls = model_registry.GetClass(key)
   assert model_registry.ModelKey(cls) == key
   datasets = cls.Datasets()

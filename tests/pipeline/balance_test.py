@@ -34,7 +34,9 @@ def _AssertValidSplits(splits, num_layers, num_stages):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('costs, num_stages, expected', [
+@pytest.mark.parametrize(
+  'costs, num_stages, expected',
+  [
     ([1] * 8, 4, [2, 4, 6, 8]),
     ([8, 1, 1, 1, 1, 1, 1, 1, 1], 2, [1, 9]),
     # Cells 1+2+3=6, 4, 5 -> 36+16+25=77, better than e.g. [3,4,5]+... .
@@ -46,7 +48,8 @@ def _AssertValidSplits(splits, num_layers, num_stages):
     ([3, 1, 1, 1], 2, [1, 4]),
     ([1, 1, 1, 3], 2, [3, 4]),
     ([5.0, 0.5, 0.5, 2.0, 2.0, 1.0], 3, [1, 4, 6]),
-])
+  ],
+)
 def testBalancedSplitsKnownOptima(costs, num_stages, expected):
   assert balance.BalancedSplits(costs, num_stages) == expected
 
@@ -108,8 +111,9 @@ def testBalancedSplitsAllZeroFallsBackToUniform():
 
 def _BruteForce(costs, num_stages):
   """Returns (min sum of squares, all optimal splits) by enumeration."""
-  scored = [(_SumOfSquares(costs, s), s)
-            for s in _AllSplits(len(costs), num_stages)]
+  scored = [
+    (_SumOfSquares(costs, s), s) for s in _AllSplits(len(costs), num_stages)
+  ]
   best = min(v for v, _ in scored)
   return best, [s for v, s in scored if v == best]
 
@@ -126,8 +130,9 @@ def testBalancedSplitsMatchesBruteForceRandomFloats(seed):
     elif kind == 'lognormal':
       costs = [rng.lognormvariate(0.0, 2.0) for _ in range(num_layers)]
     else:
-      costs = [rng.random() if rng.random() < 0.4 else 0.0
-               for _ in range(num_layers)]
+      costs = [
+        rng.random() if rng.random() < 0.4 else 0.0 for _ in range(num_layers)
+      ]
     splits = balance.BalancedSplits(costs, num_stages)
     _AssertValidSplits(splits, num_layers, num_stages)
     best, _ = _BruteForce(costs, num_stages)
@@ -175,8 +180,9 @@ def testBalancedSplitsLarge():
   # A fine-grained random model balances well.
   assert report.imbalance < 1.1
   # Better (in sum of squares) than the uniform split.
-  assert (_SumOfSquares(costs, splits) <=
-          _SumOfSquares(costs, balance.UniformSplits(2000, 16)))
+  assert _SumOfSquares(costs, splits) <= _SumOfSquares(
+    costs, balance.UniformSplits(2000, 16)
+  )
 
 
 def testBalancedSplitsLocallyOptimalOnMediumCase():
@@ -196,7 +202,9 @@ def testBalancedSplitsLocallyOptimalOnMediumCase():
       assert best <= _SumOfSquares(costs, moved) * (1 + 1e-12)
 
 
-@pytest.mark.parametrize('costs, num_stages, match', [
+@pytest.mark.parametrize(
+  'costs, num_stages, match',
+  [
     ([1, 2, 3], 5, 'num_stages=5 but only 3 layers'),
     ([1, 2, 3], 0, 'num_stages=0'),
     ([1, 2, 3], -2, 'num_stages=-2'),
@@ -210,7 +218,8 @@ def testBalancedSplitsLocallyOptimalOnMediumCase():
     ([], 1, 'costs is empty'),
     (5, 1, 'costs must be a list'),
     ('abc', 1, 'costs must be a list'),
-])
+  ],
+)
 def testBalancedSplitsValidation(costs, num_stages, match):
   with pytest.raises(ValueError, match=match):
     balance.BalancedSplits(costs, num_stages)
@@ -227,14 +236,17 @@ def testBalancedSplitsTooManyStagesSaysHowToFix():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('num_layers, num_stages, expected', [
+@pytest.mark.parametrize(
+  'num_layers, num_stages, expected',
+  [
     (8, 4, [2, 4, 6, 8]),
     (10, 4, [3, 6, 8, 10]),
     (7, 3, [3, 5, 7]),
     (5, 1, [5]),
     (5, 5, [1, 2, 3, 4, 5]),
     (1, 1, [1]),
-])
+  ],
+)
 def testUniformSplits(num_layers, num_stages, expected):
   assert balance.UniformSplits(num_layers, num_stages) == expected
 
@@ -249,12 +261,15 @@ def testUniformSplitsSizesDifferByAtMostOne():
       assert sizes == sorted(sizes, reverse=True)  # Earlier cells larger.
 
 
-@pytest.mark.parametrize('num_layers, num_stages, match', [
+@pytest.mark.parametrize(
+  'num_layers, num_stages, match',
+  [
     (3, 4, 'num_stages=4 but only 3 layers'),
     (3, 0, 'num_stages=0'),
     (0, 1, 'num_layers=0'),
     (2.5, 1, 'num_layers=2.5'),
-])
+  ],
+)
 def testUniformSplitsValidation(num_layers, num_stages, match):
   with pytest.raises(ValueError, match=match):
     balance.UniformSplits(num_layers, num_stages)
@@ -273,7 +288,9 @@ def testValidateSplitsAccepts():
   assert out == [2, 4] and all(type(s) is int for s in out)  # pylint: disable=unidiomatic-typecheck
 
 
-@pytest.mark.parametrize('splits, num_layers, match', [
+@pytest.mark.parametrize(
+  'splits, num_layers, match',
+  [
     ([3, 2, 4], 4, r'not increasing: splits\[1\]=2 < splits\[0\]=3'),
     ([2, 2, 4], 4, r'cell 1 is empty: splits\[1\]=2'),
     ([0, 2, 4], 4, r'cell 0 is empty: splits\[0\]=0'),
@@ -287,7 +304,8 @@ def testValidateSplitsAccepts():
     ({2: 4}, 4, 'has type dict'),
     ([], 4, 'splits is empty'),
     ([2, 4], 0, 'num_layers=0'),
-])
+  ],
+)
 def testValidateSplitsErrors(splits, num_layers, match):
   with pytest.raises(ValueError, match=match):
     balance.ValidateSplits(splits, num_layers)
@@ -301,24 +319,30 @@ def testSplitsToRangesAndBack():
     assert balance.RangesToSplits(balance.SplitsToRanges(splits)) == splits
 
 
-@pytest.mark.parametrize('splits, match', [
+@pytest.mark.parametrize(
+  'splits, match',
+  [
     ([2, 2, 5], 'cell 1 is empty'),
     ([3, 2], 'not increasing'),
     ([], 'splits is empty'),
     ([0], r'splits=\[0\] ends at 0'),
-])
+  ],
+)
 def testSplitsToRangesErrors(splits, match):
   with pytest.raises(ValueError, match=match):
     balance.SplitsToRanges(splits)
 
 
-@pytest.mark.parametrize('ranges, match', [
+@pytest.mark.parametrize(
+  'ranges, match',
+  [
     ([(1, 2)], r'ranges\[0\]=\(1, 2\) must start at 0'),
     ([(0, 2), (3, 4)], r'ranges\[1\]=\(3, 4\) must start at 2'),
     ([(0, 2), (2, 2)], r'ranges\[1\]=\(2, 2\) is empty'),
     ([(0, 2, 3)], r'ranges\[0\]=\(0, 2, 3\) must be a \(start, end\) pair'),
     ([], 'must be a non-empty list'),
-])
+  ],
+)
 def testRangesToSplitsErrors(ranges, match):
   with pytest.raises(ValueError, match=match):
     balance.RangesToSplits(ranges)
@@ -339,9 +363,11 @@ def testCellCosts():
 def _FixedReport():
   # Cells: [1, 2, 3] = 6, [4] = 4, [5, 0] = 5 -> total 15, mean 5, max 6.
   return balance.MakeReport(
-      [1, 2, 3, 4, 5, 0], [3, 4, 6],
-      params=[10, 20, 30, 400, 5, 0],
-      names=['embed', 'l1', 'l2', 'l3', 'l4', 'softmax'])
+    [1, 2, 3, 4, 5, 0],
+    [3, 4, 6],
+    params=[10, 20, 30, 400, 5, 0],
+    names=['embed', 'l1', 'l2', 'l3', 'l4', 'softmax'],
+  )
 
 
 def testMakeReportNumbers():
@@ -352,7 +378,10 @@ def testMakeReportNumbers():
   assert [c.cost for c in r.cells] == [6.0, 4.0, 5.0]
   assert [c.share for c in r.cells] == pytest.approx([0.4, 4 / 15, 1 / 3])
   assert [(c.start, c.end, c.num_layers) for c in r.cells] == [
-      (0, 3, 3), (3, 4, 1), (4, 6, 2)]
+    (0, 3, 3),
+    (3, 4, 1),
+    (4, 6, 2),
+  ]
   assert [c.params for c in r.cells] == [60, 400, 5]
   assert r.total_params == 465
   assert r.cells[2].names == ['l4', 'softmax']
@@ -388,8 +417,9 @@ def testMakeReportToDictIsJsonable():
 
 
 def testMakeReportToDictIsJsonableWithNumpyInputs():
-  r = balance.MakeReport(np.array([1.0, 2.0, 3.0]), np.array([1, 3]),
-                         params=np.array([1, 2, 3]))
+  r = balance.MakeReport(
+    np.array([1.0, 2.0, 3.0]), np.array([1, 3]), params=np.array([1, 2, 3])
+  )
   json.dumps(r.ToDict())
 
 
@@ -397,8 +427,15 @@ def testMakeReportToText():
   text = _FixedReport().ToText()
   lines = text.splitlines()
   assert '6 layers -> 3 cells' in lines[0]
-  assert lines[1].split() == ['cell', 'layers', '#layers', 'cost', 'share',
-                              'params', 'names']
+  assert lines[1].split() == [
+    'cell',
+    'layers',
+    '#layers',
+    'cost',
+    'share',
+    'params',
+    'names',
+  ]
   assert '[0, 3)' in lines[3] and '40.0%' in lines[3]
   assert 'embed, l1, l2' in lines[3]
   assert '[3, 4)' in lines[4] and '26.7%' in lines[4]
@@ -415,19 +452,23 @@ def testMakeReportToTextWithoutOptionalColumnsAndLongNames():
   assert 'names' not in text.splitlines()[1]
   names = [f'a_very_long_layer_name_{i}' for i in range(10)]
   text = balance.MakeReport([1] * 10, [10], names=names).ToText(
-      max_names_width=30)
+    max_names_width=30
+  )
   row = text.splitlines()[3]
   assert row.endswith('...')
   assert len(row.split('  ')[-1]) <= 30
 
 
-@pytest.mark.parametrize('kwargs, match', [
+@pytest.mark.parametrize(
+  'kwargs, match',
+  [
     ({'params': [1, 2]}, 'params has 2 entries but there are 3 layers'),
     ({'params': [1, -2, 3]}, r'params\[1\]=-2'),
     ({'params': [1, 2.5, 3]}, r'params\[1\]=2.5'),
     ({'names': ['a']}, 'names has 1 entry but there are 3 layers'),
     ({'names': 7}, 'names has type int'),
-])
+  ],
+)
 def testMakeReportValidation(kwargs, match):
   with pytest.raises(ValueError, match=match):
     balance.MakeReport([1, 2, 3], [1, 3], **kwargs)
@@ -441,7 +482,8 @@ def testMakeReportValidation(kwargs, match):
 def testCostsFromMeasurements():
   times = [[1.0, 1.2, 50.0], [2.0], 3.0, (4.0, 5.0), np.array([0.5, 0.7])]
   assert balance.CostsFromMeasurements(times) == pytest.approx(
-      [1.2, 2.0, 3.0, 4.5, 0.6])
+    [1.2, 2.0, 3.0, 4.5, 0.6]
+  )
 
 
 def testCostsFromMeasurements2DArray():
@@ -455,14 +497,17 @@ def testCostsFromMeasurementsFeedsBalancedSplits():
   assert balance.BalancedSplits(costs, 2) == [4, 5]
 
 
-@pytest.mark.parametrize('times, match', [
+@pytest.mark.parametrize(
+  'times, match',
+  [
     ([], 'must be a non-empty list'),
     (3.0, 'must be a non-empty list'),
     ([[1.0], []], r'times\[1\] has no samples'),
     ([[1.0, -1.0]], r'times\[0\]\[1\]=-1.0 is negative'),
     ([1.0, float('nan')], r'times\[1\]=nan is not finite'),
     ([[1.0, 'x']], r"times\[0\]\[1\]='x'"),
-])
+  ],
+)
 def testCostsFromMeasurementsValidation(times, match):
   with pytest.raises(ValueError, match=match):
     balance.CostsFromMeasurements(times)

@@ -5,13 +5,22 @@ import pytest
 from lingvo_gpipe.pipeline import cost_model
 
 _FREE_LINKS = cost_model.DeviceSpec(
-    memory_bytes=1 << 30, link_bytes_per_s=1e12, link_latency_s=0.,
-    op_overhead_s=0.)
+  memory_bytes=1 << 30,
+  link_bytes_per_s=1e12,
+  link_latency_s=0.0,
+  op_overhead_s=0.0,
+)
 
 
 def _Cell(**kw):
-  args = dict(fprop_s=1., bprop_s=2., out_bytes=0, weight_bytes=0,
-              input_bytes=0, activation_bytes=0)
+  args = dict(
+    fprop_s=1.0,
+    bprop_s=2.0,
+    out_bytes=0,
+    weight_bytes=0,
+    input_bytes=0,
+    activation_bytes=0,
+  )
   args.update(kw)
   return cost_model.CellCost(**args)
 
@@ -21,26 +30,28 @@ def testUniformCellsBusyFraction(k, m):
   res = cost_model.Simulate([_Cell()] * k, m, _FREE_LINKS, recompute=False)
   for frac in res.busy_fraction:
     assert frac == pytest.approx(m / (m + k - 1))
-  assert res.step_s == pytest.approx(3. * (m + k - 1))
+  assert res.step_s == pytest.approx(3.0 * (m + k - 1))
 
 
 def testRecomputeAddsAForwardToEachBackward():
   res = cost_model.Simulate([_Cell()] * 2, 4, _FREE_LINKS, recompute=True)
-  assert res.step_s == pytest.approx((1. + 3.) * (4 + 1))
+  assert res.step_s == pytest.approx((1.0 + 3.0) * (4 + 1))
 
 
 def testTransfersDelayTheNextCellAndCountBytes():
-  spec = _FREE_LINKS._replace(link_bytes_per_s=100., link_latency_s=0.5)
+  spec = _FREE_LINKS._replace(link_bytes_per_s=100.0, link_latency_s=0.5)
   cells = [_Cell(out_bytes=100), _Cell(out_bytes=100)]
   res = cost_model.Simulate(cells, 1, spec, recompute=False)
   # F0 1s, send 1.5s, F1 1s, B1 2s, send 1.5s, B0 2s.
-  assert res.step_s == pytest.approx(9.)
+  assert res.step_s == pytest.approx(9.0)
   assert res.bytes_sent == [100, 100]
 
 
 def testTwoCellToyMemoryMatchesHandCount():
-  cells = [_Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50),
-           _Cell(weight_bytes=400, input_bytes=20, activation_bytes=30)]
+  cells = [
+    _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50),
+    _Cell(weight_bytes=400, input_bytes=20, activation_bytes=30),
+  ]
   res = cost_model.Simulate(cells, 4, _FREE_LINKS, recompute=True)
   # weights + grads + 2 Adam slots; 4 stored inputs; one cell's activations.
   assert res.peak_memory == [4 * 1000 + 4 * 10 + 50, 4 * 400 + 4 * 20 + 30]

@@ -21,17 +21,28 @@ PipeliningLayer = pipelining_layer.PipeliningLayer
 
 
 def _Pipe(layers, num_stages, num_replicas, num_micro_batches, **kwargs):
-  return PipeliningLayer.Params().Set(
-      name='pipe', layers=layers, num_stages=num_stages,
-      num_replicas=num_replicas, num_micro_batches=num_micro_batches,
-      devices=DEVICES[:num_stages * num_replicas], **kwargs).Instantiate()
+  return (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=num_stages,
+      num_replicas=num_replicas,
+      num_micro_batches=num_micro_batches,
+      devices=DEVICES[: num_stages * num_replicas],
+      **kwargs,
+    )
+    .Instantiate()
+  )
 
 
-@pytest.mark.parametrize('num_replicas,num_stages,num_micro_batches',
-                         [(2, 1, 1), (2, 1, 4), (2, 2, 1), (2, 2, 2),
-                          (4, 1, 2)])
-def testReplicasEqualSequential(plt_reference, num_replicas, num_stages,
-                                num_micro_batches):
+@pytest.mark.parametrize(
+  'num_replicas,num_stages,num_micro_batches',
+  [(2, 1, 1), (2, 1, 4), (2, 2, 1), (2, 2, 2), (4, 1, 2)],
+)
+def testReplicasEqualSequential(
+  plt_reference, num_replicas, num_stages, num_micro_batches
+):
   _, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = plt_reference
   pipe = _Pipe(plt.DenseLayers(), num_stages, num_replicas, num_micro_batches)
   assert pipe.num_replicas == num_replicas
@@ -51,10 +62,13 @@ def plt_reference():
 
 def testVariablesOnReplicaZeroOpsOnEveryReplica():
   pipe = _Pipe(plt.DenseLayers(4), 2, 2, 2)
-  assert pipe.devices == [tf.DeviceSpec.from_string(d).to_string()
-                          for d in pipe.replica_devices[0]]
-  assert [[tf.DeviceSpec.from_string(d).device_index for d in rd]
-          for rd in pipe.replica_devices] == [[0, 1], [2, 3]]
+  assert pipe.devices == [
+    tf.DeviceSpec.from_string(d).to_string() for d in pipe.replica_devices[0]
+  ]
+  assert [
+    [tf.DeviceSpec.from_string(d).device_index for d in rd]
+    for rd in pipe.replica_devices
+  ] == [[0, 1], [2, 3]]
   for v in pipe.trainable_variables:
     assert tf.DeviceSpec.from_string(v.device).device_index in (0, 1), v.name
   x, w = plt._Inputs()
@@ -72,8 +86,11 @@ def testVariablesOnReplicaZeroOpsOnEveryReplica():
   # Forward and backward matmuls of both replicas' cells.
   assert matmul_devices == {0, 1, 2, 3}
   # Replica 1 splits its share into micro-batches on its own first device.
-  split_devices = {tf.DeviceSpec.from_string(op.device).device_index
-                   for op in graph.get_operations() if op.type == 'Split'}
+  split_devices = {
+    tf.DeviceSpec.from_string(op.device).device_index
+    for op in graph.get_operations()
+    if op.type == 'Split'
+  }
   assert 2 in split_devices
   text = pipe.PlacementText()
   assert '2 data-parallel replicas' in text
@@ -114,8 +131,12 @@ def testBatchNormStatsOverAllReplicas():
 
     y, grads = Step(x)
     bn = pipe.body[1]
-    return (y, grads, bn.vars.moving_mean.numpy(),
-            bn.vars.moving_variance.numpy())
+    return (
+      y,
+      grads,
+      bn.vars.moving_mean.numpy(),
+      bn.vars.moving_variance.numpy(),
+    )
 
   ref = Train(_Pipe(layers, 2, 1, 4, splits=[2, 3]))
   got = Train(_Pipe(layers, 2, 2, 2, splits=[2, 3]))
@@ -156,22 +177,39 @@ def testEvalWithBatchThatReplicasDoNotDivideRunsOnReplicaZero(plt_reference):
 
 
 def testBadReplicaConfigurations():
-  with pytest.raises(ValueError, match=r'3 replicas x 2 stages need 6 devices '
-                     r'but only 4 devices'):
+  with pytest.raises(
+    ValueError,
+    match=r'3 replicas x 2 stages need 6 devices '
+    r'but only 4 devices',
+  ):
     PipeliningLayer.Params().Set(
-        name='pipe', layers=plt.DenseLayers(4), num_stages=2, num_replicas=3,
-        devices=DEVICES).Instantiate()
+      name='pipe',
+      layers=plt.DenseLayers(4),
+      num_stages=2,
+      num_replicas=3,
+      devices=DEVICES,
+    ).Instantiate()
   with pytest.raises(ValueError, match='num_replicas=0'):
     PipeliningLayer.Params().Set(
-        name='pipe', layers=plt.DenseLayers(4), num_replicas=0,
-        devices=DEVICES[:1]).Instantiate()
+      name='pipe',
+      layers=plt.DenseLayers(4),
+      num_replicas=0,
+      devices=DEVICES[:1],
+    ).Instantiate()
   with pytest.raises(ValueError, match='must be distinct'):
     PipeliningLayer.Params().Set(
-        name='pipe', layers=plt.DenseLayers(4), num_stages=2, num_replicas=2,
-        devices=DEVICES[:2] * 2).Instantiate()
+      name='pipe',
+      layers=plt.DenseLayers(4),
+      num_stages=2,
+      num_replicas=2,
+      devices=DEVICES[:2] * 2,
+    ).Instantiate()
   pipe = _Pipe(plt.DenseLayers(4), 1, 2, 1)
-  with pytest.raises(ValueError, match=r'num_replicas=2 does not divide the '
-                     r'batch size 7'):
+  with pytest.raises(
+    ValueError,
+    match=r'num_replicas=2 does not divide the '
+    r'batch size 7',
+  ):
     pipe(tf.zeros([7, 6]))
   pipe = _Pipe(plt.DenseLayers(4), 1, 2, 3)
   with pytest.raises(ValueError, match=r'split over 2 replicas: 4 each'):
@@ -183,13 +221,18 @@ def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
   every cell's inputs, weights and outputs go to its logical core, no
   tf.device placement is used, and the result is unchanged."""
   from tests.core import tpu_test  # pylint: disable=g-import-not-at-top
+
   _, x, w, (ref_out, _, ref_grads, _) = plt_reference
   strategy = tpu_test._FakeTPUStrategy(4, 2)
   strategy.extended.value_container = lambda v: v  # Variables read as is.
   with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
-    pipe = PipeliningLayer.Params().Set(
-        name='pipe', layers=plt.DenseLayers(), num_stages=2,
-        num_micro_batches=2).Instantiate()
+    pipe = (
+      PipeliningLayer.Params()
+      .Set(
+        name='pipe', layers=plt.DenseLayers(), num_stages=2, num_micro_batches=2
+      )
+      .Instantiate()
+    )
     assert 'logical core 1 of each TPU replica' in pipe.PlacementText()
 
   @tf.function
@@ -201,8 +244,9 @@ def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
       return y, tape.gradient(loss, pipe.trainable_variables)
 
   graph = Step.get_concrete_function(x).graph
-  assert not [op for op in graph.get_operations()
-              if op.type == 'MatMul' and op.device]
+  assert not [
+    op for op in graph.get_operations() if op.type == 'MatMul' and op.device
+  ]
   cores = {k for _, k in strategy.calls}
   assert cores == {0, 1}
   y, grads = Step(x)
@@ -210,9 +254,11 @@ def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
   for v, g in zip(pipe.trainable_variables, grads):
     assert plt.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
   with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
-    dp = PipeliningLayer.Params().Set(
-        name='pipe', layers=plt.DenseLayers(2), num_replicas=2,
-        num_stages=1).Instantiate()
+    dp = (
+      PipeliningLayer.Params()
+      .Set(name='pipe', layers=plt.DenseLayers(2), num_replicas=2, num_stages=1)
+      .Instantiate()
+    )
   with pytest.raises(ValueError, match='set num_replicas=1'):
     with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
       dp(x)

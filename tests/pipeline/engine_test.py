@@ -17,9 +17,11 @@ def testFillDrainIsForwardOrderThenBackwardOrder():
   work = schedule.FillDrain(3, 4)
   n = 4 + 3 - 1
   assert [tuple(w[:3]) for w in work if w.kind == F] == (
-      schedule.ForwardOrder(3, 4))
+    schedule.ForwardOrder(3, 4)
+  )
   assert [(c - n, k, m) for c, k, m, kind in work if kind == B] == (
-      schedule.BackwardOrder(3, 4))
+    schedule.BackwardOrder(3, 4)
+  )
   engine.CheckSchedule(work, 3, 4)
 
 
@@ -29,8 +31,11 @@ def testCheckScheduleNamesTheBadItem():
     engine.CheckSchedule(good[:-1], 2, 2)
   with pytest.raises(ValueError, match='repeats item 0'):
     engine.CheckSchedule(good[:1] + good, 2, 2)
-  with pytest.raises(ValueError, match=r'comes before the forward of cell 0 '
-                     'on micro-batch 0'):
+  with pytest.raises(
+    ValueError,
+    match=r'comes before the forward of cell 0 '
+    'on micro-batch 0',
+  ):
     engine.CheckSchedule([schedule.WorkItem(0, 1, 0, F)] + good, 2, 2)
   with pytest.raises(ValueError, match=r'comes before the backward of cell 1'):
     fwd = [w for w in good if w.kind == F]
@@ -45,10 +50,16 @@ def testCheckScheduleNamesTheBadItem():
 
 def _DepthFirst(num_cells, num_micro_batches):
   """Each micro-batch through every cell before the next one starts."""
-  fwd = [schedule.WorkItem(0, k, m, F) for m in range(num_micro_batches)
-         for k in range(num_cells)]
-  bwd = [schedule.WorkItem(0, k, m, B) for m in range(num_micro_batches)
-         for k in reversed(range(num_cells))]
+  fwd = [
+    schedule.WorkItem(0, k, m, F)
+    for m in range(num_micro_batches)
+    for k in range(num_cells)
+  ]
+  bwd = [
+    schedule.WorkItem(0, k, m, B)
+    for m in range(num_micro_batches)
+    for k in reversed(range(num_cells))
+  ]
   return fwd + bwd
 
 
@@ -57,12 +68,24 @@ class _DepthFirstPipeline(pipelining_layer.PipeliningLayer):
 
 
 def _LossAndGrads(cls, x):
-  layers = [linears.FCLayer.Params().Set(
-      name=f'fc_{i}', input_dim=4, output_dim=4, activation='TANH')
-            for i in range(4)]
-  pipe = cls.Params().Set(name='pipe', layers=layers, num_stages=2,
-                          num_micro_batches=4, devices=DEVICES,
-                          recompute='except_last_micro_batch').Instantiate()
+  layers = [
+    linears.FCLayer.Params().Set(
+      name=f'fc_{i}', input_dim=4, output_dim=4, activation='TANH'
+    )
+    for i in range(4)
+  ]
+  pipe = (
+    cls.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=2,
+      num_micro_batches=4,
+      devices=DEVICES,
+      recompute='except_last_micro_batch',
+    )
+    .Instantiate()
+  )
 
   @tf.function
   def Step(x):
@@ -77,8 +100,7 @@ def _LossAndGrads(cls, x):
 
 def testAnotherScheduleGivesTheSameLossAndGradients():
   x = tf.constant(np.random.RandomState(0).randn(8, 4).astype(np.float32))
-  loss, grads, x_grad, pipe = _LossAndGrads(pipelining_layer.PipeliningLayer,
-                                            x)
+  loss, grads, x_grad, pipe = _LossAndGrads(pipelining_layer.PipeliningLayer, x)
   assert pipe.engine.Work(4) == schedule.FillDrain(2, 4)
   loss2, grads2, x_grad2, pipe2 = _LossAndGrads(_DepthFirstPipeline, x)
   assert pipe2.engine.Work(4) == _DepthFirst(2, 4)

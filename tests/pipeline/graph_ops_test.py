@@ -10,7 +10,7 @@ def _OpsOf(fn, *args):
   return fn.get_concrete_function(*args).graph.get_operations()
 
 
-def test_sum_gradients_eager_and_in_graph():
+def testSumGradientsEagerAndInGraph():
   a, b, c = tf.constant([1.0]), tf.constant([2.0]), tf.constant([4.0])
   assert graph_ops.SumGradients(None) is None
   assert graph_ops.SumGradients([a]) is a
@@ -26,7 +26,7 @@ def test_sum_gradients_eager_and_in_graph():
   assert 'AddV2' not in types  # Not a chain of adds.
 
 
-def test_device_of_first_placed_tensor():
+def testDeviceOfFirstPlacedTensor():
   with graph_ops.DeviceOf((None, 3)):
     pass  # No tensor: a null scope.
 
@@ -41,7 +41,7 @@ def test_device_of_first_placed_tensor():
   assert 'CPU:0' in op.device.upper()
 
 
-def test_after_adds_control_dependencies_in_graphs_only():
+def testAfterAddsControlDependenciesInGraphsOnly():
   x = tf.constant(1.0)
   assert graph_ops.After(x, [tf.constant(2.0)]) is x  # Eager: unchanged.
 
@@ -53,12 +53,15 @@ def test_after_adds_control_dependencies_in_graphs_only():
     return out['a']
 
   g = Fn.get_concrete_function(tf.constant(1.0), tf.constant(2.0)).graph
-  ordered = [o for o in g.get_operations()
-             if any(c.name == 'dep' for c in o.control_inputs)]
+  ordered = [
+    o
+    for o in g.get_operations()
+    if any(c.name == 'dep' for c in o.control_inputs)
+  ]
   assert [o.type for o in ordered] == ['Identity']
 
 
-def test_fresh_copies_are_deep_copies_after_deps():
+def testFreshCopiesAreDeepCopiesAfterDeps():
   @tf.function
   def Fn(a, b):
     dep = tf.identity(b, name='dep')
@@ -72,7 +75,7 @@ def test_fresh_copies_are_deep_copies_after_deps():
   assert float(out[0]) == 1.0 and out[1] == 7
 
 
-def test_stamp_returns_a_timestamp_and_orders_x_after_it():
+def testStampReturnsATimestampAndOrdersXAfterIt():
   @tf.function
   def Fn(a):
     stamp, y = graph_ops.Stamp(a * 2.0)

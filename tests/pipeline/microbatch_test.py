@@ -8,7 +8,7 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import microbatch
 
 
-def test_is_splittable():
+def testIsSplittable():
   assert microbatch.IsSplittable(tf.zeros([2]))
   assert microbatch.IsSplittable(tf.Variable(tf.zeros([2, 3])))
   assert not microbatch.IsSplittable(tf.constant(1.0))
@@ -16,7 +16,7 @@ def test_is_splittable():
   assert not microbatch.IsSplittable(3)
 
 
-def test_batch_size_of_first_splittable_leaf():
+def testBatchSizeOfFirstSplittableLeaf():
   s = (tf.constant(1.0), None, tf.zeros([6, 2]), tf.zeros([4]))
   assert microbatch.BatchSize(s, 0) == 6
   assert microbatch.BatchSize(s, 1) == 2
@@ -25,32 +25,49 @@ def test_batch_size_of_first_splittable_leaf():
     microbatch.BatchSize(tf.zeros([6]), 1)
 
 
-@pytest.mark.parametrize('batch, m, mbs, want', [
-    (8, None, None, 1), (8, 4, None, 4), (8, 4, 2, 4), (8, None, 8, 1),
-    (None, 3, None, 3), (12, 1, 3, 4)])
-def test_num_micro_batches(batch, m, mbs, want):
+@pytest.mark.parametrize(
+  'batch, m, mbs, want',
+  [
+    (8, None, None, 1),
+    (8, 4, None, 4),
+    (8, 4, 2, 4),
+    (8, None, 8, 1),
+    (None, 3, None, 3),
+    (12, 1, 3, 4),
+  ],
+)
+def testNumMicroBatches(batch, m, mbs, want):
   assert microbatch.NumMicroBatches(batch, m, mbs) == want
 
 
-@pytest.mark.parametrize('batch, m, mbs, match', [
+@pytest.mark.parametrize(
+  'batch, m, mbs, match',
+  [
     (8, 3, None, r'num_micro_batches=3 does not divide .* \[1, 2, 4, 8\]'),
     (8, None, 3, 'micro_batch_size=3 does not divide the batch size 8'),
     (None, None, 2, 'batch size is not known'),
     (8, 0.5, None, r'num_micro_batches=0.5 must be a positive int'),
-    (8, -2, None, r'num_micro_batches=-2 must be a positive int')])
-def test_num_micro_batches_errors(batch, m, mbs, match):
+    (8, -2, None, r'num_micro_batches=-2 must be a positive int'),
+  ],
+)
+def testNumMicroBatchesErrors(batch, m, mbs, match):
   with pytest.raises(ValueError, match=match):
     microbatch.NumMicroBatches(batch, m, mbs)
 
 
-def test_split_then_concat_round_trips_a_nested_map():
+def testSplitThenConcatRoundTripsANestedMap():
   x = np.arange(24, dtype=np.float32).reshape([2, 6, 2])
-  s = py_utils.NestedMap(x=tf.constant(x), ids=tf.range(6)[None],
-                         scale=tf.constant(2.0), note=None, n=5)
+  s = py_utils.NestedMap(
+    x=tf.constant(x),
+    ids=tf.range(6)[None],
+    scale=tf.constant(2.0),
+    note=None,
+    n=5,
+  )
   parts = microbatch.Split(s, 3, batch_dim=1)
   assert len(parts) == 3
   for i, p in enumerate(parts):
-    np.testing.assert_array_equal(p.x.numpy(), x[:, 2 * i:2 * i + 2])
+    np.testing.assert_array_equal(p.x.numpy(), x[:, 2 * i : 2 * i + 2])
     np.testing.assert_array_equal(p.ids.numpy(), [[2 * i, 2 * i + 1]])
     assert p.scale is s.scale and p.note is None and p.n == 5
   for p in parts:  # Scalars go to every micro-batch, cannot be joined back.
@@ -61,13 +78,13 @@ def test_split_then_concat_round_trips_a_nested_map():
   np.testing.assert_array_equal(joined.ids.numpy(), [list(range(6))])
 
 
-def test_split_into_one_and_concat_of_one_are_identity():
+def testSplitIntoOneAndConcatOfOneAreIdentity():
   x = tf.zeros([4, 3])
   (only,) = microbatch.Split((x,), 1, 0)
   assert only[0] is x
   assert microbatch.Concat([only], 0) is only
 
 
-def test_concat_rejects_scalar_cell_outputs():
+def testConcatRejectsScalarCellOutputs():
   with pytest.raises(ValueError, match='returned a scalar'):
     microbatch.Concat([tf.constant(1.0), tf.constant(2.0)], 0)

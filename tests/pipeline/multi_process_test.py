@@ -10,8 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 SCRIPT = textwrap.dedent("""
     import numpy as np
@@ -59,10 +60,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def testPipelineAcrossTwoWorkerProcessesMatchesOneProcess():
-  out = subprocess.run([sys.executable, '-c', SCRIPT], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=ROOT,
-                                TF_CPP_MIN_LOG_LEVEL='2'))
+  out = subprocess.run(
+    [sys.executable, '-c', SCRIPT],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
   assert 'MULTI_PROCESS_OK 8' in out.stdout, out.stderr[-4000:]
 
 
@@ -77,9 +82,14 @@ def testUnreachableWorkerFailsFastNamingTheAddress():
       except TimeoutError as e:
         print('TIMEOUT', round(time.time() - start), e)
   """)
-  out = subprocess.run([sys.executable, '-c', script], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+  out = subprocess.run(
+    [sys.executable, '-c', script],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   assert 'TIMEOUT' in out.stdout, out.stderr[-3000:]
   assert '127.0.0.1:' in out.stdout
   assert int(out.stdout.split()[1]) <= 10

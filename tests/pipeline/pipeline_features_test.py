@@ -33,9 +33,18 @@ class RandomScale(base_layer.BaseLayer):
 def testRecomputeDrawsTheForwardRandomValues(policy):
   """d(sum(y))/dx = u: equal to y / x only if the recompute redraws u."""
   layers = [RandomScale.Params().Set(name=f'r{i}') for i in range(2)]
-  pipe = PipeliningLayer.Params().Set(
-      name='pipe', layers=layers, num_stages=2, num_micro_batches=4,
-      devices=DEVICES[:2], recompute=policy).Instantiate()
+  pipe = (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=2,
+      num_micro_batches=4,
+      devices=DEVICES[:2],
+      recompute=policy,
+    )
+    .Instantiate()
+  )
   x = tf.random.uniform([8, 5], 1.0, 2.0)
 
   @tf.function
@@ -68,18 +77,23 @@ class TiedDense(plt.Dense):
   def __init__(self, params):
     base_layer.BaseLayer.__init__(self, params)
     p = self.params
-    self.CreateVariable('w', py_utils.WeightParams(
-        [p.input_dim, p.output_dim], shared_name=p.tie))
-    self.CreateVariable('b', py_utils.WeightParams(
-        [p.output_dim], py_utils.WeightInit.Constant(0.1)))
+    self.CreateVariable(
+      'w', py_utils.WeightParams([p.input_dim, p.output_dim], shared_name=p.tie)
+    )
+    self.CreateVariable(
+      'b',
+      py_utils.WeightParams([p.output_dim], py_utils.WeightInit.Constant(0.1)),
+    )
 
 
 def _TiedLayers():
   layers = plt.DenseLayers(4)
-  layers[0] = TiedDense.Params().Set(name='fc_0', input_dim=6, output_dim=6,
-                                     tie='emb')
-  layers[3] = TiedDense.Params().Set(name='fc_3', input_dim=6, output_dim=6,
-                                     tie='emb')
+  layers[0] = TiedDense.Params().Set(
+    name='fc_0', input_dim=6, output_dim=6, tie='emb'
+  )
+  layers[3] = TiedDense.Params().Set(
+    name='fc_3', input_dim=6, output_dim=6, tie='emb'
+  )
   return layers
 
 
@@ -87,9 +101,17 @@ def testWeightsSharedAcrossCells():
   """First and last cell use one variable; gradients from both are summed."""
   x, w = plt._Inputs()
   ref = plt.Stack.Params().Set(name='pipe', layers=_TiedLayers()).Instantiate()
-  pipe = PipeliningLayer.Params().Set(
-      name='pipe', layers=_TiedLayers(), num_stages=4, num_micro_batches=4,
-      devices=DEVICES).Instantiate()
+  pipe = (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=_TiedLayers(),
+      num_stages=4,
+      num_micro_batches=4,
+      devices=DEVICES,
+    )
+    .Instantiate()
+  )
   assert pipe.body[0].vars.w is pipe.body[3].vars.w
   assert 'pipe/fc_3/w' not in pipe.VariablesByName()
   assert len(pipe.trainable_variables) == 7
@@ -99,22 +121,27 @@ def testWeightsSharedAcrossCells():
   for name, g in grads.items():
     assert plt.MaxRelDiff(g, ref_grads[name]) <= 1e-5, name
   # The tied gradient really has two contributions: compare with untied.
-  untied = plt.Stack.Params().Set(name='pipe',
-                                  layers=plt.DenseLayers(4)).Instantiate()
+  untied = (
+    plt.Stack.Params().Set(name='pipe', layers=plt.DenseLayers(4)).Instantiate()
+  )
   for name, v in untied.VariablesByName().items():
-    v.assign(ref.VariablesByName()['pipe/fc_0/w' if name == 'pipe/fc_3/w'
-                                   else name])
+    v.assign(
+      ref.VariablesByName()['pipe/fc_0/w' if name == 'pipe/fc_3/w' else name]
+    )
   _, _, untied_grads, _ = plt.LossAndGrads(untied, (x,), w)
   np.testing.assert_allclose(
-      grads['pipe/fc_0/w:0'],
-      untied_grads['pipe/fc_0/w:0'] + untied_grads['pipe/fc_3/w:0'],
-      rtol=1e-5, atol=1e-6)
+    grads['pipe/fc_0/w:0'],
+    untied_grads['pipe/fc_0/w:0'] + untied_grads['pipe/fc_3/w:0'],
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def testSharedWeightShapeMismatchIsAnError():
   layers = _TiedLayers()
-  layers[3] = TiedDense.Params().Set(name='fc_3', input_dim=6, output_dim=5,
-                                     tie='emb')
+  layers[3] = TiedDense.Params().Set(
+    name='fc_3', input_dim=6, output_dim=5, tie='emb'
+  )
   with pytest.raises(ValueError, match='shares .emb. with pipe/fc_0/w'):
     plt.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
 
@@ -137,8 +164,10 @@ class Scale(base_layer.BaseLayer):
 
 
 def _Widths(widths):
-  return [plt.Dense.Params().Set(name=f'fc_{i}', input_dim=a, output_dim=b)
-          for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))]
+  return [
+    plt.Dense.Params().Set(name=f'fc_{i}', input_dim=a, output_dim=b)
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
+  ]
 
 
 def testPartitionByFlopsAndParams():
@@ -149,10 +178,21 @@ def testPartitionByFlopsAndParams():
   params = partition.LayerCosts(layers, 'params')
   assert params == [20, 80, 272, 68, 20]
   assert partition.ComputeSplits(layers, 3, None, 'flops', [[8, 4]]) == [
-      2, 3, 5]
-  pipe = PipeliningLayer.Params().Set(
-      name='p', layers=layers, num_stages=3, devices=DEVICES[:3],
-      input_shapes=[[8, 4]]).Instantiate()
+    2,
+    3,
+    5,
+  ]
+  pipe = (
+    PipeliningLayer.Params()
+    .Set(
+      name='p',
+      layers=layers,
+      num_stages=3,
+      devices=DEVICES[:3],
+      input_shapes=[[8, 4]],
+    )
+    .Instantiate()
+  )
   assert pipe.splits == [2, 3, 5]
   report = partition.Report(layers, pipe.splits, 'flops', [[8, 4]])
   assert report.cells[1].params == 272
@@ -161,8 +201,9 @@ def testPartitionByFlopsAndParams():
 
 
 def testPartitionByTracedFlopsForLayersWithoutFormula():
-  layers = [Scale.Params().Set(name=f's{i}', dim=d) for i, d in
-            enumerate([4, 4, 4])]
+  layers = [
+    Scale.Params().Set(name=f's{i}', dim=d) for i, d in enumerate([4, 4, 4])
+  ]
   metas = partition.LayerMetas(layers, [8, 4])
   # MatMul [8,4]x[4,4]: TF counts 2*8*4*4 flops.
   assert [m[0] for m in metas] == [256, 256, 256]
@@ -171,11 +212,13 @@ def testPartitionByTracedFlopsForLayersWithoutFormula():
 
 def testPartitionByMeasuredTime():
   layers = _Widths([32, 32, 256, 32, 32])
-  costs = partition.LayerCosts(layers, 'time', [[64, 32]],
-                               device='/device:CPU:0')
+  costs = partition.LayerCosts(
+    layers, 'time', [[64, 32]], device='/device:CPU:0'
+  )
   assert len(costs) == 4 and all(c > 0 for c in costs)
-  splits = partition.ComputeSplits(layers, 2, None, 'time', [[64, 32]],
-                                   device='/device:CPU:0')
+  splits = partition.ComputeSplits(
+    layers, 2, None, 'time', [[64, 32]], device='/device:CPU:0'
+  )
   assert len(splits) == 2 and splits[-1] == 4
 
 
@@ -186,16 +229,20 @@ def testUniformAndExplicitSplitsAndLingvoHelper():
   assert partition.ComputeSplits(layers, None, 3, 'uniform') == [2, 4, 6]
   cells = partition.PartitionSequentialLayers(layers, 2, [8, 6])
   assert [len(c.sub) for c in cells] == [3, 3]
-  pipe = PipeliningLayer.Params().Set(name='p', cell_tpl=cells,
-                                      devices=DEVICES[:2]).Instantiate()
+  pipe = (
+    PipeliningLayer.Params()
+    .Set(name='p', cell_tpl=cells, devices=DEVICES[:2])
+    .Instantiate()
+  )
   assert pipe.num_stages == 2
   with pytest.raises(ValueError, match='needs the input shapes'):
     partition.ComputeSplits(layers, 2, None, 'flops')
 
 
 def testFPropMetaOfPipeline():
-  p = PipeliningLayer.Params().Set(name='p', layers=plt.DenseLayers(4),
-                                   num_stages=2)
+  p = PipeliningLayer.Params().Set(
+    name='p', layers=plt.DenseLayers(4), num_stages=2
+  )
   meta = PipeliningLayer.FPropMeta(p, [8, 6])
   assert meta.flops == 4 * 2 * 8 * 6 * 6
   assert meta.out_shapes[0].as_list() == [8, 6]
@@ -215,46 +262,71 @@ class NormStats(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     d = self.params.dim
-    self.CreateVariable('moving_mean', py_utils.WeightParams(
-        [d], py_utils.WeightInit.Constant(0.0)), trainable=False)
-    self.CreateVariable('moving_variance', py_utils.WeightParams(
-        [d], py_utils.WeightInit.Constant(1.0)), trainable=False)
+    self.CreateVariable(
+      'moving_mean',
+      py_utils.WeightParams([d], py_utils.WeightInit.Constant(0.0)),
+      trainable=False,
+    )
+    self.CreateVariable(
+      'moving_variance',
+      py_utils.WeightParams([d], py_utils.WeightInit.Constant(1.0)),
+      trainable=False,
+    )
 
   def FProp(self, theta, x):
     if self.do_eval:
       mean, var = theta.moving_mean, theta.moving_variance
     else:
       mean, var = tf.nn.moments(x, [0])
-      py_utils.AddDeferredUpdate(self, NestedMap(
-          mean=tf.stop_gradient(mean), variance=tf.stop_gradient(var),
-          count=tf.cast(tf.shape(x)[0], tf.float32)))
+      py_utils.AddDeferredUpdate(
+        self,
+        NestedMap(
+          mean=tf.stop_gradient(mean),
+          variance=tf.stop_gradient(var),
+          count=tf.cast(tf.shape(x)[0], tf.float32),
+        ),
+      )
     return (x - mean) * tf.math.rsqrt(var + 1e-3)
 
   def ApplyDeferredUpdates(self, stats_list):
     n = tf.add_n([s.count for s in stats_list])
     mean = tf.add_n([s.count * s.mean for s in stats_list]) / n
-    sq = tf.add_n([s.count * (s.variance + tf.square(s.mean))
-                   for s in stats_list]) / n
+    sq = (
+      tf.add_n([s.count * (s.variance + tf.square(s.mean)) for s in stats_list])
+      / n
+    )
     var = sq - tf.square(mean)
     d = self.params.decay
     self.vars.moving_mean.assign(d * self.vars.moving_mean + (1 - d) * mean)
     self.vars.moving_variance.assign(
-        d * self.vars.moving_variance + (1 - d) * var)
+      d * self.vars.moving_variance + (1 - d) * var
+    )
 
 
 def NormLayers(dim):
   """fc_0, bn (NormStats), fc_1: a batch-norm layer between two others."""
-  return [plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
-          NormStats.Params().Set(name='bn', dim=dim),
-          plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim)]
+  return [
+    plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
+    NormStats.Params().Set(name='bn', dim=dim),
+    plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim),
+  ]
 
 
 def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   num_mb, batch, dim = 4, 16, 6
   layers = NormLayers(dim)
-  pipe = PipeliningLayer.Params().Set(
-      name='pipe', layers=layers, num_stages=2, num_micro_batches=num_mb,
-      devices=DEVICES[:2], splits=[2, 3]).Instantiate()
+  pipe = (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=2,
+      num_micro_batches=num_mb,
+      devices=DEVICES[:2],
+      splits=[2, 3],
+    )
+    .Instantiate()
+  )
   ref = plt.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
   x = tf.random.normal([batch, dim], seed=3)
 
@@ -291,10 +363,12 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   for g, rg in zip(grads, ref_grads):
     assert plt.MaxRelDiff(g, rg) <= 1e-5
   bn = pipe.body[1]
-  np.testing.assert_allclose(bn.vars.moving_mean.numpy(), 0.1 * mean.numpy(),
-                             rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(bn.vars.moving_variance.numpy(),
-                             0.9 + 0.1 * var.numpy(), rtol=1e-5)
+  np.testing.assert_allclose(
+    bn.vars.moving_mean.numpy(), 0.1 * mean.numpy(), rtol=1e-5, atol=1e-7
+  )
+  np.testing.assert_allclose(
+    bn.vars.moving_variance.numpy(), 0.9 + 0.1 * var.numpy(), rtol=1e-5
+  )
   # Evaluation uses the moving averages, and updates nothing.
   before = bn.vars.moving_mean.numpy().copy()
   with py_utils.EvalMode():
@@ -312,13 +386,29 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
   variables and their gradients stay float32, and the result tracks the
   float32 model."""
   x, w = plt._Inputs()
-  pipe32 = PipeliningLayer.Params().Set(
-      name='pipe', layers=plt.DenseLayers(4), num_stages=2,
-      num_micro_batches=2, devices=DEVICES[:2]).Instantiate()
-  pipe16 = PipeliningLayer.Params().Set(
-      name='pipe', layers=plt.DenseLayers(4), num_stages=2,
-      num_micro_batches=2, devices=DEVICES[:2],
-      fprop_dtype=dtype).Instantiate()
+  pipe32 = (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=plt.DenseLayers(4),
+      num_stages=2,
+      num_micro_batches=2,
+      devices=DEVICES[:2],
+    )
+    .Instantiate()
+  )
+  pipe16 = (
+    PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=plt.DenseLayers(4),
+      num_stages=2,
+      num_micro_batches=2,
+      devices=DEVICES[:2],
+      fprop_dtype=dtype,
+    )
+    .Instantiate()
+  )
   assert all(v.dtype == tf.float32 for v in pipe16.trainable_variables)
 
   @tf.function
@@ -331,9 +421,9 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
   y16, grads16 = Step16(x)
   assert y16.dtype == dtype
   y32, _, grads32, _ = plt.LossAndGrads(pipe32, (x,), w)
-  np.testing.assert_allclose(tf.cast(y16, tf.float32).numpy(), y32.numpy(),
-                             atol=0.05)
+  np.testing.assert_allclose(
+    tf.cast(y16, tf.float32).numpy(), y32.numpy(), atol=0.05
+  )
   for v, g in zip(pipe16.trainable_variables, grads16):
     assert g.dtype == tf.float32
-    np.testing.assert_allclose(g.numpy(), grads32[v.name], atol=0.1,
-                               rtol=0.1)
+    np.testing.assert_allclose(g.numpy(), grads32[v.name], atol=0.1, rtol=0.1)

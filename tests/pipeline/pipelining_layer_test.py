@@ -33,8 +33,9 @@ class Dense(base_layer.BaseLayer):
     p = self.params
     self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
     self.CreateVariable(
-        'b', py_utils.WeightParams([p.output_dim],
-                                   py_utils.WeightInit.Gaussian(0.1)))
+      'b',
+      py_utils.WeightParams([p.output_dim], py_utils.WeightInit.Gaussian(0.1)),
+    )
 
   def FProp(self, theta, x):
     py_utils.HasShape(x, [-1, self.params.input_dim], self.path)
@@ -44,10 +45,13 @@ class Dense(base_layer.BaseLayer):
   def FPropMeta(cls, p, x):
     x = tf.TensorShape(x)
     if x[-1] != p.input_dim:
-      raise ValueError(f'{p.name}: input dim {x[-1]} != input_dim '
-                       f'{p.input_dim}')
-    return NestedMap(flops=2 * x[0] * p.input_dim * p.output_dim,
-                     out_shapes=(tf.TensorShape([x[0], p.output_dim]),))
+      raise ValueError(
+        f'{p.name}: input dim {x[-1]} != input_dim {p.input_dim}'
+      )
+    return NestedMap(
+      flops=2 * x[0] * p.input_dim * p.output_dim,
+      out_shapes=(tf.TensorShape([x[0], p.output_dim]),),
+    )
 
 
 class TwoState(base_layer.BaseLayer):
@@ -91,8 +95,10 @@ class Stack(base_layer.BaseLayer):
 
 
 def DenseLayers(n=8, dim=6):
-  return [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
-          for i in range(n)]
+  return [
+    Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
+    for i in range(n)
+  ]
 
 
 def LossAndGrads(layer, inputs, weights):
@@ -104,8 +110,12 @@ def LossAndGrads(layer, inputs, weights):
     with tf.GradientTape() as tape:
       tape.watch(tf.nest.flatten(inputs))
       out = layer(*inputs)
-      loss = tf.add_n([tf.reduce_sum(o * w) for o, w in
-                       zip(tf.nest.flatten(out), tf.nest.flatten(weights))])
+      loss = tf.add_n(
+        [
+          tf.reduce_sum(o * w)
+          for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
+        ]
+      )
     grads = tape.gradient(loss, (variables, inputs))
     return out, loss, grads
 
@@ -143,9 +153,13 @@ def reference():
 def testTransparency(reference, num_stages, num_micro_batches):
   ref, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = reference
   p = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(), num_stages=num_stages,
-      num_micro_batches=num_micro_batches, devices=DEVICES[:num_stages],
-      input_shapes=[[8, 6]])
+    name='pipe',
+    layers=DenseLayers(),
+    num_stages=num_stages,
+    num_micro_batches=num_micro_batches,
+    devices=DEVICES[:num_stages],
+    input_shapes=[[8, 6]],
+  )
   pipe = p.Instantiate()
   assert pipe.num_stages == num_stages
   # Split-independent names and initial values.
@@ -164,9 +178,18 @@ def testTransparency(reference, num_stages, num_micro_batches):
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testRecomputePoliciesGiveSameGradients(reference, policy):
   _, x, w, (ref_out, _, ref_grads, _) = reference
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=4,
-      devices=DEVICES[:2], recompute=policy).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=DenseLayers(),
+      num_stages=2,
+      num_micro_batches=4,
+      devices=DEVICES[:2],
+      recompute=policy,
+    )
+    .Instantiate()
+  )
   out, _, grads, _ = LossAndGrads(pipe, (x,), w)
   AssertClose(out, ref_out)
   for name in grads:
@@ -176,23 +199,40 @@ def testRecomputePoliciesGiveSameGradients(reference, policy):
 def testCellTplFormAndNestedState():
   """Lingvo's cell_tpl form with a two-tensor NestedMap state."""
   cells = [
-      pipelining_layer.FeatureExtractionLayer.Params().Set(
-          name=f'cell_{k}', sub=[TwoState.Params().Set(name=f'l{k}_{j}')
-                                 for j in range(2)]) for k in range(3)
+    pipelining_layer.FeatureExtractionLayer.Params().Set(
+      name=f'cell_{k}',
+      sub=[TwoState.Params().Set(name=f'l{k}_{j}') for j in range(2)],
+    )
+    for k in range(3)
   ]
-  flat = [TwoState.Params().Set(name=f'l{k}_{j}') for k in range(3)
-          for j in range(2)]
+  flat = [
+    TwoState.Params().Set(name=f'l{k}_{j}') for k in range(3) for j in range(2)
+  ]
   rng = np.random.RandomState(1)
-  state = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
-                    cur=tf.constant(rng.randn(8, 4), tf.float32))
-  w = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
-                cur=tf.constant(rng.randn(8, 4), tf.float32))
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=4,
-      devices=DEVICES[:3]).Instantiate()
-  flat_pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=flat, num_stages=1, devices=DEVICES[:1],
-      num_micro_batches=1).Instantiate()
+  state = NestedMap(
+    prev=tf.constant(rng.randn(8, 4), tf.float32),
+    cur=tf.constant(rng.randn(8, 4), tf.float32),
+  )
+  w = NestedMap(
+    prev=tf.constant(rng.randn(8, 4), tf.float32),
+    cur=tf.constant(rng.randn(8, 4), tf.float32),
+  )
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(name='pipe', cell_tpl=cells, num_micro_batches=4, devices=DEVICES[:3])
+    .Instantiate()
+  )
+  flat_pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=flat,
+      num_stages=1,
+      devices=DEVICES[:1],
+      num_micro_batches=1,
+    )
+    .Instantiate()
+  )
   # Copy weights across naming schemes: pipe/cell_k/l{k}_{j} -> pipe/l{k}_{j}.
   for name, v in pipe.VariablesByName().items():
     short = 'pipe/' + name.split('/', 2)[2]
@@ -208,9 +248,17 @@ def testCellTplFormAndNestedState():
 
 def testEvalModeForwardOnly(reference):
   ref, x, _, (ref_out, _, _, _) = reference
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=1,
-      devices=DEVICES[:2]).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=DenseLayers(),
+      num_stages=2,
+      num_micro_batches=1,
+      devices=DEVICES[:2],
+    )
+    .Instantiate()
+  )
   with py_utils.EvalMode():
     out = tf.function(lambda x: pipe(x))(x)
   AssertClose(out, ref_out)
@@ -218,9 +266,17 @@ def testEvalModeForwardOnly(reference):
 
 def testEagerExecution(reference):
   _, x, w, (ref_out, _, ref_grads, _) = reference
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=2,
-      devices=DEVICES[:2]).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=DenseLayers(),
+      num_stages=2,
+      num_micro_batches=2,
+      devices=DEVICES[:2],
+    )
+    .Instantiate()
+  )
   with tf.GradientTape() as tape:
     out = pipe(x)
     loss = tf.reduce_sum(out * w)
@@ -231,9 +287,17 @@ def testEagerExecution(reference):
 
 
 def testVariablesLiveOnTheirCellsDevice():
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(4), num_stages=2,
-      devices=DEVICES[:2], splits=[1, 4]).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=DenseLayers(4),
+      num_stages=2,
+      devices=DEVICES[:2],
+      splits=[1, 4],
+    )
+    .Instantiate()
+  )
   assert pipe.splits == [1, 4]
   assert pipe.body[0].vars.w.device.endswith('CPU:0')
   for i in range(1, 4):
@@ -292,12 +356,18 @@ def testCellsOverlapInTrace():
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
-  out = subprocess.run([sys.executable, '-c', _OVERLAP_SCRIPT], cwd=root,
-                       capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=root,
-                                TF_CPP_MIN_LOG_LEVEL='2'))
+
+  root = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', _OVERLAP_SCRIPT],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
   assert 'OVERLAP' in out.stdout, out.stderr[-3000:]
   # A clearly positive share of the forward work ran concurrently.
   assert float(out.stdout.split('OVERLAP')[1]) > 0.05, out.stdout
@@ -306,45 +376,88 @@ def testCellsOverlapInTrace():
 def testBadInputErrors():
   P = pipelining_layer.PipeliningLayer.Params
   with pytest.raises(ValueError, match='does not divide the batch size 8'):
-    pipe = P().Set(name='p', layers=DenseLayers(2), num_stages=2,
-                   num_micro_batches=3, devices=DEVICES[:2]).Instantiate()
+    pipe = (
+      P()
+      .Set(
+        name='p',
+        layers=DenseLayers(2),
+        num_stages=2,
+        num_micro_batches=3,
+        devices=DEVICES[:2],
+      )
+      .Instantiate()
+    )
     pipe(tf.zeros([8, 6]))
   with pytest.raises(ValueError, match='micro_batch_size=3'):
-    pipe = P().Set(name='p', layers=DenseLayers(2), num_stages=1,
-                   micro_batch_size=3, devices=DEVICES[:1]).Instantiate()
+    pipe = (
+      P()
+      .Set(
+        name='p',
+        layers=DenseLayers(2),
+        num_stages=1,
+        micro_batch_size=3,
+        devices=DEVICES[:1],
+      )
+      .Instantiate()
+    )
     pipe(tf.zeros([8, 6]))
   with pytest.raises(ValueError, match='more than the 2 layers'):
     P().Set(name='p', layers=DenseLayers(2), num_stages=3).Instantiate()
   with pytest.raises(ValueError, match=r'4 stages but only 2 devices'):
-    P().Set(name='p', layers=DenseLayers(4), num_stages=4,
-            devices=DEVICES[:2]).Instantiate()
+    P().Set(
+      name='p', layers=DenseLayers(4), num_stages=4, devices=DEVICES[:2]
+    ).Instantiate()
   with pytest.raises(ValueError, match='does not exist. Available devices'):
-    P().Set(name='p', layers=DenseLayers(2), num_stages=2,
-            devices=['/device:CPU:0', '/device:CPU:9']).Instantiate()
+    P().Set(
+      name='p',
+      layers=DenseLayers(2),
+      num_stages=2,
+      devices=['/device:CPU:0', '/device:CPU:9'],
+    ).Instantiate()
   with pytest.raises(ValueError, match='cell 1 is empty'):
-    P().Set(name='p', layers=DenseLayers(3), splits=[2, 2, 3],
-            devices=DEVICES[:3]).Instantiate()
+    P().Set(
+      name='p', layers=DenseLayers(3), splits=[2, 2, 3], devices=DEVICES[:3]
+    ).Instantiate()
   with pytest.raises(ValueError, match='no sub layers'):
-    P().Set(name='p', cell_tpl=[
-        pipelining_layer.FeatureExtractionLayer.Params()],
-            devices=DEVICES[:1]).Instantiate()
+    P().Set(
+      name='p',
+      cell_tpl=[pipelining_layer.FeatureExtractionLayer.Params()],
+      devices=DEVICES[:1],
+    ).Instantiate()
   bad = DenseLayers(4)
   bad[2] = Dense.Params().Set(name='fc_2', input_dim=5, output_dim=6)
-  with pytest.raises(ValueError, match=r'cell 1 \(fc_2, fc_3\) cannot take '
-                     r'the output of cell 0 \(fc_0, fc_1\)'):
-    P().Set(name='p', layers=bad, splits=[2, 4], devices=DEVICES[:2],
-            input_shapes=[[8, 6]]).Instantiate()
+  with pytest.raises(
+    ValueError,
+    match=r'cell 1 \(fc_2, fc_3\) cannot take '
+    r'the output of cell 0 \(fc_0, fc_1\)',
+  ):
+    P().Set(
+      name='p',
+      layers=bad,
+      splits=[2, 4],
+      devices=DEVICES[:2],
+      input_shapes=[[8, 6]],
+    ).Instantiate()
 
 
 def testEvalRunsBatchesThatMDoesNotDivide(reference):
   _, x, _, _ = reference
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=DenseLayers(), num_stages=2, num_micro_batches=4,
-      devices=DEVICES[:2]).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=DenseLayers(),
+      num_stages=2,
+      num_micro_batches=4,
+      devices=DEVICES[:2],
+    )
+    .Instantiate()
+  )
   with py_utils.EvalMode():
     five = tf.function(lambda x: pipe(x))(x[:5])
-    unknown = tf.function(lambda x: pipe(x), input_signature=[
-        tf.TensorSpec([None, 6], tf.float32)])(x[:3])
+    unknown = tf.function(
+      lambda x: pipe(x), input_signature=[tf.TensorSpec([None, 6], tf.float32)]
+    )(x[:3])
   np.testing.assert_allclose(five.numpy()[:3], unknown.numpy(), rtol=1e-6)
   with pytest.raises(ValueError, match='does not divide the batch size 5'):
     pipe(x[:5])
@@ -353,16 +466,28 @@ def testEvalRunsBatchesThatMDoesNotDivide(reference):
 def testLingvoCompatibilityParamsRejectNonDefaults():
   P = pipelining_layer.PipeliningLayer.Params
   cell = pipelining_layer.FeatureExtractionLayer.Params().Set(
-      sub=DenseLayers(1))
-  for name, value in [('num_act_inputs', 1), ('num_act_outputs', 2),
-                      ('act_fetch_layers', ['fc_0'])]:
-    with pytest.raises(ValueError, match=f'{name}=.* is not supported.*remove '
-                       'it'):
+    sub=DenseLayers(1)
+  )
+  for name, value in [
+    ('num_act_inputs', 1),
+    ('num_act_outputs', 2),
+    ('act_fetch_layers', ['fc_0']),
+  ]:
+    with pytest.raises(
+      ValueError, match=f'{name}=.* is not supported.*remove it'
+    ):
       cell.Copy().Set(name='c', **{name: value}).Instantiate()
   for name, value in [('state_dtype', tf.bfloat16), ('nested_map_fprop', True)]:
-    with pytest.raises(ValueError, match=f'PipeliningLayer .p.: {name}=.* is '
-                       'not supported.*remove it'):
-      P().Set(name='p', layers=DenseLayers(2), num_stages=1,
-              devices=DEVICES[:1], **{name: value}).Instantiate()
+    with pytest.raises(
+      ValueError,
+      match=f'PipeliningLayer .p.: {name}=.* is not supported.*remove it',
+    ):
+      P().Set(
+        name='p',
+        layers=DenseLayers(2),
+        num_stages=1,
+        devices=DEVICES[:1],
+        **{name: value},
+      ).Instantiate()
   # The defaults still build.
   P().Set(name='p', cell_tpl=[cell.Copy()], devices=DEVICES[:1]).Instantiate()

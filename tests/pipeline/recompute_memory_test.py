@@ -51,10 +51,14 @@ def testIntegerInputsKeepMicroBatchesOrderedInTheBackwardPass():
   # micro-batches' backward passes must not depend on an input gradient, or
   # every micro-batch is re-materialized at once (about the plain model's
   # memory).
-  out = subprocess.run([sys.executable, '-c', _MEASURE], capture_output=True,
-                       text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, '-c', _MEASURE],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  act = json.loads(line[len('RESULT'):])
+  act = json.loads(line[len('RESULT') :])
   plain, piped = act['0'], act['8']
   assert piped < 0.22 * plain, act

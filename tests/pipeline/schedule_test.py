@@ -12,10 +12,11 @@ _SHAPES = [(1, 1), (1, 4), (3, 1), (3, 4), (4, 3), (2, 8)]
 
 
 @pytest.mark.parametrize('k, m', _SHAPES)
-def test_forward_order_runs_each_cell_on_each_micro_batch_once(k, m):
+def testForwardOrderRunsEachCellOnEachMicroBatchOnce(k, m):
   order = schedule.ForwardOrder(k, m)
   assert sorted((c, mb) for _, c, mb in order) == [
-      (c, mb) for c in range(k) for mb in range(m)]
+    (c, mb) for c in range(k) for mb in range(m)
+  ]
   for clock, cell, mb in order:
     assert clock == cell + mb
   assert [c for c, _, _ in order] == sorted(c for c, _, _ in order)
@@ -27,10 +28,11 @@ def test_forward_order_runs_each_cell_on_each_micro_batch_once(k, m):
 
 
 @pytest.mark.parametrize('k, m', _SHAPES)
-def test_backward_order_mirrors_forward(k, m):
+def testBackwardOrderMirrorsForward(k, m):
   order = schedule.BackwardOrder(k, m)
   assert sorted((c, mb) for _, c, mb in order) == [
-      (c, mb) for c in range(k) for mb in range(m)]
+    (c, mb) for c in range(k) for mb in range(m)
+  ]
   for clock, cell, mb in order:
     assert clock == (k - 1 - cell) + (m - 1 - mb)
   assert order[0] == (0, k - 1, m - 1)
@@ -42,65 +44,100 @@ def test_backward_order_mirrors_forward(k, m):
       assert when[(c, mb)] > when[(c + 1, mb)]
 
 
-def test_orders_k3_m4_match_the_table():
+def testOrdersK3M4MatchTheTable():
   fwd = schedule.ForwardOrder(3, 4)
-  assert fwd[:6] == [(0, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 2), (2, 1, 1),
-                     (2, 2, 0)]
+  assert fwd[:6] == [
+    (0, 0, 0),
+    (1, 0, 1),
+    (1, 1, 0),
+    (2, 0, 2),
+    (2, 1, 1),
+    (2, 2, 0),
+  ]
   bwd = schedule.BackwardOrder(3, 4)
   assert bwd[:3] == [(0, 2, 3), (1, 2, 2), (1, 1, 3)]
 
 
 @pytest.mark.parametrize('k, m', _SHAPES)
-def test_fill_drain_is_every_forward_then_every_backward(k, m):
+def testFillDrainIsEveryForwardThenEveryBackward(k, m):
   items = schedule.FillDrain(k, m)
   n = m + k - 1
   assert len(items) == 2 * k * m
   assert all(isinstance(w, schedule.WorkItem) for w in items)
   kinds = [w.kind for w in items]
   assert kinds == [schedule.FORWARD] * (k * m) + [schedule.BACKWARD] * (k * m)
-  assert [w[:3] for w in items[:k * m]] == schedule.ForwardOrder(k, m)
-  assert [(w.clock - n, w.cell, w.micro_batch)
-          for w in items[k * m:]] == schedule.BackwardOrder(k, m)
+  assert [w[:3] for w in items[: k * m]] == schedule.ForwardOrder(k, m)
+  assert [
+    (w.clock - n, w.cell, w.micro_batch) for w in items[k * m :]
+  ] == schedule.BackwardOrder(k, m)
   assert max(w.clock for w in items) == 2 * n - 1
 
 
 @pytest.mark.parametrize('k, m', _SHAPES)
-def test_bubble_fraction_is_the_idle_share_of_the_table(k, m):
+def testBubbleFractionIsTheIdleShareOfTheTable(k, m):
   busy = collections.Counter(c for _, c, _ in schedule.ForwardOrder(k, m))
   n = m + k - 1
   for cell in range(k):
-    assert (n - busy[cell]) / n == pytest.approx(
-        schedule.BubbleFraction(k, m))
+    assert (n - busy[cell]) / n == pytest.approx(schedule.BubbleFraction(k, m))
   assert schedule.IdealSpeedup(k, m) == pytest.approx(
-      k * (1 - schedule.BubbleFraction(k, m)))
+    k * (1 - schedule.BubbleFraction(k, m))
+  )
 
 
-def test_bubble_fraction_values():
+def testBubbleFractionValues():
   assert schedule.BubbleFraction(1, 8) == 0.0
   assert schedule.BubbleFraction(4, 1) == pytest.approx(3 / 4)
   assert schedule.BubbleFraction(4, 16) == pytest.approx(3 / 19)
   assert schedule.IdealSpeedup(1, 5) == 1.0
 
 
-def test_schedule_text_k3_m4():
+def testScheduleTextK3M4():
   text = schedule.ScheduleText(3, 4)
   rows = text.split('\n')
   assert len(rows) == 4
   assert rows[0].split() == ['clock'] + [str(c) for c in range(12)]
-  assert rows[1].split() == ['cell', '0', 'F0', 'F1', 'F2', 'F3', '.', '.',
-                             '.', '.', 'B3', 'B2', 'B1', 'B0']
-  assert rows[3].split() == ['cell', '2', '.', '.', 'F0', 'F1', 'F2', 'F3',
-                             'B3', 'B2', 'B1', 'B0', '.', '.']
+  assert rows[1].split() == [
+    'cell',
+    '0',
+    'F0',
+    'F1',
+    'F2',
+    'F3',
+    '.',
+    '.',
+    '.',
+    '.',
+    'B3',
+    'B2',
+    'B1',
+    'B0',
+  ]
+  assert rows[3].split() == [
+    'cell',
+    '2',
+    '.',
+    '.',
+    'F0',
+    'F1',
+    'F2',
+    'F3',
+    'B3',
+    'B2',
+    'B1',
+    'B0',
+    '.',
+    '.',
+  ]
   assert len({len(r) for r in rows}) == 1  # Columns align.
 
 
-def test_schedule_text_widens_for_two_digit_micro_batches():
+def testScheduleTextWidensForTwoDigitMicroBatches():
   rows = schedule.ScheduleText(2, 12).split('\n')
   assert 'F11' in rows[1].split() and 'B11' in rows[2].split()
   assert len({len(r) for r in rows}) == 1
 
 
-def test_tracer_records_events_relative_to_first_start():
+def testTracerRecordsEventsRelativeToFirstStart():
   assert schedule.ActiveTracer() is None
   tracer = schedule.ScheduleTracer()
   assert tracer.Tensors().shape == (0, 2)
@@ -111,11 +148,19 @@ def test_tracer_records_events_relative_to_first_start():
     with inner:
       assert schedule.ActiveTracer() is inner
     assert schedule.ActiveTracer() is tracer
-    tracer.Record((schedule.FORWARD, 0, 0), tf.constant(10.0, tf.float64),
-                  tf.constant(11.5, tf.float64))
-    tracer.Record((schedule.BACKWARD, 1, 0), tf.constant(12.0, tf.float64),
-                  tf.constant(13.0, tf.float64))
+    tracer.Record(
+      (schedule.FORWARD, 0, 0),
+      tf.constant(10.0, tf.float64),
+      tf.constant(11.5, tf.float64),
+    )
+    tracer.Record(
+      (schedule.BACKWARD, 1, 0),
+      tf.constant(12.0, tf.float64),
+      tf.constant(13.0, tf.float64),
+    )
   assert schedule.ActiveTracer() is None
   events = tracer.Events(tracer.Tensors())
-  assert events == [(schedule.FORWARD, 0, 0, 0.0, 1.5),
-                    (schedule.BACKWARD, 1, 0, 2.0, 3.0)]
+  assert events == [
+    (schedule.FORWARD, 0, 0, 0.0, 1.5),
+    (schedule.BACKWARD, 1, 0, 2.0, 3.0),
+  ]

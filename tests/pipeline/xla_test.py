@@ -27,18 +27,30 @@ def _Step(pipe, weights, jit_compile):
   def Step(inputs):
     with tf.GradientTape() as tape, py_utils.StepSeed(7):
       out = pipe(inputs)
-      loss = tf.add_n([tf.reduce_sum(o * w) for o, w in
-                       zip(tf.nest.flatten(out), tf.nest.flatten(weights))])
+      loss = tf.add_n(
+        [
+          tf.reduce_sum(o * w)
+          for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
+        ]
+      )
     return out, loss, tape.gradient(loss, variables)
 
   return tf.function(Step, jit_compile=jit_compile)
 
 
 def _AssertSameStep(layer_params, inputs, weights, num_stages, policy):
-  pipe = pipelining_layer.PipeliningLayer.Params().Set(
-      name='pipe', layers=layer_params, num_stages=num_stages,
-      num_micro_batches=2, devices=[DEVICE] * num_stages,
-      recompute=policy).Instantiate()
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layer_params,
+      num_stages=num_stages,
+      num_micro_batches=2,
+      devices=[DEVICE] * num_stages,
+      recompute=policy,
+    )
+    .Instantiate()
+  )
   expected = _Step(pipe, weights, False)(inputs)
   actual = _Step(pipe, weights, True)(inputs)
   flat_e, flat_a = tf.nest.flatten(expected), tf.nest.flatten(actual)
@@ -59,10 +71,14 @@ def testJitCompiledStepMatches(num_stages, policy):
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledNestedMapState(num_stages, policy):
   rng = np.random.RandomState(1)
-  state = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
-                    cur=tf.constant(rng.randn(8, 4), tf.float32))
-  w = NestedMap(prev=tf.constant(rng.randn(8, 4), tf.float32),
-                cur=tf.constant(rng.randn(8, 4), tf.float32))
+  state = NestedMap(
+    prev=tf.constant(rng.randn(8, 4), tf.float32),
+    cur=tf.constant(rng.randn(8, 4), tf.float32),
+  )
+  w = NestedMap(
+    prev=tf.constant(rng.randn(8, 4), tf.float32),
+    cur=tf.constant(rng.randn(8, 4), tf.float32),
+  )
   layers = [plt.TwoState.Params().Set(name=f'l{i}') for i in range(4)]
   _AssertSameStep(layers, state, w, num_stages, policy)
 
@@ -83,6 +99,7 @@ def testJitCompiledBatchNorm(num_stages, policy):
 def testJitCompiledDropout(num_stages, policy):
   x, w = plt._Inputs()
   layers = plt.DenseLayers(4)
-  layers.insert(1, dropout.DropoutLayer.Params().Set(
-      name='drop', keep_prob=0.5))
+  layers.insert(
+    1, dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
+  )
   _AssertSameStep(layers, x, w, num_stages, policy)

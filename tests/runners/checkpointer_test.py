@@ -11,12 +11,13 @@ from lingvo_gpipe.runners import checkpointer
 
 def _Vars(scale=1.0, w_shape=(2, 3), extra=False):
   out = {
-      'mlp/pipeline/body/layer_0/w': tf.Variable(
-          scale * np.arange(np.prod(w_shape), dtype=np.float32).reshape(
-              w_shape)),
-      'mlp/pipeline/body/layer_1/b': tf.Variable(scale * np.ones([3],
-                                                                 np.float32)),
-      'global_step': tf.Variable(0, dtype=tf.int64),
+    'mlp/pipeline/body/layer_0/w': tf.Variable(
+      scale * np.arange(np.prod(w_shape), dtype=np.float32).reshape(w_shape)
+    ),
+    'mlp/pipeline/body/layer_1/b': tf.Variable(
+      scale * np.ones([3], np.float32)
+    ),
+    'global_step': tf.Variable(0, dtype=tf.int64),
   }
   if extra:
     out['mlp/extra.v'] = tf.Variable(np.zeros([4], np.float32))
@@ -32,14 +33,15 @@ def _Files(directory):
   return sorted(f for f in os.listdir(directory) if not f.startswith('.'))
 
 
-def test_escape_round_trip():
+def testEscapeRoundTrip():
   for name in ['a/b/c', 'a.b/c..d', 'x.S/y', '']:
     assert checkpointer.UnescapeName(checkpointer.EscapeName(name)) == name
   assert checkpointer.VariableKey('a/b.c') == (
-      'model/a.Sb..c/.ATTRIBUTES/VARIABLE_VALUE')
+    'model/a.Sb..c/.ATTRIBUTES/VARIABLE_VALUE'
+  )
 
 
-def test_save_restore_by_name(tmp_path):
+def testSaveRestoreByName(tmp_path):
   variables = _Vars(extra=True)
   variables['global_step'].assign(7)
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
@@ -59,10 +61,11 @@ def test_save_restore_by_name(tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path)) == prefix
 
 
-def test_keep_last_k_and_intervals(tmp_path):
+def testKeepLastKAndIntervals(tmp_path):
   variables = _Vars()
-  ckpt = checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2,
-                                   save_interval_steps=10)
+  ckpt = checkpointer.Checkpointer(
+    str(tmp_path), variables, max_to_keep=2, save_interval_steps=10
+  )
   saved = [s for s in range(0, 45) if ckpt.MaybeSave(s)]
   assert saved == [10, 20, 30, 40]
   assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [30, 40]
@@ -79,7 +82,7 @@ def test_keep_last_k_and_intervals(tmp_path):
   assert again.Save(50).endswith('ckpt-50')
 
 
-def test_pointer_update_is_atomic(tmp_path, monkeypatch):
+def testPointerUpdateIsAtomic(tmp_path, monkeypatch):
   variables = _Vars()
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
   first = ckpt.Save(1)
@@ -104,7 +107,7 @@ def test_pointer_update_is_atomic(tmp_path, monkeypatch):
   assert not [f for f in os.listdir(tmp_path) if '.tmp-' in f]
 
 
-def test_crash_mid_save_leaves_restorable_latest(tmp_path):
+def testCrashMidSaveLeavesRestorableLatest(tmp_path):
   variables = _Vars()
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
   good = ckpt.Save(5)
@@ -113,8 +116,9 @@ def test_crash_mid_save_leaves_restorable_latest(tmp_path):
   os.makedirs(os.path.join(str(tmp_path), 'ckpt-6_temp'))
   with open(os.path.join(str(tmp_path), 'ckpt-6_temp', 'part-0'), 'w') as f:
     f.write('x')
-  with open(os.path.join(str(tmp_path), 'ckpt-6.data-00000-of-00001'),
-            'w') as f:
+  with open(
+    os.path.join(str(tmp_path), 'ckpt-6.data-00000-of-00001'), 'w'
+  ) as f:
     f.write('partial')
   assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
   restarted = checkpointer.Checkpointer(str(tmp_path), _Vars(scale=0.0))
@@ -122,7 +126,7 @@ def test_crash_mid_save_leaves_restorable_latest(tmp_path):
   assert restarted.Restore() == good
 
 
-def test_pointer_to_broken_checkpoint_falls_back(tmp_path):
+def testPointerToBrokenCheckpointFallsBack(tmp_path):
   variables = _Vars()
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
   good = ckpt.Save(1)
@@ -134,7 +138,7 @@ def test_pointer_to_broken_checkpoint_falls_back(tmp_path):
   assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
 
 
-def test_iterator_position_is_restored(tmp_path):
+def testIteratorPositionIsRestored(tmp_path):
   ds = tf.data.Dataset.range(100).batch(2)
   it = iter(ds)
   for _ in range(3):
@@ -148,21 +152,24 @@ def test_iterator_position_is_restored(tmp_path):
   np.testing.assert_array_equal(next(it2).numpy(), expected)
 
 
-def test_unsaveable_iterator_falls_back_to_variables(tmp_path):
+def testUnsaveableIteratorFallsBackToVariables(tmp_path):
   ds = tf.data.Dataset.from_generator(
-      lambda: iter(range(10)), output_signature=tf.TensorSpec([], tf.int64))
+    lambda: iter(range(10)), output_signature=tf.TensorSpec([], tf.int64)
+  )
   it = iter(ds)
   next(it)
   variables = _Vars()
-  prefix = checkpointer.Checkpointer(str(tmp_path), variables,
-                                     iterator=it).Save(1)
+  prefix = checkpointer.Checkpointer(
+    str(tmp_path), variables, iterator=it
+  ).Save(1)
   assert checkpointer.IsCompleteCheckpoint(prefix)
-  restorer = checkpointer.Checkpointer(str(tmp_path), _Vars(scale=0.0),
-                                       iterator=iter(ds))
+  restorer = checkpointer.Checkpointer(
+    str(tmp_path), _Vars(scale=0.0), iterator=iter(ds)
+  )
   assert restorer.Restore() == prefix
 
 
-def test_incompatible_checkpoint_is_refused(tmp_path):
+def testIncompatibleCheckpointIsRefused(tmp_path):
   checkpointer.Checkpointer(str(tmp_path), _Vars(extra=True)).Save(1)
   other = _Vars(w_shape=(3, 3))
   other['mlp/new'] = tf.Variable(1.0)
@@ -174,24 +181,26 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
   assert '--restore_from' in msg
 
 
-def test_fine_tune_with_map(tmp_path):
+def testFineTuneWithMap(tmp_path):
   source = {
-      'old/w': tf.Variable(np.full([2, 2], 3.0, np.float32)),
-      'old/b': tf.Variable(np.full([2], 4.0, np.float32)),
-      'old/unused': tf.Variable(1.0),
-      'global_step': tf.Variable(100, dtype=tf.int64),
+    'old/w': tf.Variable(np.full([2, 2], 3.0, np.float32)),
+    'old/b': tf.Variable(np.full([2], 4.0, np.float32)),
+    'old/unused': tf.Variable(1.0),
+    'global_step': tf.Variable(100, dtype=tf.int64),
   }
   prefix = checkpointer.Checkpointer(str(tmp_path), source).Save(100)
   model = {
-      'new/w': tf.Variable(np.zeros([2, 2], np.float32)),
-      'new/b': tf.Variable(np.zeros([3], np.float32)),
-      'new/extra': tf.Variable(0.0),
-      'global_step': tf.Variable(0, dtype=tf.int64),
+    'new/w': tf.Variable(np.zeros([2, 2], np.float32)),
+    'new/b': tf.Variable(np.zeros([3], np.float32)),
+    'new/extra': tf.Variable(0.0),
+    'global_step': tf.Variable(0, dtype=tf.int64),
   }
-  rules = checkpointer.ParseRestoreMap([r'new/(w|b)=>old/\1',
-                                        'global_step=>global_step'])
-  report = checkpointer.FineTuneRestore(model, str(tmp_path), rules,
-                                        skip=('global_step',))
+  rules = checkpointer.ParseRestoreMap(
+    [r'new/(w|b)=>old/\1', 'global_step=>global_step']
+  )
+  report = checkpointer.FineTuneRestore(
+    model, str(tmp_path), rules, skip=('global_step',)
+  )
   assert report.path == prefix
   assert report.restored == [('new/w', 'old/w')]
   reasons = dict(report.not_restored)
@@ -208,40 +217,43 @@ def test_fine_tune_with_map(tmp_path):
   assert checkpointer._MapName('x', []) == 'x'
 
 
-def test_bad_restore_map_is_named():
+def testBadRestoreMapIsNamed():
   with pytest.raises(ValueError, match='no "=>"'):
     checkpointer.ParseRestoreMap(['a/b'])
   with pytest.raises(ValueError, match=r"bad regex '\(a'"):
     checkpointer.ParseRestoreMap(['(a=>b'])
 
 
-def test_unwritable_dir_is_a_clear_error(tmp_path):
+def testUnwritableDirIsAClearError(tmp_path):
   blocker = tmp_path / 'file'
   blocker.write_text('x')
-  with pytest.raises(checkpointer.CheckpointError,
-                     match='Cannot write to --logdir .*file/sub'):
+  with pytest.raises(
+    checkpointer.CheckpointError, match='Cannot write to --logdir .*file/sub'
+  ):
     checkpointer.Checkpointer(str(blocker / 'sub'), _Vars())
 
 
-def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
+def testFullDiskKeepsPreviousCheckpoint(tmp_path, monkeypatch):
   variables = _Vars()
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
   good = ckpt.Save(1)
 
   def Full(*unused_args, **unused_kwargs):
-    raise tf.errors.ResourceExhaustedError(None, None, 'No space left on '
-                                           'device')
+    raise tf.errors.ResourceExhaustedError(
+      None, None, 'No space left on device'
+    )
 
   monkeypatch.setattr(tf.train.Checkpoint, 'write', Full)
-  with pytest.raises(checkpointer.CheckpointError,
-                     match='No space left.*MiB free.*ckpt-1 is intact'):
+  with pytest.raises(
+    checkpointer.CheckpointError,
+    match='No space left.*MiB free.*ckpt-1 is intact',
+  ):
     ckpt.Save(2)
   monkeypatch.undo()
   assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
 
 
-def test_interrupted_sweep_and_unpointed_newer_checkpoints_are_removed(
-    tmp_path):
+def testInterruptedSweepAndUnpointedNewerCheckpointsAreRemoved(tmp_path):
   variables = _Vars()
   ckpt = checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
   for step in (1, 2, 3):
@@ -254,7 +266,11 @@ def test_interrupted_sweep_and_unpointed_newer_checkpoints_are_removed(
     if f.startswith(('ckpt-1.', 'ckpt-9.')):
       os.replace(tmp_path / 'other' / f, tmp_path / f)
   assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [
-      1, 2, 3, 9]
+    1,
+    2,
+    3,
+    9,
+  ]
   assert checkpointer.LatestCheckpoint(str(tmp_path)).endswith('ckpt-3')
   checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
   assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [2, 3]

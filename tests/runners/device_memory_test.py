@@ -4,12 +4,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 from lingvo_gpipe.runners import device_memory
 
 
-def test_task_of_and_status_map():
+def testTaskOfAndStatusMap():
   devs = [f'/job:worker/replica:0/task:{i}/device:CPU:0' for i in range(3)]
   assert device_memory.TaskOf(devs[2]) == ('worker', 2)
   assert device_memory.TaskOf('/device:CPU:0') is None
@@ -17,7 +16,7 @@ def test_task_of_and_status_map():
   assert status == {devs[0]: 'h:1', devs[1]: 'h:2'}
 
 
-def test_shared_allocator_is_said():
+def testSharedAllocatorIsSaid():
   note = device_memory.SharedAllocatorNote(['/device:CPU:0', '/device:CPU:1'])
   assert 'shared allocator' in note
   assert not device_memory.SharedAllocatorNote(['/device:CPU:0'])
@@ -54,13 +53,18 @@ _WORKERS = textwrap.dedent("""
 """)
 
 
-def test_allocation_on_worker_1_shows_on_worker_1_only():
-  out = subprocess.run([sys.executable, '-c', _WORKERS], capture_output=True,
-                       text=True, timeout=200)
+def testAllocationOnWorker1ShowsOnWorker1Only():
+  out = subprocess.run(
+    [sys.executable, '-c', _WORKERS],
+    capture_output=True,
+    text=True,
+    timeout=200,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   import json  # pylint: disable=g-import-not-at-top
+
   line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  r = json.loads(line[len('RESULT'):])
+  r = json.loads(line[len('RESULT') :])
   mib = 2**20
   (c0, p0), (c1, p1) = r['after']
   # Task 0 holds nothing of the model; task 1 the variable (and eager

@@ -38,7 +38,7 @@ def _Dev(max_steps=6):
   return p
 
 
-def test_evaluates_latest_checkpoint_once_and_records(logdir, tmp_path):
+def testEvaluatesLatestCheckpointOnceAndRecords(logdir, tmp_path):
   ev = evaler.Evaler(_Dev(), str(logdir), dataset='Dev', interval_seconds=0.05)
   records = ev.Run()
   assert [r['step'] for r in records] == [6]
@@ -48,12 +48,14 @@ def test_evaluates_latest_checkpoint_once_and_records(logdir, tmp_path):
   assert 0.0 <= rec['metrics']['accuracy'] <= 1.0
   assert ev.eval_dir == os.path.join(str(logdir), 'eval_dev')
   assert evaler.ReadResults(ev.eval_dir) == records
-  assert any(f.startswith('events.out.tfevents')
-             for f in os.listdir(ev.eval_dir))
+  assert any(
+    f.startswith('events.out.tfevents') for f in os.listdir(ev.eval_dir)
+  )
   # The same numbers as a plain one-pass MetricsAggregator.
   model = _Dev().Instantiate()
-  checkpointer.Checkpointer(str(logdir / 'train'), model.VariablesByName(),
-                            writable=False).RestoreFrom(rec['checkpoint'])
+  checkpointer.Checkpointer(
+    str(logdir / 'train'), model.VariablesByName(), writable=False
+  ).RestoreFrom(rec['checkpoint'])
   task = model.GetTask()
   eval_step = tf.function(task.EvalStep, autograph=False)
   agg = base_model.MetricsAggregator()
@@ -66,10 +68,15 @@ def test_evaluates_latest_checkpoint_once_and_records(logdir, tmp_path):
   assert again.Run() == []
 
 
-def test_older_checkpoint_and_timeout(logdir, tmp_path):
-  ev = evaler.Evaler(_Dev(max_steps=100), str(tmp_path / 'out'),
-                     dataset='test', train_dir=str(logdir / 'train'),
-                     interval_seconds=0.05, timeout_seconds=0.3)
+def testOlderCheckpointAndTimeout(logdir, tmp_path):
+  ev = evaler.Evaler(
+    _Dev(max_steps=100),
+    str(tmp_path / 'out'),
+    dataset='test',
+    train_dir=str(logdir / 'train'),
+    interval_seconds=0.05,
+    timeout_seconds=0.3,
+  )
   rec = ev.EvalCheckpoint(str(logdir / 'train' / 'ckpt-3'))
   assert rec['step'] == 3 and rec['dataset'] == 'test'
   start = time.time()
@@ -79,7 +86,7 @@ def test_older_checkpoint_and_timeout(logdir, tmp_path):
   assert [r['step'] for r in evaler.ReadResults(ev.eval_dir)] == [3, 6]
 
 
-def test_stop_request_and_new_checkpoints(logdir, tmp_path):
+def testStopRequestAndNewCheckpoints(logdir, tmp_path):
   train_dir = tmp_path / 'train'
   model = model_registry.GetParams(MODEL, 'Train').Instantiate()
   ckpt = checkpointer.Checkpointer(str(train_dir), model.VariablesByName())
@@ -103,24 +110,28 @@ def test_stop_request_and_new_checkpoints(logdir, tmp_path):
   assert [r['step'] for r in result] == [1, 2]
 
 
-def test_infinite_input_is_refused(tmp_path):
+def testInfiniteInputIsRefused(tmp_path):
   p = model_registry.GetParams(MODEL, 'Train')  # num_epochs=None.
   with pytest.raises(ValueError, match='repeats forever'):
     evaler.Evaler(p, str(tmp_path))
 
 
-def test_incompatible_checkpoint_is_an_error(tmp_path):
+def testIncompatibleCheckpointIsAnError(tmp_path):
   variables = {'other/w': tf.Variable(1.0)}
   checkpointer.Checkpointer(str(tmp_path / 'train'), variables).Save(1)
   ev = evaler.Evaler(_Dev(max_steps=1), str(tmp_path), interval_seconds=0.05)
-  with pytest.raises(checkpointer.IncompatibleCheckpointError,
-                     match='digits/'):
+  with pytest.raises(checkpointer.IncompatibleCheckpointError, match='digits/'):
     ev.Run()
 
 
-def test_decoder_saves_predictions(logdir, tmp_path):
-  dec = evaler.Decoder(_Dev(), str(tmp_path), dataset='dev',
-                       train_dir=str(logdir / 'train'), interval_seconds=0.05)
+def testDecoderSavesPredictions(logdir, tmp_path):
+  dec = evaler.Decoder(
+    _Dev(),
+    str(tmp_path),
+    dataset='dev',
+    train_dir=str(logdir / 'train'),
+    interval_seconds=0.05,
+  )
   assert dec.eval_dir == str(tmp_path / 'decoder_dev')
   (record,) = dec.Run()
   assert record['step'] == 6 and record['metrics']['num_examples'] == 180

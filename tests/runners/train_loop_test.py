@@ -14,8 +14,9 @@ def testWatchdogReportsAStepPastItsBoundOnce():
     calls.append((step, elapsed))
     fired.set()
 
-  dog = train_loop.StepWatchdog(0.2, OnTimeout, first_step_factor=1.0,
-                                poll_s=0.02)
+  dog = train_loop.StepWatchdog(
+    0.2, OnTimeout, first_step_factor=1.0, poll_s=0.02
+  )
   try:
     dog.StepStarted(1)  # a fast step: no report
     dog.StepFinished()
@@ -31,8 +32,9 @@ def testWatchdogReportsAStepPastItsBoundOnce():
 
 def testFirstStepGetsALongerBound():
   calls = []
-  dog = train_loop.StepWatchdog(0.1, lambda s, e: calls.append(s),
-                                first_step_factor=10.0, poll_s=0.02)
+  dog = train_loop.StepWatchdog(
+    0.1, lambda s, e: calls.append(s), first_step_factor=10.0, poll_s=0.02
+  )
   try:
     dog.StepStarted(1)
     time.sleep(0.4)  # within 10 x 0.1 s

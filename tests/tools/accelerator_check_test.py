@@ -11,8 +11,9 @@ import sys
 
 import tensorflow as tf
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / 'tools' / \
-    'accelerator_check.py'
+_PATH = (
+  pathlib.Path(__file__).resolve().parents[2] / 'tools' / 'accelerator_check.py'
+)
 _spec = importlib.util.spec_from_file_location('accelerator_check', _PATH)
 accelerator_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(accelerator_check)
@@ -21,10 +22,18 @@ DEVICES = ['/device:CPU:0', '/device:CPU:1']
 
 
 def testWithoutGpuSaysSoAndExitsZero():
-  r = subprocess.run([sys.executable, str(_PATH)], capture_output=True,
-                     text=True, timeout=300, check=False,
-                     env={'CUDA_VISIBLE_DEVICES': '', 'PATH': '/usr/bin:/bin',
-                          'PYTHONPATH': str(_PATH.parents[1])})
+  r = subprocess.run(
+    [sys.executable, str(_PATH)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+    env={
+      'CUDA_VISIBLE_DEVICES': '',
+      'PATH': '/usr/bin:/bin',
+      'PYTHONPATH': str(_PATH.parents[1]),
+    },
+  )
   assert r.returncode == 0, r.stderr
   assert 'No accelerator' in r.stdout and 'nothing run' in r.stdout, r.stdout
   assert 'ok ' not in r.stdout and 'Device:' not in r.stdout
@@ -43,7 +52,8 @@ def testMixedPrecisionChecksPassOnCpuDevices():
 
 def testFailingCheckIsReportedNotRaised(capsys):
   args = accelerator_check.argparse.Namespace(
-      loss_scale=1.0, skip_trainer=True, skip_benchmark=True)
+    loss_scale=1.0, skip_trainer=True, skip_benchmark=True
+  )
   results = accelerator_check.RunChecks(args, ['/device:CPU:0'])
   # One device cannot hold K=2: every check fails with a one-line reason.
   assert [ok for _, ok, _ in results] == [False, False, False]

@@ -15,8 +15,9 @@ from lingvo_gpipe.layers import reshape
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.models import classifier
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / 'tools' / \
-    'inspect_model.py'
+_PATH = (
+  pathlib.Path(__file__).resolve().parents[2] / 'tools' / 'inspect_model.py'
+)
 _spec = importlib.util.spec_from_file_location('inspect_model', _PATH)
 inspect_model = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(inspect_model)
@@ -31,10 +32,15 @@ class NoPipelineDigits(base_model_params.SingleTaskModelParams):
 
   def Task(self):
     p = classifier.ClassifierTask.Params().Set(name='nopipe', num_classes=10)
-    p.network = sequential.SequentialLayer.Params().Set(name='net', sub=[
+    p.network = sequential.SequentialLayer.Params().Set(
+      name='net',
+      sub=[
         reshape.FlattenLayer.Params().Set(name='flat'),
-        linears.ProjectionLayer.Params().Set(name='fc', input_dim=64,
-                                             output_dim=16)])
+        linears.ProjectionLayer.Params().Set(
+          name='fc', input_dim=64, output_dim=16
+        ),
+      ],
+    )
     p.softmax.input_dim = 16
     return p
 
@@ -46,7 +52,7 @@ def _Run(tmp_path, model, capsys):
   return json.loads(out.read_text()), text
 
 
-def test_tiny_amoebanet(tmp_path, capsys):
+def testTinyAmoebanet(tmp_path, capsys):
   key = 'image.amoebanet.AmoebaNetTiny'
   info, text = _Run(tmp_path, key, capsys)
   p = model_registry.GetParams(key, 'Train')
@@ -66,7 +72,7 @@ def test_tiny_amoebanet(tmp_path, capsys):
   assert 'imbalance (max/mean)' in text and 'parameters:' in text
 
 
-def test_big_amoebanet_is_inspected_without_memory(tmp_path, capsys):
+def testBigAmoebanetIsInspectedWithoutMemory(tmp_path, capsys):
   info, text = _Run(tmp_path, 'image.amoebanet.AmoebaNetD18x544', capsys)
   assert abs(info['num_params'] / 542e6 - 1) < 0.05
   assert info['num_stages'] == 2 and info['balance_by'] == 'flops'
@@ -75,21 +81,25 @@ def test_big_amoebanet_is_inspected_without_memory(tmp_path, capsys):
   assert 'GiB' in text
 
 
-def test_model_without_pipeline_is_one_cell(tmp_path, capsys):
-  info, text = _Run(tmp_path, 'tests.tools.inspect_model_test.'
-                    'NoPipelineDigits', capsys)
+def testModelWithoutPipelineIsOneCell(tmp_path, capsys):
+  info, text = _Run(
+    tmp_path, 'tests.tools.inspect_model_test.NoPipelineDigits', capsys
+  )
   assert info['num_stages'] == 1 and len(info['cells']) == 1
-  assert info['cells'][0]['params'] == info['num_params'] == \
-      64 * 16 + 16 + 16 * 10 + 10
+  assert (
+    info['cells'][0]['params']
+    == info['num_params']
+    == 64 * 16 + 16 + 16 * 10 + 10
+  )
   assert info['pipelines'] == [] and 'No PipeliningLayer' in text
 
 
-def test_unknown_model(capsys):
+def testUnknownModel(capsys):
   assert inspect_model.main(['--model=image.amoebanet.AmoebaNetD18x2080']) == 1
   assert 'AmoebaNetD18x208' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('key', ['image.digits.MlpDigitsTiny'])
-def test_find_pipelines(key):
+def testFindPipelines(key):
   found = inspect_model.FindPipelines(model_registry.GetParams(key, 'Train'))
   assert [k for k, _ in found] == ['task.network']

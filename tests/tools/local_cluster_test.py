@@ -17,9 +17,18 @@ def testLauncherServesATrainerAndStops(tmp_path):
   spec_file = tmp_path / 'spec.json'
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
   proc = subprocess.Popen(
-      [sys.executable, str(ROOT / 'tools' / 'local_cluster.py'),
-       '--num_workers=2', f'--spec_file={spec_file}', '--serve_seconds=300'],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      str(ROOT / 'tools' / 'local_cluster.py'),
+      '--num_workers=2',
+      f'--spec_file={spec_file}',
+      '--serve_seconds=300',
+    ],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     deadline = time.time() + 120
     while not spec_file.exists() and time.time() < deadline:
@@ -29,19 +38,29 @@ def testLauncherServesATrainerAndStops(tmp_path):
     assert len(spec['worker']) == 2
     logdir = tmp_path / 'logdir'
     res = trainer_test._Run(
-        f'--logdir={logdir}', '--cluster_spec=' + json.dumps(spec),
-        '--worker_split_size=2', '--max_steps=3')
+      f'--logdir={logdir}',
+      '--cluster_spec=' + json.dumps(spec),
+      '--worker_split_size=2',
+      '--max_steps=3',
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     placement = (logdir / 'placement.txt').read_text()
     assert 'cell 1 on /job:worker/replica:0/task:1/device:CPU:0' in placement
     # The same cluster through TF_CONFIG; the trainer resumes to step 5.
     env = trainer_test._Env()
-    env['TF_CONFIG'] = json.dumps({'cluster': spec,
-                                   'task': {'type': 'chief', 'index': 0}})
+    env['TF_CONFIG'] = json.dumps(
+      {'cluster': spec, 'task': {'type': 'chief', 'index': 0}}
+    )
     res = subprocess.run(
-        trainer_test._Cmd(f'--logdir={logdir}', '--worker_split_size=2',
-                          '--max_steps=5'),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+      trainer_test._Cmd(
+        f'--logdir={logdir}', '--worker_split_size=2', '--max_steps=5'
+      ),
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "remote job 'worker'" in res.stderr
     assert trainer_test._Latest(logdir / 'train') == 5
@@ -57,11 +76,24 @@ def testBenchmarkDataParallelRowsReportBytesBetweenWorkers(tmp_path):
   out_json = tmp_path / 'bench.json'
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
   res = subprocess.run(
-      [sys.executable, str(ROOT / 'tools' / 'benchmark_pipeline.py'),
-       '--mode=multi_process', '--model=mlp', '--configs=0x1x0,1x1x0x2,2x2x1',
-       '--batch_size=64', '--dim=64', '--num_blocks=4', '--steps=1',
-       '--warmup=1', f'--json={out_json}'],
-      env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      str(ROOT / 'tools' / 'benchmark_pipeline.py'),
+      '--mode=multi_process',
+      '--model=mlp',
+      '--configs=0x1x0,1x1x0x2,2x2x1',
+      '--batch_size=64',
+      '--dim=64',
+      '--num_blocks=4',
+      '--steps=1',
+      '--warmup=1',
+      f'--json={out_json}',
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   records = json.loads(out_json.read_text())['records']
   by = {(r['num_stages'], r['replicas']): r for r in records}
@@ -79,11 +111,25 @@ def testBenchmarkReportsPeakBytesPerWorker(tmp_path):
   out_json = tmp_path / 'bench.json'
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
   res = subprocess.run(
-      [sys.executable, str(ROOT / 'tools' / 'benchmark_pipeline.py'),
-       '--mode=multi_process', '--model=mlp', '--configs=0x1x0,2x2x1',
-       '--batch_size=64', '--dim=64', '--num_blocks=4', '--steps=1',
-       '--warmup=1', '--memory=1', f'--json={out_json}'],
-      env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      str(ROOT / 'tools' / 'benchmark_pipeline.py'),
+      '--mode=multi_process',
+      '--model=mlp',
+      '--configs=0x1x0,2x2x1',
+      '--batch_size=64',
+      '--dim=64',
+      '--num_blocks=4',
+      '--steps=1',
+      '--warmup=1',
+      '--memory=1',
+      f'--json={out_json}',
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert res.returncode == 0, res.stderr[-3000:]
   records = json.loads(out_json.read_text())['records']
   by = {r['num_stages']: r for r in records}

@@ -13,8 +13,13 @@ from lingvo_gpipe.input import mt_demo
 from lingvo_gpipe.input import mt_vocab
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-_SMALL = dict(languages=['de', 'fr', 'ru'], max_train_pairs=300,
-              eval_pairs=20, max_digits=3, vocab_size=150)
+_SMALL = dict(
+  languages=['de', 'fr', 'ru'],
+  max_train_pairs=300,
+  eval_pairs=20,
+  max_digits=3,
+  vocab_size=150,
+)
 
 
 def _Read(path):
@@ -28,7 +33,7 @@ def corpus(tmp_path_factory):
   return out, manifest
 
 
-def test_files_sizes_and_manifest(corpus):
+def testFilesSizesAndManifest(corpus):
   out, manifest = corpus
   names = sorted(os.listdir(out))
   for lang in ('de', 'fr', 'ru'):
@@ -40,21 +45,24 @@ def test_files_sizes_and_manifest(corpus):
   assert sizes == {'de': 300, 'fr': 95, 'ru': 30}
   assert len(_Read(out / 'ru-en.train.tsv')) == 30
   assert len(_Read(out / 'fr-en.dev.tsv')) == 20
-  assert json.loads((out / 'manifest.json').read_text())['counts'] == (
-      manifest['counts'])
+  assert (
+    json.loads((out / 'manifest.json').read_text())['counts']
+    == (manifest['counts'])
+  )
   assert mt_vocab.Vocabulary(str(out / 'spm.model')).size == 150
 
 
-def test_pairs_are_numbers_in_words_translated_to_english(corpus):
+def testPairsAreNumbersInWordsTranslatedToEnglish(corpus):
   out, _ = corpus
   from num2words import num2words  # pylint: disable=g-import-not-at-top
+
   english = {num2words(n, lang='en'): n for n in range(1000)}
   for src, tgt in _Read(out / 'de-en.train.tsv')[:50]:
     assert tgt in english
     assert src == num2words(english[tgt], lang='de')
 
 
-def test_dev_and_test_numbers_are_held_out(corpus):
+def testDevAndTestNumbersAreHeldOut(corpus):
   out, _ = corpus
   for lang in ('de', 'fr', 'ru'):
     train = {t for _, t in _Read(out / f'{lang}-en.train.tsv')}
@@ -63,20 +71,22 @@ def test_dev_and_test_numbers_are_held_out(corpus):
     assert not train & dev and not train & test and not dev & test
 
 
-def test_reproducible_with_a_seed(corpus, tmp_path):
+def testReproducibleWithASeed(corpus, tmp_path):
   out, _ = corpus
   again = tmp_path / 'again'
-  mt_demo.BuildDemoCorpus(str(again), **dict(_SMALL, vocab_size=60,
-                                             languages=['de', 'fr']))
+  mt_demo.BuildDemoCorpus(
+    str(again), **dict(_SMALL, vocab_size=60, languages=['de', 'fr'])
+  )
   # Same seed and languages: the same German and French data.
   assert _Read(again / 'de-en.dev.tsv') == _Read(out / 'de-en.dev.tsv')
   other = tmp_path / 'other'
-  mt_demo.BuildDemoCorpus(str(other), **dict(_SMALL, seed=5, vocab_size=60,
-                                             languages=['de']))
+  mt_demo.BuildDemoCorpus(
+    str(other), **dict(_SMALL, seed=5, vocab_size=60, languages=['de'])
+  )
   assert _Read(other / 'de-en.train.tsv') != _Read(out / 'de-en.train.tsv')
 
 
-def test_ensure_checks_the_settings(corpus, tmp_path):
+def testEnsureChecksTheSettings(corpus, tmp_path):
   out, _ = corpus
   assert mt_demo.EnsureDemoCorpus(str(out), **_SMALL)['seed'] == 1234
   with pytest.raises(ValueError, match=r'other settings.*vocab_size.*--force'):
@@ -93,25 +103,45 @@ def test_ensure_checks_the_settings(corpus, tmp_path):
 
 def _Tool(name, *args):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run([sys.executable, str(REPO / 'tools' / name), *args],
-                        cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=120)
+  return subprocess.run(
+    [sys.executable, str(REPO / 'tools' / name), *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
 
 
-def test_tools_build_the_corpus_and_a_vocabulary(tmp_path):
+def testToolsBuildTheCorpusAndAVocabulary(tmp_path):
   out = tmp_path / 'cli'
-  res = _Tool('make_demo_corpus.py', f'--output={out}', '--languages=de,it',
-              '--max_train_pairs=100', '--eval_pairs=5', '--max_digits=2',
-              '--vocab_size=60')
+  res = _Tool(
+    'make_demo_corpus.py',
+    f'--output={out}',
+    '--languages=de,it',
+    '--max_train_pairs=100',
+    '--eval_pairs=5',
+    '--max_digits=2',
+    '--vocab_size=60',
+  )
   assert res.returncode == 0, res.stderr[-2000:]
   assert '2 languages, 110 train / 10 dev / 10 test pairs' in res.stdout
   res = _Tool('make_demo_corpus.py', f'--output={out}', '--languages=de')
   assert res.returncode == 1 and '--force' in res.stderr
-  res = _Tool('build_vocab.py', f'--data_dir={out}', '--vocab_size=50',
-              f'--output={tmp_path}/v/spm', '--target_languages=en,de')
+  res = _Tool(
+    'build_vocab.py',
+    f'--data_dir={out}',
+    '--vocab_size=50',
+    f'--output={tmp_path}/v/spm',
+    '--target_languages=en,de',
+  )
   assert res.returncode == 0, res.stderr[-2000:]
   vocab = mt_vocab.Vocabulary(str(tmp_path / 'v' / 'spm.model'))
   assert vocab.size == 50 and vocab.TargetLanguageId('de') is not None
-  res = _Tool('build_vocab.py', f'--data_dir={out}', '--vocab_size=5000',
-              f'--output={tmp_path}/v/big')
+  res = _Tool(
+    'build_vocab.py',
+    f'--data_dir={out}',
+    '--vocab_size=5000',
+    f'--output={tmp_path}/v/big',
+  )
   assert res.returncode == 1 and 'lower --vocab_size' in res.stderr

@@ -5,16 +5,21 @@ import os
 import subprocess
 import sys
 
-_TOOL = os.path.join(os.path.dirname(__file__), '..', '..', 'tools',
-                     'max_model_size.py')
+_TOOL = os.path.join(
+  os.path.dirname(__file__), '..', '..', 'tools', 'max_model_size.py'
+)
 
 
 def _Run(*flags, timeout=600):
-  return subprocess.run([sys.executable, _TOOL, *flags], capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, _TOOL, *flags],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
-def test_unknown_family_and_config_list_the_valid_ones():
+def testUnknownFamilyAndConfigListTheValidOnes():
   out = _Run('--family=resnet')
   assert out.returncode == 2
   assert 'transformer, amoebanet' in out.stderr
@@ -23,9 +28,13 @@ def test_unknown_family_and_config_list_the_valid_ones():
   assert "'pipe-2'" in out.stderr and 'pipeline-K' in out.stderr
 
 
-def test_budget_below_the_smallest_model_is_one_clear_message(tmp_path):
-  out = _Run('--family=transformer', '--budget_mb=1', '--configs=naive-1',
-             f'--json={tmp_path / "r.json"}')
+def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
+  out = _Run(
+    '--family=transformer',
+    '--budget_mb=1',
+    '--configs=naive-1',
+    f'--json={tmp_path / "r.json"}',
+  )
   assert out.returncode == 1, out.stderr[-2000:]
   assert 'does not fit 1 MiB per device in naive-1' in out.stderr
   assert 'raise --budget_mb' in out.stderr
@@ -33,11 +42,16 @@ def test_budget_below_the_smallest_model_is_one_clear_message(tmp_path):
   assert len(trials) == 1 and not trials[0]['fits']
 
 
-def test_tiny_search_runs_every_size_it_reports(tmp_path):
+def testTinySearchRunsEverySizeItReports(tmp_path):
   path = tmp_path / 'r.json'
-  out = _Run('--family=transformer', '--budget_mb=512',
-             '--configs=pipeline-2', '--max_size=2',
-             f'--json={path}', timeout=900)
+  out = _Run(
+    '--family=transformer',
+    '--budget_mb=512',
+    '--configs=pipeline-2',
+    '--max_size=2',
+    f'--json={path}',
+    timeout=900,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   data = json.loads(path.read_text())
   largest = {r['config']: r for r in data['largest']}
@@ -47,13 +61,20 @@ def test_tiny_search_runs_every_size_it_reports(tmp_path):
   for r in data['largest']:
     assert (r['config'], r['size']) in tried
     assert r['fits'] and r['size'] == 2 and r['capped']
-    for key in ('family', 'num_stages', 'num_micro_batches', 'num_params',
-                'param_bytes', 'peak_bytes_per_device',
-                'peak_activation_bytes', 'budget_bytes'):
+    for key in (
+      'family',
+      'num_stages',
+      'num_micro_batches',
+      'num_params',
+      'param_bytes',
+      'peak_bytes_per_device',
+      'peak_activation_bytes',
+      'budget_bytes',
+    ):
       assert key in r, key
   p2 = largest['pipeline-2']
   assert p2['num_micro_batches'] == 8 and len(p2['peak_bytes_per_device']) == 2
   # Each device holds its own cell: both report memory of their own.
   assert min(p2['peak_bytes_per_device']) > 0
-  assert p2['losses'][1] < p2['losses'][0]   # a real training step
+  assert p2['losses'][1] < p2['losses'][0]  # a real training step
   assert 'vs naive-1' in out.stdout

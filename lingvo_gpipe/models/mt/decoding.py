@@ -54,13 +54,14 @@ def _KeepShapes(body):
 
 def _Check(batch_size, max_len):
   if not isinstance(max_len, int) or max_len < 1:
-    raise ValueError(f'max_len = {max_len!r}: the decode length must be a '
-                     'positive int (the static target length).')
+    raise ValueError(
+      f'max_len = {max_len!r}: the decode length must be a '
+      'positive int (the static target length).'
+    )
   del batch_size
 
 
-def GreedySearch(log_probs_fn, batch_size, max_len, bos_id, eos_id,
-                 pad_id=0):
+def GreedySearch(log_probs_fn, batch_size, max_len, bos_id, eos_id, pad_id=0):
   """Picks the most likely token at every step.
 
   Args:
@@ -76,16 +77,14 @@ def GreedySearch(log_probs_fn, batch_size, max_len, bos_id, eos_id,
   """
   _Check(batch_size, max_len)
   cols = tf.range(max_len)[tf.newaxis, :]
-  inp = tf.where(cols == 0, bos_id, pad_id) * tf.ones([batch_size, 1],
-                                                      tf.int32)
+  inp = tf.where(cols == 0, bos_id, pad_id) * tf.ones([batch_size, 1], tf.int32)
   out = tf.fill([batch_size, max_len], tf.constant(pad_id, tf.int32))
   finished = tf.zeros([batch_size], tf.bool)
   scores = tf.zeros([batch_size], tf.float32)
   lengths = tf.zeros([batch_size], tf.int32)
 
   def Cond(t, unused_inp, unused_out, finished, unused_s, unused_l):
-    return tf.logical_and(t < max_len,
-                          tf.logical_not(tf.reduce_all(finished)))
+    return tf.logical_and(t < max_len, tf.logical_not(tf.reduce_all(finished)))
 
   @_KeepShapes
   def Body(t, inp, out, finished, scores, lengths):
@@ -101,13 +100,24 @@ def GreedySearch(log_probs_fn, batch_size, max_len, bos_id, eos_id,
     return t + 1, inp, out, finished, scores, lengths
 
   _, _, out, _, scores, lengths = tf.while_loop(
-      Cond, Body, (tf.constant(0), inp, out, finished, scores, lengths),
-      maximum_iterations=max_len)
+    Cond,
+    Body,
+    (tf.constant(0), inp, out, finished, scores, lengths),
+    maximum_iterations=max_len,
+  )
   return NestedMap(ids=out, lengths=lengths, scores=scores)
 
 
-def BeamSearch(log_probs_fn, batch_size, beam_size, max_len, bos_id, eos_id,
-               pad_id=0, length_normalization=0.6):
+def BeamSearch(
+  log_probs_fn,
+  batch_size,
+  beam_size,
+  max_len,
+  bos_id,
+  eos_id,
+  pad_id=0,
+  length_normalization=0.6,
+):
   """Beam search with GNMT length normalization.
 
   Each step extends every live hypothesis by every token and keeps the
@@ -134,24 +144,24 @@ def BeamSearch(log_probs_fn, batch_size, beam_size, max_len, bos_id, eos_id,
   """
   _Check(batch_size, max_len)
   if not isinstance(beam_size, int) or beam_size < 1:
-    raise ValueError(f'beam_size = {beam_size!r}; use an int >= 1 (1 = '
-                     'greedy).')
+    raise ValueError(
+      f'beam_size = {beam_size!r}; use an int >= 1 (1 = greedy).'
+    )
   k = beam_size
   alpha = float(length_normalization)
   cols = tf.range(max_len)[tf.newaxis, tf.newaxis, :]
-  inp = tf.where(cols == 0, bos_id, pad_id) * tf.ones([batch_size, k, 1],
-                                                      tf.int32)
+  inp = tf.where(cols == 0, bos_id, pad_id) * tf.ones(
+    [batch_size, k, 1], tf.int32
+  )
   out = tf.fill([batch_size, k, max_len], tf.constant(pad_id, tf.int32))
   # Only beam 0 is live at first, so the first step does not pick k copies
   # of the same hypothesis.
-  scores = tf.tile(tf.constant([[0.0] + [_NEG_INF] * (k - 1)]),
-                   [batch_size, 1])
+  scores = tf.tile(tf.constant([[0.0] + [_NEG_INF] * (k - 1)]), [batch_size, 1])
   finished = tf.zeros([batch_size, k], tf.bool)
   lengths = tf.zeros([batch_size, k], tf.int32)  # eos included
 
   def Cond(t, unused_inp, unused_out, unused_scores, finished, unused_len):
-    return tf.logical_and(t < max_len,
-                          tf.logical_not(tf.reduce_all(finished)))
+    return tf.logical_and(t < max_len, tf.logical_not(tf.reduce_all(finished)))
 
   @_KeepShapes
   def Body(t, inp, out, scores, finished, lengths):
@@ -159,23 +169,24 @@ def BeamSearch(log_probs_fn, batch_size, beam_size, max_len, bos_id, eos_id,
     lp = tf.cast(log_probs_fn(flat, t), tf.float32)
     vocab = tf.shape(lp)[-1]
     lp = tf.reshape(lp, [batch_size, k, vocab])
-    live = scores[:, :, tf.newaxis] + lp                     # [b, k, v]
+    live = scores[:, :, tf.newaxis] + lp  # [b, k, v]
     # A finished hypothesis has one continuation: pad, at an unchanged score.
     is_pad = tf.equal(tf.range(vocab), pad_id)[tf.newaxis, tf.newaxis, :]
     done = tf.where(is_pad, scores[:, :, tf.newaxis], _NEG_INF)
     cand = tf.where(finished[:, :, tf.newaxis], done, live)
-    cand_len = tf.where(finished, lengths, t + 1)             # [b, k]
+    cand_len = tf.where(finished, lengths, t + 1)  # [b, k]
     norm = cand / LengthPenalty(cand_len, alpha)[:, :, tf.newaxis]
-    top_norm, top_idx = tf.math.top_k(
-        tf.reshape(norm, [batch_size, -1]), k=k)
+    top_norm, top_idx = tf.math.top_k(tf.reshape(norm, [batch_size, -1]), k=k)
     del top_norm
     beam = top_idx // vocab
     tok = top_idx % vocab
-    new_scores = tf.gather(tf.reshape(cand, [batch_size, -1]), top_idx,
-                           batch_dims=1)
+    new_scores = tf.gather(
+      tf.reshape(cand, [batch_size, -1]), top_idx, batch_dims=1
+    )
     was_finished = tf.gather(finished, beam, batch_dims=1)
-    lengths = tf.where(was_finished, tf.gather(lengths, beam, batch_dims=1),
-                       t + 1)
+    lengths = tf.where(
+      was_finished, tf.gather(lengths, beam, batch_dims=1), t + 1
+    )
     tok = tf.where(was_finished, pad_id, tok)
     inp = tf.gather(inp, beam, batch_dims=1)
     out = tf.gather(out, beam, batch_dims=1)
@@ -185,8 +196,11 @@ def BeamSearch(log_probs_fn, batch_size, beam_size, max_len, bos_id, eos_id,
     return t + 1, inp, out, new_scores, finished, lengths
 
   _, _, out, scores, finished, lengths = tf.while_loop(
-      Cond, Body, (tf.constant(0), inp, out, scores, finished, lengths),
-      maximum_iterations=max_len)
+    Cond,
+    Body,
+    (tf.constant(0), inp, out, scores, finished, lengths),
+    maximum_iterations=max_len,
+  )
   norm = scores / LengthPenalty(lengths, alpha)
   # A finished hypothesis beats any unfinished one (cut off at max_len).
   rank = tf.where(finished, norm, norm + _NEG_INF)
@@ -195,9 +209,12 @@ def BeamSearch(log_probs_fn, batch_size, beam_size, max_len, bos_id, eos_id,
   best_len = tf.gather(lengths, best, batch_dims=1)
   best_finished = tf.gather(finished, best, batch_dims=1)
   tokens = best_len - tf.cast(best_finished, tf.int32)  # eos not counted
-  return NestedMap(ids=ids, lengths=tokens,
-                   scores=tf.gather(scores, best, batch_dims=1),
-                   norm_scores=tf.gather(norm, best, batch_dims=1))
+  return NestedMap(
+    ids=ids,
+    lengths=tokens,
+    scores=tf.gather(scores, best, batch_dims=1),
+    norm_scores=tf.gather(norm, best, batch_dims=1),
+  )
 
 
 def StripEos(ids, eos_id, pad_id=0):

@@ -27,8 +27,10 @@ def DecodeColumns(task, max_batches=None, decode_fn=None):
   """
   gen = task.input_generator
   if gen is None or gen.params.num_epochs is None:
-    raise ValueError('DecodeColumns needs a task whose input makes one pass '
-                     '(an eval input: num_epochs=1).')
+    raise ValueError(
+      'DecodeColumns needs a task whose input makes one pass '
+      '(an eval input: num_epochs=1).'
+    )
   fn = decode_fn or tf.function(task.Decode, autograph=False)
   columns = {}
   for n, batch in enumerate(gen.GetDataset()):

@@ -51,21 +51,36 @@ from lingvo_gpipe.layers import softmax
 from lingvo_gpipe.layers import transformer
 
 __all__ = [
-    'SinusoidalPositions', 'MTEmbeddingLayer', 'MTEncoderLayer',
-    'MTDecoderLayer', 'MTStateLayerNorm', 'MTSoftmaxLayer',
-    'TransformerMTLayers', 'FFLayerInitScale', 'DEPTH_SCALINGS',
-    'SHARED_EMB_SOFTMAX', 'INPUT_KEYS', 'OUTPUT_KEYS',
+  'SinusoidalPositions',
+  'MTEmbeddingLayer',
+  'MTEncoderLayer',
+  'MTDecoderLayer',
+  'MTStateLayerNorm',
+  'MTSoftmaxLayer',
+  'TransformerMTLayers',
+  'FFLayerInitScale',
+  'DEPTH_SCALINGS',
+  'SHARED_EMB_SOFTMAX',
+  'INPUT_KEYS',
+  'OUTPUT_KEYS',
 ]
 
 SHARED_EMB_SOFTMAX = 'shared_emb_softmax'
-INPUT_KEYS = ('src_ids', 'src_paddings', 'tgt_ids', 'tgt_paddings',
-              'tgt_labels', 'tgt_weights')
+INPUT_KEYS = (
+  'src_ids',
+  'src_paddings',
+  'tgt_ids',
+  'tgt_paddings',
+  'tgt_labels',
+  'tgt_weights',
+)
 OUTPUT_KEYS = ('xent', 'nll', 'correct', 'num_tokens')
 DEPTH_SCALINGS = ('none', 'linear', 'sqrt')
 
 
-def SinusoidalPositions(length, dim, min_timescale=1.0, max_timescale=1.0e4,
-                        dtype=tf.float32):
+def SinusoidalPositions(
+  length, dim, min_timescale=1.0, max_timescale=1.0e4, dtype=tf.float32
+):
   """Transformer position encodings (Lingvo's timing signal).
 
   Args:
@@ -80,12 +95,15 @@ def SinusoidalPositions(length, dim, min_timescale=1.0, max_timescale=1.0e4,
     channels, cos in the others, timescales geometric from min to max.
   """
   if dim % 2:
-    raise ValueError(f'SinusoidalPositions: dim = {dim} must be even (half '
-                     'sines, half cosines); use an even model_dim.')
+    raise ValueError(
+      f'SinusoidalPositions: dim = {dim} must be even (half '
+      'sines, half cosines); use an even model_dim.'
+    )
   half = dim // 2
   log_increment = math.log(max_timescale / min_timescale) / max(half - 1, 1)
   inv_timescales = min_timescale * tf.exp(
-      tf.range(half, dtype=tf.float32) * -log_increment)
+    tf.range(half, dtype=tf.float32) * -log_increment
+  )
   position = tf.cast(tf.range(length), tf.float32)
   scaled = position[:, tf.newaxis] * inv_timescales[tf.newaxis, :]
   return tf.cast(tf.concat([tf.sin(scaled), tf.cos(scaled)], axis=1), dtype)
@@ -94,24 +112,32 @@ def SinusoidalPositions(length, dim, min_timescale=1.0, max_timescale=1.0e4,
 def _StateShapes(who, state, keys):
   """{key: TensorShape} of a state of shapes; ValueError if keys are missing."""
   if not isinstance(state, dict):
-    raise ValueError(f'{who}: the input must be a NestedMap state with keys '
-                     f'{list(keys)}; got {type(state).__name__}.')
+    raise ValueError(
+      f'{who}: the input must be a NestedMap state with keys '
+      f'{list(keys)}; got {type(state).__name__}.'
+    )
   missing = [k for k in keys if k not in state]
   if missing:
-    raise ValueError(f'{who}: the input state has keys {sorted(state)} but '
-                     f'lacks {missing}. Put the layer after the ones that '
-                     'produce them (see TransformerMTLayers).')
+    raise ValueError(
+      f'{who}: the input state has keys {sorted(state)} but '
+      f'lacks {missing}. Put the layer after the ones that '
+      'produce them (see TransformerMTLayers).'
+    )
   return NestedMap({k: _shapes.ToShape(v) for k, v in state.items()})
 
 
 def _CheckState(layer, state, keys):
   if not isinstance(state, dict):
-    raise ValueError(f'{_shapes.LayerName(layer)}: FProp takes the NestedMap '
-                     f'state (keys {list(keys)}); got {type(state).__name__}.')
+    raise ValueError(
+      f'{_shapes.LayerName(layer)}: FProp takes the NestedMap '
+      f'state (keys {list(keys)}); got {type(state).__name__}.'
+    )
   missing = [k for k in keys if k not in state]
   if missing:
-    raise ValueError(f'{_shapes.LayerName(layer)}: the state has keys '
-                     f'{sorted(state)} but lacks {missing}.')
+    raise ValueError(
+      f'{_shapes.LayerName(layer)}: the state has keys '
+      f'{sorted(state)} but lacks {missing}.'
+    )
 
 
 class MTEmbeddingLayer(base_layer.BaseLayer):
@@ -128,46 +154,70 @@ class MTEmbeddingLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('vocab_size', 0, 'Size of the shared (source and target) vocab.')
     p.Define('model_dim', 0, 'Model dimension d.')
-    p.Define('shared_weight_name', SHARED_EMB_SOFTMAX,
-             'Shared name of the table; the softmax with the same name is '
-             'tied with it. None: not shared with the softmax.')
-    p.Define('input_dropout_prob', 0.0,
-             'Dropout of the embeddings (after adding the positions).')
-    p.Define('max_timescale', 1.0e4,
-             'Longest timescale of the sinusoidal position encodings.')
+    p.Define(
+      'shared_weight_name',
+      SHARED_EMB_SOFTMAX,
+      'Shared name of the table; the softmax with the same name is '
+      'tied with it. None: not shared with the softmax.',
+    )
+    p.Define(
+      'input_dropout_prob',
+      0.0,
+      'Dropout of the embeddings (after adding the positions).',
+    )
+    p.Define(
+      'max_timescale',
+      1.0e4,
+      'Longest timescale of the sinusoidal position encodings.',
+    )
     return p
 
   @classmethod
   def _Validate(cls, p):
     _shapes.CheckPositive(p, 'vocab_size', 'model_dim')
     if p.model_dim % 2:
-      raise ValueError(f'{_shapes.LayerName(p)}: model_dim = {p.model_dim} '
-                       'must be even for the sinusoidal positions.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: model_dim = {p.model_dim} '
+        'must be even for the sinusoidal positions.'
+      )
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     self._Validate(p)
-    self.CreateChild('emb', embedding.SimpleEmbeddingLayer.Params().Set(
-        vocab_size=p.vocab_size, embedding_dim=p.model_dim,
-        scale_sqrt_depth=True, shared_weight_name=p.shared_weight_name,
-        params_init=py_utils.WeightInit.Gaussian(p.model_dim**-0.5)))
-    self.CreateChild('dropout', dropout.DropoutLayer.Params().Set(
-        keep_prob=1.0 - p.input_dropout_prob))
+    self.CreateChild(
+      'emb',
+      embedding.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.vocab_size,
+        embedding_dim=p.model_dim,
+        scale_sqrt_depth=True,
+        shared_weight_name=p.shared_weight_name,
+        params_init=py_utils.WeightInit.Gaussian(p.model_dim**-0.5),
+      ),
+    )
+    self.CreateChild(
+      'dropout',
+      dropout.DropoutLayer.Params().Set(keep_prob=1.0 - p.input_dropout_prob),
+    )
 
   def Embed(self, theta, ids):
     """ids int [b, t] -> [b, t, model_dim] (embedding + positions, dropout)."""
     p = self.params
     x = self.emb.EmbLookup(theta.emb, ids)
-    x += SinusoidalPositions(tf.shape(ids)[1], p.model_dim,
-                             max_timescale=p.max_timescale, dtype=x.dtype)
+    x += SinusoidalPositions(
+      tf.shape(ids)[1],
+      p.model_dim,
+      max_timescale=p.max_timescale,
+      dtype=x.dtype,
+    )
     return self.dropout.FProp(theta.dropout, x)
 
   def FProp(self, theta, state):
     """Replaces src_ids/tgt_ids [b, *] by src/tgt [b, *, model_dim]."""
     _CheckState(self, state, ('src_ids', 'tgt_ids'))
-    out = NestedMap({k: v for k, v in state.items()
-                     if k not in ('src_ids', 'tgt_ids')})
+    out = NestedMap(
+      {k: v for k, v in state.items() if k not in ('src_ids', 'tgt_ids')}
+    )
     out.src = self.Embed(theta, state.src_ids)
     out.tgt = self.Embed(theta, state.tgt_ids)
     return out
@@ -176,12 +226,14 @@ class MTEmbeddingLayer(base_layer.BaseLayer):
   def FPropMeta(cls, p, state):
     cls._Validate(p)
     shapes = _StateShapes(_shapes.LayerName(p), state, ('src_ids', 'tgt_ids'))
-    out = NestedMap({k: v for k, v in shapes.items()
-                     if k not in ('src_ids', 'tgt_ids')})
+    out = NestedMap(
+      {k: v for k, v in shapes.items() if k not in ('src_ids', 'tgt_ids')}
+    )
     out.src = tf.TensorShape(shapes.src_ids.as_list() + [p.model_dim])
     out.tgt = tf.TensorShape(shapes.tgt_ids.as_list() + [p.model_dim])
-    n = (_shapes.NumElements(out.src.as_list()) +
-         _shapes.NumElements(out.tgt.as_list()))
+    n = _shapes.NumElements(out.src.as_list()) + _shapes.NumElements(
+      out.tgt.as_list()
+    )
     return meta.Meta(2 * n, out)
 
 
@@ -202,10 +254,11 @@ class MTEncoderLayer(transformer.TransformerLayer):
   def __init__(self, params):
     if params.has_aux_atten or params.mask_self_atten:
       raise ValueError(
-          f'MTEncoderLayer {params.name!r}: has_aux_atten = '
-          f'{params.has_aux_atten} and mask_self_atten = '
-          f'{params.mask_self_atten}; an encoder layer has neither (use '
-          'MTDecoderLayer for the decoder).')
+        f'MTEncoderLayer {params.name!r}: has_aux_atten = '
+        f'{params.has_aux_atten} and mask_self_atten = '
+        f'{params.mask_self_atten}; an encoder layer has neither (use '
+        'MTDecoderLayer for the decoder).'
+      )
     super().__init__(params)
 
   def FProp(self, theta, state):
@@ -239,9 +292,10 @@ class MTDecoderLayer(transformer.TransformerLayer):
   def __init__(self, params):
     if not (params.has_aux_atten and params.mask_self_atten):
       raise ValueError(
-          f'MTDecoderLayer {params.name!r}: has_aux_atten = '
-          f'{params.has_aux_atten} and mask_self_atten = '
-          f'{params.mask_self_atten}; a decoder layer needs both True.')
+        f'MTDecoderLayer {params.name!r}: has_aux_atten = '
+        f'{params.has_aux_atten} and mask_self_atten = '
+        f'{params.mask_self_atten}; a decoder layer needs both True.'
+      )
     super().__init__(params)
 
   def FProp(self, theta, state):
@@ -249,14 +303,16 @@ class MTDecoderLayer(transformer.TransformerLayer):
     _CheckState(self, state, ('src', 'src_paddings', 'tgt'))
     out = state.copy()
     tgt_paddings = state.get('tgt_paddings')
-    out.tgt = super().FProp(theta, state.tgt, tgt_paddings, state.src,
-                            state.src_paddings)
+    out.tgt = super().FProp(
+      theta, state.tgt, tgt_paddings, state.src, state.src_paddings
+    )
     return out
 
   @classmethod
   def FPropMeta(cls, p, state):
-    shapes = _StateShapes(_shapes.LayerName(p), state,
-                          ('src', 'src_paddings', 'tgt'))
+    shapes = _StateShapes(
+      _shapes.LayerName(p), state, ('src', 'src_paddings', 'tgt')
+    )
     m = super().FPropMeta(p, shapes.tgt, None, shapes.src)
     return meta.Meta(m.flops, shapes)
 
@@ -302,36 +358,52 @@ class MTSoftmaxLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('vocab_size', 0, 'Number of classes (the shared vocabulary).')
     p.Define('model_dim', 0, 'Model dimension d.')
-    p.Define('shared_weight_name', SHARED_EMB_SOFTMAX,
-             'Shared name of the softmax weight (= the embedding\'s to tie '
-             'them); None: an untied softmax weight.')
-    p.Define('label_smoothing', 0.1,
-             'Label smoothing of the training loss (xent).')
-    p.Define('logits_abs_max', None,
-             'If set, logits are clipped to [-logits_abs_max, '
-             'logits_abs_max] (stabilizes deep models).')
+    p.Define(
+      'shared_weight_name',
+      SHARED_EMB_SOFTMAX,
+      "Shared name of the softmax weight (= the embedding's to tie "
+      'them); None: an untied softmax weight.',
+    )
+    p.Define(
+      'label_smoothing', 0.1, 'Label smoothing of the training loss (xent).'
+    )
+    p.Define(
+      'logits_abs_max',
+      None,
+      'If set, logits are clipped to [-logits_abs_max, '
+      'logits_abs_max] (stabilizes deep models).',
+    )
     return p
 
   @classmethod
   def _Validate(cls, p):
     _shapes.CheckPositive(p, 'vocab_size', 'model_dim')
     if p.logits_abs_max is not None and not p.logits_abs_max > 0:
-      raise ValueError(f'{_shapes.LayerName(p)}: logits_abs_max = '
-                       f'{p.logits_abs_max!r}; use None (no clipping) or a '
-                       'positive number such as 20.')
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: logits_abs_max = '
+        f'{p.logits_abs_max!r}; use None (no clipping) or a '
+        'positive number such as 20.'
+      )
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     self._Validate(p)
-    self.CreateChild('final_ln', normalizations.LayerNorm.Params().Set(
-        input_dim=p.model_dim))
-    self.CreateChild('softmax', softmax.SimpleFullSoftmax.Params().Set(
-        input_dim=p.model_dim, num_classes=p.vocab_size,
+    self.CreateChild(
+      'final_ln', normalizations.LayerNorm.Params().Set(input_dim=p.model_dim)
+    )
+    self.CreateChild(
+      'softmax',
+      softmax.SimpleFullSoftmax.Params().Set(
+        input_dim=p.model_dim,
+        num_classes=p.vocab_size,
         use_num_classes_major_weight=True,
         shared_weight_name=p.shared_weight_name,
-        logits_abs_max=p.logits_abs_max, label_smoothing=p.label_smoothing,
-        params_init=py_utils.WeightInit.Gaussian(p.model_dim**-0.5)))
+        logits_abs_max=p.logits_abs_max,
+        label_smoothing=p.label_smoothing,
+        params_init=py_utils.WeightInit.Gaussian(p.model_dim**-0.5),
+      ),
+    )
 
   def Logits(self, theta, tgt):
     """Decoder output [b, t, d] -> logits [b, t, vocab_size]."""
@@ -346,28 +418,34 @@ class MTSoftmaxLayer(base_layer.BaseLayer):
     labels = tf.cast(state.tgt_labels, tf.int32)
     weights = tf.cast(state.tgt_weights, tf.float32)
     xent = softmax.SoftmaxCrossEntropyWithLabelSmoothing(
-        logits, class_ids=labels, label_smoothing=p.label_smoothing)
+      logits, class_ids=labels, label_smoothing=p.label_smoothing
+    )
     nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits)
+      labels=labels, logits=logits
+    )
     correct = tf.cast(
-        tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels),
-        tf.float32)
+      tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32
+    )
     return NestedMap(
-        xent=tf.reduce_sum(xent * weights, axis=1),
-        nll=tf.reduce_sum(nll * weights, axis=1),
-        correct=tf.reduce_sum(correct * weights, axis=1),
-        num_tokens=tf.reduce_sum(weights, axis=1))
+      xent=tf.reduce_sum(xent * weights, axis=1),
+      nll=tf.reduce_sum(nll * weights, axis=1),
+      correct=tf.reduce_sum(correct * weights, axis=1),
+      num_tokens=tf.reduce_sum(weights, axis=1),
+    )
 
   @classmethod
   def FPropMeta(cls, p, state):
     cls._Validate(p)
-    shapes = _StateShapes(_shapes.LayerName(p), state,
-                          ('tgt', 'tgt_labels', 'tgt_weights'))
+    shapes = _StateShapes(
+      _shapes.LayerName(p), state, ('tgt', 'tgt_labels', 'tgt_weights')
+    )
     tgt = shapes.tgt.as_list()
     rows = _shapes.NumElements(tgt[:-1])
-    flops = (2 * rows * p.model_dim * p.vocab_size   # logits
-             + 12 * rows * p.vocab_size               # softmax, losses
-             + 8 * rows * p.model_dim)                # layer norm
+    flops = (
+      2 * rows * p.model_dim * p.vocab_size  # logits
+      + 12 * rows * p.vocab_size  # softmax, losses
+      + 8 * rows * p.model_dim
+    )  # layer norm
     batch = tf.TensorShape(tgt[:1])
     return meta.Meta(flops, NestedMap({k: batch for k in OUTPUT_KEYS}))
 
@@ -386,8 +464,10 @@ def FFLayerInitScale(base_scale, depth_scaling, num_layers):
     The Xavier scale of every feed-forward weight.
   """
   if depth_scaling not in DEPTH_SCALINGS:
-    raise ValueError(f'fflayer_init_depth_scaling = {depth_scaling!r}; use '
-                     f'one of {DEPTH_SCALINGS}.')
+    raise ValueError(
+      f'fflayer_init_depth_scaling = {depth_scaling!r}; use '
+      f'one of {DEPTH_SCALINGS}.'
+    )
   if depth_scaling == 'linear':
     return base_scale / num_layers
   if depth_scaling == 'sqrt':
@@ -395,14 +475,23 @@ def FFLayerInitScale(base_scale, depth_scaling, num_layers):
   return base_scale
 
 
-def TransformerMTLayers(num_encoder_layers, num_decoder_layers, model_dim,
-                        hidden_dim, num_heads, vocab_size,
-                        input_dropout_prob=0.0, residual_dropout_prob=0.0,
-                        atten_dropout_prob=0.0, relu_dropout_prob=0.0,
-                        label_smoothing=0.1, logits_abs_max=None,
-                        fflayer_init_scale=1.0,
-                        fflayer_init_depth_scaling='none',
-                        tie_softmax=True):
+def TransformerMTLayers(
+  num_encoder_layers,
+  num_decoder_layers,
+  model_dim,
+  hidden_dim,
+  num_heads,
+  vocab_size,
+  input_dropout_prob=0.0,
+  residual_dropout_prob=0.0,
+  atten_dropout_prob=0.0,
+  relu_dropout_prob=0.0,
+  label_smoothing=0.1,
+  logits_abs_max=None,
+  fflayer_init_scale=1.0,
+  fflayer_init_depth_scaling='none',
+  tie_softmax=True,
+):
   """The flat list of layer Params of the model, for PipeliningLayer.layers.
 
   Args:
@@ -427,34 +516,64 @@ def TransformerMTLayers(num_encoder_layers, num_decoder_layers, model_dim,
   Returns:
     [emb, enc_0 .. enc_{L-1}, enc_ln, dec_0 .. dec_{L-1}, softmax] Params.
   """
-  for name, value in (('num_encoder_layers', num_encoder_layers),
-                      ('num_decoder_layers', num_decoder_layers)):
+  for name, value in (
+    ('num_encoder_layers', num_encoder_layers),
+    ('num_decoder_layers', num_decoder_layers),
+  ):
     if not isinstance(value, int) or value < 1:
-      raise ValueError(f'TransformerMTLayers: {name} = {value!r}; use a '
-                       'positive int.')
+      raise ValueError(
+        f'TransformerMTLayers: {name} = {value!r}; use a positive int.'
+      )
   if model_dim % num_heads:
-    raise ValueError(f'TransformerMTLayers: num_heads = {num_heads} does not '
-                     f'divide model_dim = {model_dim}; pick a divisor.')
-  ff_scale = FFLayerInitScale(fflayer_init_scale, fflayer_init_depth_scaling,
-                              num_encoder_layers + num_decoder_layers)
+    raise ValueError(
+      f'TransformerMTLayers: num_heads = {num_heads} does not '
+      f'divide model_dim = {model_dim}; pick a divisor.'
+    )
+  ff_scale = FFLayerInitScale(
+    fflayer_init_scale,
+    fflayer_init_depth_scaling,
+    num_encoder_layers + num_decoder_layers,
+  )
   shared = SHARED_EMB_SOFTMAX if tie_softmax else None
-  common = dict(source_dim=model_dim, hidden_dim=hidden_dim,
-                num_attention_heads=num_heads,
-                residual_dropout_prob=residual_dropout_prob,
-                atten_dropout_prob=atten_dropout_prob,
-                relu_dropout_prob=relu_dropout_prob,
-                fflayer_init_scale=ff_scale)
-  layers = [MTEmbeddingLayer.Params().Set(
-      name='emb', vocab_size=vocab_size, model_dim=model_dim,
-      shared_weight_name=shared, input_dropout_prob=input_dropout_prob)]
-  layers += [MTEncoderLayer.Params().Set(name=f'enc_{i}', **common)
-             for i in range(num_encoder_layers)]
-  layers.append(MTStateLayerNorm.Params().Set(
-      name='enc_ln', input_dim=model_dim, state_key='src'))
-  layers += [MTDecoderLayer.Params().Set(name=f'dec_{i}', **common)
-             for i in range(num_decoder_layers)]
-  layers.append(MTSoftmaxLayer.Params().Set(
-      name='softmax', vocab_size=vocab_size, model_dim=model_dim,
-      shared_weight_name=shared, label_smoothing=label_smoothing,
-      logits_abs_max=logits_abs_max))
+  common = dict(
+    source_dim=model_dim,
+    hidden_dim=hidden_dim,
+    num_attention_heads=num_heads,
+    residual_dropout_prob=residual_dropout_prob,
+    atten_dropout_prob=atten_dropout_prob,
+    relu_dropout_prob=relu_dropout_prob,
+    fflayer_init_scale=ff_scale,
+  )
+  layers = [
+    MTEmbeddingLayer.Params().Set(
+      name='emb',
+      vocab_size=vocab_size,
+      model_dim=model_dim,
+      shared_weight_name=shared,
+      input_dropout_prob=input_dropout_prob,
+    )
+  ]
+  layers += [
+    MTEncoderLayer.Params().Set(name=f'enc_{i}', **common)
+    for i in range(num_encoder_layers)
+  ]
+  layers.append(
+    MTStateLayerNorm.Params().Set(
+      name='enc_ln', input_dim=model_dim, state_key='src'
+    )
+  )
+  layers += [
+    MTDecoderLayer.Params().Set(name=f'dec_{i}', **common)
+    for i in range(num_decoder_layers)
+  ]
+  layers.append(
+    MTSoftmaxLayer.Params().Set(
+      name='softmax',
+      vocab_size=vocab_size,
+      model_dim=model_dim,
+      shared_weight_name=shared,
+      label_smoothing=label_smoothing,
+      logits_abs_max=logits_abs_max,
+    )
+  )
   return layers

@@ -50,66 +50,89 @@ class TransformerMTTask(base_model.BaseTask):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('network', None,
-             'Params of a PipeliningLayer (or SequentialLayer) whose flat '
-             '`layers` (`sub`) are mt.layers.TransformerMTLayers(...).')
-    p.Define('vocab_size', 0,
-             'Size of the shared vocabulary; must equal the network\'s and '
-             'the input\'s.')
+    p.Define(
+      'network',
+      None,
+      'Params of a PipeliningLayer (or SequentialLayer) whose flat '
+      '`layers` (`sub`) are mt.layers.TransformerMTLayers(...).',
+    )
+    p.Define(
+      'vocab_size',
+      0,
+      "Size of the shared vocabulary; must equal the network's and "
+      "the input's.",
+    )
     p.Define('bos_id', 1, 'Id of <s>, the first decoder input.')
     p.Define('eos_id', 2, 'Id of </s>, which ends a sentence.')
     p.Define('pad_id', 0, 'Id of <pad>.')
     p.Define('beam_size', 4, 'Beams of Decode; 1: greedy search.')
-    p.Define('length_normalization', 0.6,
-             'alpha of the GNMT length penalty ((5 + n) / 6)^alpha of beam '
-             'search; 0: rank by the raw log-probability.')
-    p.Define('max_decode_length', None,
-             'Longest hypothesis (eos included); None: the target length of '
-             'the batch.')
+    p.Define(
+      'length_normalization',
+      0.6,
+      'alpha of the GNMT length penalty ((5 + n) / 6)^alpha of beam '
+      'search; 0: rank by the raw log-probability.',
+    )
+    p.Define(
+      'max_decode_length',
+      None,
+      'Longest hypothesis (eos included); None: the target length of '
+      'the batch.',
+    )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
     if p.network is None:
-      raise ValueError(f'TransformerMTTask {self.path!r}: p.network is None; '
-                       'set it to a PipeliningLayer whose layers are '
-                       'mt.layers.TransformerMTLayers(...).')
+      raise ValueError(
+        f'TransformerMTTask {self.path!r}: p.network is None; '
+        'set it to a PipeliningLayer whose layers are '
+        'mt.layers.TransformerMTLayers(...).'
+      )
     layer_ps = []
     for field in ('layers', 'sub'):
       if field in p.network and p.network.Get(field):
         layer_ps = list(p.network.Get(field))
         break
     if not layer_ps:
-      raise ValueError(f'TransformerMTTask {self.path!r}: the network has '
-                       'no flat layer list (PipeliningLayer.layers or '
-                       'SequentialLayer.sub); cell_tpl is not supported.')
+      raise ValueError(
+        f'TransformerMTTask {self.path!r}: the network has '
+        'no flat layer list (PipeliningLayer.layers or '
+        'SequentialLayer.sub); cell_tpl is not supported.'
+      )
     self._CheckLayerParams(layer_ps)
     input_p = p.input
-    if input_p is not None and 'vocab_size' in input_p and (
-        input_p.vocab_size and input_p.vocab_size != p.vocab_size):
+    if (
+      input_p is not None
+      and 'vocab_size' in input_p
+      and (input_p.vocab_size and input_p.vocab_size != p.vocab_size)
+    ):
       raise ValueError(
-          f'TransformerMTTask {self.path!r}: the input\'s vocab_size = '
-          f'{input_p.vocab_size} but the model\'s is {p.vocab_size}; the '
-          'model and its vocabulary must agree (set both from one constant).')
+        f"TransformerMTTask {self.path!r}: the input's vocab_size = "
+        f"{input_p.vocab_size} but the model's is {p.vocab_size}; the "
+        'model and its vocabulary must agree (set both from one constant).'
+      )
     self.CreateChild('network', p.network)
 
   def _CheckLayerParams(self, layer_ps):
     p = self.params
     first, last = layer_ps[0], layer_ps[-1]
     if not issubclass(first.cls, mt_layers.MTEmbeddingLayer) or not issubclass(
-        last.cls, mt_layers.MTSoftmaxLayer):
+      last.cls, mt_layers.MTSoftmaxLayer
+    ):
       raise ValueError(
-          f'TransformerMTTask {self.path!r}: the network layers must start '
-          'with an MTEmbeddingLayer and end with an MTSoftmaxLayer (got '
-          f'{first.cls.__name__} .. {last.cls.__name__}); build them with '
-          'mt.layers.TransformerMTLayers.')
+        f'TransformerMTTask {self.path!r}: the network layers must start '
+        'with an MTEmbeddingLayer and end with an MTSoftmaxLayer (got '
+        f'{first.cls.__name__} .. {last.cls.__name__}); build them with '
+        'mt.layers.TransformerMTLayers.'
+      )
     for lp in (first, last):
       if lp.vocab_size != p.vocab_size:
         raise ValueError(
-            f'TransformerMTTask {self.path!r}: layer {lp.name!r} has '
-            f'vocab_size = {lp.vocab_size} but the task has {p.vocab_size}; '
-            'use one vocabulary size throughout.')
+          f'TransformerMTTask {self.path!r}: layer {lp.name!r} has '
+          f'vocab_size = {lp.vocab_size} but the task has {p.vocab_size}; '
+          'use one vocabulary size throughout.'
+        )
 
   # -- Structure ---------------------------------------------------------------
 
@@ -119,17 +142,25 @@ class TransformerMTTask(base_model.BaseTask):
     return list(net.body) if hasattr(net, 'CellLayers') else list(net.sub)
 
   def _LayerThetas(self, theta):
-    return list(theta.network.body) if hasattr(
-        self.network, 'CellLayers') else list(theta.network.sub)
+    return (
+      list(theta.network.body)
+      if hasattr(self.network, 'CellLayers')
+      else list(theta.network.sub)
+    )
 
   def _Split(self, theta):
     """(emb, encoder side, decoder side, softmax), each (layer, theta)."""
     pairs = list(zip(self._Layers(), self._LayerThetas(theta)))
     emb, final = pairs[0], pairs[-1]
     middle = pairs[1:-1]
-    first_dec = next((i for i, (lyr, _) in enumerate(middle)
-                      if isinstance(lyr, mt_layers.MTDecoderLayer)),
-                     len(middle))
+    first_dec = next(
+      (
+        i
+        for i, (lyr, _) in enumerate(middle)
+        if isinstance(lyr, mt_layers.MTDecoderLayer)
+      ),
+      len(middle),
+    )
     return emb, middle[:first_dec], middle[first_dec:], final
 
   # -- Training ----------------------------------------------------------------
@@ -140,12 +171,13 @@ class TransformerMTTask(base_model.BaseTask):
     if 'weight' in input_batch:  # Padding examples of an eval batch.
       weights *= tf.cast(input_batch.weight, tf.float32)[:, tf.newaxis]
     return NestedMap(
-        src_ids=tf.cast(src.ids, tf.int32),
-        src_paddings=tf.cast(src.paddings, tf.float32),
-        tgt_ids=tf.cast(tgt.ids, tf.int32),
-        tgt_paddings=tf.cast(tgt.paddings, tf.float32),
-        tgt_labels=tf.cast(tgt.labels, tf.int32),
-        tgt_weights=weights)
+      src_ids=tf.cast(src.ids, tf.int32),
+      src_paddings=tf.cast(src.paddings, tf.float32),
+      tgt_ids=tf.cast(tgt.ids, tf.int32),
+      tgt_paddings=tf.cast(tgt.paddings, tf.float32),
+      tgt_labels=tf.cast(tgt.labels, tf.int32),
+      tgt_weights=weights,
+    )
 
   def ComputePredictions(self, theta, input_batch):
     """NestedMap(xent, nll, correct, num_tokens), each [b]."""
@@ -163,12 +195,14 @@ class TransformerMTTask(base_model.BaseTask):
       return tf.math.divide_no_nan(tf.reduce_sum(x), total)
 
     metrics = NestedMap(
-        loss=(Mean(predictions.xent), total),
-        log_pplx=(Mean(predictions.nll), total),
-        token_accuracy=(Mean(predictions.correct), total),
-        num_tokens=(total, tf.constant(1.0)))
+      loss=(Mean(predictions.xent), total),
+      log_pplx=(Mean(predictions.nll), total),
+      token_accuracy=(Mean(predictions.correct), total),
+      num_tokens=(total, tf.constant(1.0)),
+    )
     per_example = NestedMap(
-        loss=tf.math.divide_no_nan(predictions.xent, predictions.num_tokens))
+      loss=tf.math.divide_no_nan(predictions.xent, predictions.num_tokens)
+    )
     return metrics, per_example
 
   # -- Decoding ----------------------------------------------------------------
@@ -176,8 +210,10 @@ class TransformerMTTask(base_model.BaseTask):
   def Encode(self, theta, src_ids, src_paddings):
     """Runs the embedding and encoder layers: NestedMap(src, src_paddings)."""
     (emb, emb_theta), enc_side, _, _ = self._Split(theta)
-    state = NestedMap(src=emb.Embed(emb_theta, tf.cast(src_ids, tf.int32)),
-                      src_paddings=tf.cast(src_paddings, tf.float32))
+    state = NestedMap(
+      src=emb.Embed(emb_theta, tf.cast(src_ids, tf.int32)),
+      src_paddings=tf.cast(src_paddings, tf.float32),
+    )
     for layer, layer_theta in enc_side:
       state = layer.FProp(layer_theta, state)
     return state
@@ -195,15 +231,17 @@ class TransformerMTTask(base_model.BaseTask):
     tgt_ids = tf.cast(tgt_ids, tf.int32)
     if tgt_paddings is None:
       tgt_paddings = tf.zeros(tf.shape(tgt_ids), tf.float32)
-    state = NestedMap(src=encoded.src, src_paddings=encoded.src_paddings,
-                      tgt=emb.Embed(emb_theta, tgt_ids),
-                      tgt_paddings=tf.cast(tgt_paddings, tf.float32))
+    state = NestedMap(
+      src=encoded.src,
+      src_paddings=encoded.src_paddings,
+      tgt=emb.Embed(emb_theta, tgt_ids),
+      tgt_paddings=tf.cast(tgt_paddings, tf.float32),
+    )
     for layer, layer_theta in dec_side:
       state = layer.FProp(layer_theta, state)
     return final.Logits(final_theta, state.tgt)
 
-  def Search(self, theta, src_ids, src_paddings, beam_size=None,
-             max_len=None):
+  def Search(self, theta, src_ids, src_paddings, beam_size=None, max_len=None):
     """Greedy (beam_size 1) or beam search; see `decoding`.
 
     Args:
@@ -222,18 +260,26 @@ class TransformerMTTask(base_model.BaseTask):
     encoded = self.Encode(theta, src_ids, src_paddings)
     batch = src_ids.shape[0] or tf.shape(src_ids)[0]
     if beam_size > 1:
-      encoded = encoded.Transform(
-          lambda x: tf.repeat(x, beam_size, axis=0))
+      encoded = encoded.Transform(lambda x: tf.repeat(x, beam_size, axis=0))
 
     def LogProbs(ids, t):
       logits = self.DecoderLogits(theta, encoded, ids)
       return tf.nn.log_softmax(tf.cast(logits[:, t, :], tf.float32))
 
     if beam_size == 1:
-      return decoding.GreedySearch(LogProbs, batch, max_len, p.bos_id,
-                                   p.eos_id, p.pad_id)
-    return decoding.BeamSearch(LogProbs, batch, beam_size, max_len, p.bos_id,
-                               p.eos_id, p.pad_id, p.length_normalization)
+      return decoding.GreedySearch(
+        LogProbs, batch, max_len, p.bos_id, p.eos_id, p.pad_id
+      )
+    return decoding.BeamSearch(
+      LogProbs,
+      batch,
+      beam_size,
+      max_len,
+      p.bos_id,
+      p.eos_id,
+      p.pad_id,
+      p.length_normalization,
+    )
 
   @tf.autograph.experimental.do_not_convert
   def Decode(self, input_batch):
@@ -242,10 +288,15 @@ class TransformerMTTask(base_model.BaseTask):
     p = self.params
     max_len = p.max_decode_length or int(input_batch.tgt.ids.shape[1])
     with py_utils.EvalMode(), py_utils.NoUpdateCollection():
-      result = self.Search(self.theta, input_batch.src.ids,
-                           input_batch.src.paddings, max_len=max_len)
-    out = NestedMap(hyp_ids=result.ids, hyp_lens=result.lengths,
-                    scores=result.scores)
+      result = self.Search(
+        self.theta,
+        input_batch.src.ids,
+        input_batch.src.paddings,
+        max_len=max_len,
+      )
+    out = NestedMap(
+      hyp_ids=result.ids, hyp_lens=result.lengths, scores=result.scores
+    )
     if 'lang' in input_batch:
       out.lang = input_batch.lang
     if 'text' in input_batch.src:
@@ -269,22 +320,31 @@ class TransformerMTTask(base_model.BaseTask):
       over all languages, the hypotheses).
     """
     from lingvo_gpipe.models.mt import bleu  # pylint: disable=g-import-not-at-top
+
     gen = self.input_generator
     if vocab is None:
       if gen is None:
-        raise ValueError('PostProcessDecodeOut needs a vocabulary: pass '
-                         'vocab= or build the task with its input.')
+        raise ValueError(
+          'PostProcessDecodeOut needs a vocabulary: pass '
+          'vocab= or build the task with its input.'
+        )
       vocab = gen.vocab
     if languages is None and gen is not None and hasattr(gen, 'languages'):
       languages = gen.languages
     p = self.params
-    hyps = [vocab.Decode(decoding.StripEos(row, p.eos_id, p.pad_id))
-            for row in columns['hyp_ids']]
+    hyps = [
+      vocab.Decode(decoding.StripEos(row, p.eos_id, p.pad_id))
+      for row in columns['hyp_ids']
+    ]
     if 'ref_text' not in columns:
-      raise ValueError('PostProcessDecodeOut: the decoder outputs have no '
-                       'ref_text; decode an eval input (include_text=True).')
-    refs = [r.decode('utf-8') if isinstance(r, bytes) else str(r)
-            for r in columns['ref_text']]
+      raise ValueError(
+        'PostProcessDecodeOut: the decoder outputs have no '
+        'ref_text; decode an eval input (include_text=True).'
+      )
+    refs = [
+      r.decode('utf-8') if isinstance(r, bytes) else str(r)
+      for r in columns['ref_text']
+    ]
     langs = None
     if 'lang' in columns:
       idx = [int(i) for i in columns['lang']]
