@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.pipeline import balance_report
 
 
 def _SumOfSquares(costs, splits):
-  return math.fsum(c * c for c in balance.CellCosts(costs, splits))
+  return math.fsum(c * c for c in balance._CellCosts(costs, splits))
 
 
 def _AllSplits(num_layers, num_stages):
@@ -163,9 +164,9 @@ def testBalancedSplitsMinimizesVariance():
   rng = random.Random(3)
   costs = [rng.random() for _ in range(9)]
   splits = balance.BalancedSplits(costs, 3)
-  got = np.var(balance.CellCosts(costs, splits))
+  got = np.var(balance._CellCosts(costs, splits))
   for s in _AllSplits(9, 3):
-    assert got <= np.var(balance.CellCosts(costs, s)) + 1e-12
+    assert got <= np.var(balance._CellCosts(costs, s)) + 1e-12
 
 
 def testBalancedSplitsLarge():
@@ -314,9 +315,9 @@ def testValidateSplitsErrors(splits, num_layers, match):
 def testSplitsToRangesAndBack():
   assert balance.SplitsToRanges([2, 5]) == [(0, 2), (2, 5)]
   assert balance.SplitsToRanges([1]) == [(0, 1)]
-  assert balance.RangesToSplits([(0, 2), (2, 5)]) == [2, 5]
+  assert balance._RangesToSplits([(0, 2), (2, 5)]) == [2, 5]
   for splits in ([3], [1, 2, 3], [2, 4, 7, 10]):
-    assert balance.RangesToSplits(balance.SplitsToRanges(splits)) == splits
+    assert balance._RangesToSplits(balance.SplitsToRanges(splits)) == splits
 
 
 @pytest.mark.parametrize(
@@ -345,7 +346,7 @@ def testSplitsToRangesErrors(splits, match):
 )
 def testRangesToSplitsErrors(ranges, match):
   with pytest.raises(ValueError, match=match):
-    balance.RangesToSplits(ranges)
+    balance._RangesToSplits(ranges)
 
 
 # ---------------------------------------------------------------------------
@@ -354,10 +355,10 @@ def testRangesToSplitsErrors(ranges, match):
 
 
 def testCellCosts():
-  assert balance.CellCosts([1, 2, 3, 4, 5], [3, 4, 5]) == [6.0, 4.0, 5.0]
-  assert balance.CellCosts([0.1] * 10, [10]) == [1.0]  # fsum is exact here.
+  assert balance._CellCosts([1, 2, 3, 4, 5], [3, 4, 5]) == [6.0, 4.0, 5.0]
+  assert balance._CellCosts([0.1] * 10, [10]) == [1.0]  # fsum is exact here.
   with pytest.raises(ValueError, match='must equal num_layers=5'):
-    balance.CellCosts([1, 2, 3, 4, 5], [2, 4])
+    balance._CellCosts([1, 2, 3, 4, 5], [2, 4])
 
 
 def _FixedReport():
@@ -516,3 +517,14 @@ def testCostsFromMeasurementsValidation(times, match):
 def testPublicApi():
   for name in balance.__all__:
     assert hasattr(balance, name), name
+
+
+def testReportClassesLiveInBalanceReport():
+  assert balance.PartitionReport is balance_report.PartitionReport
+  assert balance.CellReport is balance_report.CellReport
+  report = balance.MakeReport([1, 2, 3], [1, 3])
+  assert isinstance(report, balance_report.PartitionReport)
+  assert all(isinstance(c, balance_report.CellReport) for c in report.cells)
+  # Names used only by tests are private.
+  assert 'CellCosts' not in balance.__all__
+  assert 'RangesToSplits' not in balance.__all__
