@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
+from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import attention
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import linears
@@ -118,8 +119,6 @@ class TransformerFeedForwardLayer(base_layer.BaseLayer):
         f'{self.path}: input_dim={p.input_dim} and hidden_dim='
         f'{p.hidden_dim} must be > 0.'
       )
-    from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
-
     init = py_utils.WeightInit.Xavier(p.fflayer_init_scale)
     self.CreateChild(
       'layer_norm', normalizations.LayerNorm.Params().Set(input_dim=p.input_dim)
