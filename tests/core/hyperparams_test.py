@@ -18,6 +18,8 @@ from lingvo.core import (
 )  # Not skipped if missing.
 
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import params_container
+from lingvo_gpipe.core import params_text
 
 
 class Color(enum.Enum):
@@ -572,3 +574,22 @@ def testOurTextLoadsIntoLingvo():
   assert theirs.dtype_list == ['int64']
   theirs.dtype_list = expected.dtype_list
   assert theirs == expected
+
+
+def testHyperparamsExportsTheSplitModules():
+  assert hyperparams.__all__ == ['CopyFieldsTo', 'InstantiableParams', 'Params']
+  assert hyperparams.CopyFieldsTo is params_container.CopyFieldsTo
+  p = hyperparams.InstantiableParams(dict)
+  p.Define('size', 3, 'A size.')
+  assert isinstance(p, hyperparams.Params)
+  assert isinstance(p, params_container.ParamsContainer)
+  assert (
+    p.ToText()
+    == params_text.ToText(p)
+    == 'cls : type/builtins/dict\n' + ('size : 3\n')
+  )
+  q = p.Copy()
+  params_text.FromText(q, 'size : 5')
+  assert q.size == 5 and p.size == 3
+  with pytest.raises(TypeError, match='frozen'):
+    p.Freeze().FromText('size : 5')
