@@ -1,5 +1,8 @@
 r"""The trainer binary: `python -m lingvo_gpipe.trainer` / `gpipe_trainer`.
 
+Over 500 lines: the binary's flags, their checks and the job loop, as Lingvo's
+trainer.py keeps them.
+
 Lingvo's flags, one process:
 
   gpipe_trainer --model=image.digits.MlpDigitsTiny --logdir=/tmp/digits \

@@ -1,5 +1,8 @@
 """Devices and clusters: where pipeline cells and replicas run.
 
+Over 500 lines: device discovery, CPU/GPU splits and local TensorFlow servers
+are the one "where things run" concept.
+
 * `Cluster` (Lingvo's cluster, from the trainer's flags) knows the devices of
   this job: local CPUs (split into `num_cpu_devices` virtual devices for
   development), local GPUs (optionally split into logical GPUs), or the

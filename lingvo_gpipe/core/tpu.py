@@ -1,5 +1,7 @@
 """GPipe on TPUs: device assignment and `tf.distribute.TPUStrategy` set-up.
 
+Over 500 lines: topology arithmetic and TPU set-up, to be split by concept.
+
 A pipeline of K stages runs on TPUs as R data-parallel replicas of K cores
 each: stage k of a replica is that replica's *logical core* k, and XLA places
 the ops of stage k on the physical core that the `DeviceAssignment` maps

@@ -1,7 +1,7 @@
 """Balanced partitioning of a layer sequence into pipeline cells.
 
-Over 500 lines because the split arithmetic and the checks of its arguments
-(mostly error messages naming the fix) are one concept; the report is apart.
+Over 500 lines: the split arithmetic and the checks of its arguments (mostly
+error messages naming the fix) are one concept; the report is apart.
 
 GPipe splits a sequence of L layers into K contiguous, non-empty cells, one per
 accelerator. The GPipe paper: "the partitioning algorithm minimizes the
