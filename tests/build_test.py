@@ -212,3 +212,18 @@ def testLayerCheckSeesAnUpwardImport():
     _LAYERS[_Layer('lingvo_gpipe/pipeline/placement.py')]
     > (_LAYERS[_Layer('lingvo_gpipe/core/cluster.py')])
   )
+
+
+def testTestsImportNoOtherTestModule():
+  graph = _GenBuild().ImportGraph()
+  crossed = [
+    f'{f} imports {d}'
+    for f, deps in sorted(graph.items())
+    if f.startswith('tests/')
+    for d in sorted(deps)
+    if d.endswith('_test.py')
+  ]
+  assert not crossed, (
+    f'Test modules importing other test modules: {crossed}. Move the '
+    'shared helpers to tests/testing/ and import them from there.'
+  )

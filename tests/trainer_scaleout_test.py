@@ -13,7 +13,7 @@ import tensorflow as tf
 from lingvo_gpipe import trainer
 from lingvo_gpipe.core import cluster
 from lingvo_gpipe.runners import checkpointer
-from tests import trainer_test
+from tests.testing import trainer_process
 
 MODEL = 'image.digits.MlpDigitsTinyBN'
 
@@ -76,7 +76,7 @@ def testTooManyReplicasNamesBothNumbers():
 
 def testTrainerWithReplicasWritesPlacement(tmp_path):
   logdir = tmp_path / 'logdir'
-  res = trainer_test._Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     '--worker_replicas=2',
     '--worker_split_size=1',
@@ -104,11 +104,11 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
       '--log_interval_steps=1',
       '--model_params_override=task.train.save_interval_steps : 5',
     ]
-    proc = trainer_test._Proc(
+    proc = trainer_process.Proc(
       str(tmp_path / 'log1.txt'), *args, '--max_steps=100000'
     )
     try:
-      proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
+      proc.WaitFor(lambda: trainer_process.Latest(train_dir) >= 5, timeout=180)
       log = proc.Log()
       assert '/job:worker/replica:0/task:1/device:CPU:0' in log
       local.Kill(1)
@@ -122,25 +122,25 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
     assert f'Lost worker /job:worker/task:1 ({local.addresses[1]})' in log, log[
       -3000:
     ]
-    saved = trainer_test._Latest(train_dir)
+    saved = trainer_process.Latest(train_dir)
     assert saved >= 5
     assert 'restart the worker and rerun the trainer' in log
     # Restart the worker; the trainer resumes from the checkpoint.
     local.Restart(1)
     res = subprocess.run(
-      trainer_test._Cmd(*args, f'--max_steps={saved + 3}'),
-      cwd=trainer_test.REPO,
-      env=trainer_test._Env(),
+      trainer_process.Cmd(*args, f'--max_steps={saved + 3}'),
+      cwd=trainer_process.REPO,
+      env=trainer_process.Env(),
       capture_output=True,
       text=True,
-      timeout=trainer_test.TIMEOUT,
+      timeout=trainer_process.TIMEOUT,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert f'Restored {checkpointer.LatestCheckpoint(str(train_dir))}' not in (
       res.stderr
     )  # A new checkpoint was written after the restore ...
     assert f'ckpt-{saved}' in res.stderr  # ... from the one left before.
-    assert trainer_test._Latest(train_dir) == saved + 3
+    assert trainer_process.Latest(train_dir) == saved + 3
   assert not os.path.exists(logdir / 'train' / 'checkpoint.tmp')
 
 
@@ -150,7 +150,7 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
   logdir = tmp_path / 'logdir'
   train_dir = logdir / 'train'
   with cluster.LocalCluster(2, startup_timeout_s=60) as local:
-    proc = trainer_test._Proc(
+    proc = trainer_process.Proc(
       str(tmp_path / 'log.txt'),
       f'--logdir={logdir}',
       '--cluster_spec=worker=' + ','.join(local.addresses),
@@ -160,7 +160,7 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
       '--model_params_override=task.train.save_interval_steps : 5',
     )
     try:
-      proc.WaitFor(lambda: trainer_test._Latest(train_dir) >= 5, timeout=180)
+      proc.WaitFor(lambda: trainer_process.Latest(train_dir) >= 5, timeout=180)
       os.kill(local.pids[1], signal.SIGSTOP)
       t0 = time.time()
       proc.proc.wait(timeout=120)
@@ -197,7 +197,7 @@ def testBadDeviceFlagsFailInOneLine(tmp_path):
   ]
   for args, message in cases:
     t0 = time.time()
-    res = trainer_test._Run(f'--logdir={tmp_path / "logdir"}', *args)
+    res = trainer_process.Run(f'--logdir={tmp_path / "logdir"}', *args)
     assert res.returncode == 1, (args, res.stderr[-2000:])
     assert message in res.stderr, (args, res.stderr[-2000:])
     assert 'Traceback' not in res.stderr, res.stderr[-2000:]

@@ -8,12 +8,9 @@ tests that only read its logdir; tests that write copy it first.
 
 import glob
 import os
-import pathlib
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -27,90 +24,11 @@ from lingvo_gpipe import trainer
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import train_loop
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-MODEL = 'image.digits.MlpDigitsTiny'
-TIMEOUT = 120
-
-
-def _Cmd(*args, model=MODEL):
-  return [
-    sys.executable,
-    '-m',
-    'lingvo_gpipe.trainer',
-    f'--model={model}',
-    '--num_cpu_devices=2',
-    '--run_locally=cpu',
-    *args,
-  ]
-
-
-def _Env():
-  path = os.environ.get('PYTHONPATH', '')
-  return dict(
-    os.environ,
-    TF_CPP_MIN_LOG_LEVEL='2',
-    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
-  )
-
-
-def _Run(*args, model=MODEL, timeout=TIMEOUT):
-  return subprocess.run(
-    _Cmd(*args, model=model),
-    cwd=REPO,
-    env=_Env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
-
-
-class _Proc:
-  """A background trainer whose stderr goes to a file; always killed."""
-
-  def __init__(self, log_path, *args):
-    self.log_path = log_path
-    self._log = open(log_path, 'w')
-    self.proc = subprocess.Popen(
-      _Cmd(*args),
-      cwd=REPO,
-      env=_Env(),
-      stdout=self._log,
-      stderr=subprocess.STDOUT,
-    )
-
-  def Log(self):
-    with open(self.log_path) as f:
-      return f.read()
-
-  def WaitFor(self, predicate, timeout=TIMEOUT):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-      if predicate():
-        return
-      if self.proc.poll() is not None:
-        raise AssertionError(
-          f'Trainer exited early ({self.proc.returncode}):'
-          f'\n{self.Log()[-3000:]}'
-        )
-      time.sleep(0.05)
-    raise AssertionError(f'Timed out waiting; log:\n{self.Log()[-3000:]}')
-
-  def Close(self):
-    if self.proc.poll() is None:
-      self.proc.kill()
-    self.proc.wait(timeout=30)
-    self._log.close()
+from tests.testing import trainer_process
 
 
 def _Steps(train_dir):
   return [s for s, _ in checkpointer.ListCheckpoints(str(train_dir))]
-
-
-def _Latest(train_dir):
-  """The step of the checkpoint the pointer names (-1: none)."""
-  latest = checkpointer.LatestCheckpoint(str(train_dir))
-  return checkpointer.StepOf(latest) if latest else -1
 
 
 def _Tags(directory):
@@ -133,7 +51,7 @@ def _Copy(src, dst):
 def trained(tmp_path_factory):
   """Trains 30 steps in K=2 cells, saving every 10 steps; evals alongside."""
   logdir = tmp_path_factory.mktemp('trained') / 'logdir'
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     '--max_steps=30',
     '--log_interval_steps=10',
@@ -173,14 +91,14 @@ def testTrainWritesParamsCheckpointsEvents(trained):
 
 def testResumeContinuesFromSavedStep(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
-  res = _Run(f'--logdir={logdir}', '--max_steps=40')
+  res = trainer_process.Run(f'--logdir={logdir}', '--max_steps=40')
   assert res.returncode == 0, res.stderr[-3000:]
   assert 'Restored ' + str(logdir / 'train' / 'ckpt-30') in res.stderr
   assert 'step      40/40' in res.stderr
   assert _Steps(logdir / 'train')[-1] == 40
   # 30 steps + restart + 10 steps == 40 steps straight: same global step,
   # optimizer slots and input position were restored.
-  p = model_registry.GetParams(MODEL, 'Train')
+  p = model_registry.GetParams(trainer_process.MODEL, 'Train')
   model = p.Instantiate()
   task = model.GetTask()
   step = tf.function(task.TrainStep, autograph=False)
@@ -201,7 +119,9 @@ def testResumeContinuesFromSavedStep(trained, tmp_path):
 
 
 def testUnknownModelListsCloseKeys():
-  res = _Run('--mode=inspect_params', model='image.digits.MlpDigitTiny')
+  res = trainer_process.Run(
+    '--mode=inspect_params', model='image.digits.MlpDigitTiny'
+  )
   assert res.returncode == 1
   assert "No model registered under 'image.digits.MlpDigitTiny'" in res.stderr
   assert 'image.digits.MlpDigitsTiny' in res.stderr
@@ -209,7 +129,7 @@ def testUnknownModelListsCloseKeys():
 
 
 def testBadOverrideNamesTheKey(tmp_path):
-  res = _Run(
+  res = trainer_process.Run(
     '--mode=inspect_params',
     '--model_params_override=task.train.learning_rat : 0.1',
   )
@@ -225,7 +145,7 @@ def testParamsOverridesInProcess(tmp_path):
     'task.train.learning_rate : 0.5\n# a comment\ntask.train.max_steps : 7\n'
   )
   p = trainer.BuildParams(
-    MODEL,
+    trainer_process.MODEL,
     'Train',
     str(override_file),
     ['task.train.max_steps : 9; task.softmax.input_dim : 64'],
@@ -244,14 +164,16 @@ def testParamsOverridesInProcess(tmp_path):
     match="Line 1: cannot parse 'abc' for parameter 'task.train.max_steps'",
   ):
     trainer.BuildParams(
-      MODEL, 'Train', overrides=['task.train.max_steps : abc']
+      trainer_process.MODEL, 'Train', overrides=['task.train.max_steps : abc']
     )
   with pytest.raises(trainer.UserError, match='No such file'):
-    trainer.BuildParams(MODEL, 'Train', file_override=str(tmp_path / 'none'))
+    trainer.BuildParams(
+      trainer_process.MODEL, 'Train', file_override=str(tmp_path / 'none')
+    )
   with pytest.raises(
     trainer.UserError, match='--worker_split_size=9 needs 9 devices but only'
   ):
-    trainer.BuildParams(MODEL, 'Train', worker_split_size=9)
+    trainer.BuildParams(trainer_process.MODEL, 'Train', worker_split_size=9)
   with pytest.raises(trainer.UserError, match='unknown job'):
     trainer.ParseJobs('trainer,evaler')
   jobs = trainer.ParseJobs('trainer_client, evaler_dev')
@@ -259,7 +181,7 @@ def testParamsOverridesInProcess(tmp_path):
 
 
 def testInspectModelInProcess():
-  p = trainer.BuildParams(MODEL, 'Train', worker_split_size=2)
+  p = trainer.BuildParams(trainer_process.MODEL, 'Train', worker_split_size=2)
   text = trainer.InspectModel(p.Instantiate())
   assert 'digits/network/fc0/w ' in text and 'Adam/iterations' in text
   assert 'parameters' in text and 'global_step' in text
@@ -269,7 +191,7 @@ def testInspectModelInProcess():
 def testK2CheckpointRestoresIntoK1(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
   shutil.rmtree(logdir / 'eval_dev')
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     '--job=evaler_dev',
     '--worker_split_size=1',
@@ -292,7 +214,9 @@ def testIncompatibleCheckpointIsRefused(trained, tmp_path):
   logdir = _Copy(trained[0], tmp_path / 'logdir')
   before = sorted(os.listdir(logdir / 'train'))
   params_before = (logdir / 'params.txt').read_text()
-  res = _Run(f'--logdir={logdir}', model='image.digits.MlpDigitsTinyBN')
+  res = trainer_process.Run(
+    f'--logdir={logdir}', model='image.digits.MlpDigitsTinyBN'
+  )
   assert res.returncode == 1
   assert 'was written by a different model' in res.stderr
   assert 'moving_mean' in res.stderr or 'beta' in res.stderr
@@ -304,7 +228,7 @@ def testIncompatibleCheckpointIsRefused(trained, tmp_path):
 
 def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     '--max_steps=50',
     '--model_params_override=task.train.learning_rate : 1e30',
@@ -326,7 +250,7 @@ def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
 
 def testSigtermSavesAndExitsZero(tmp_path):
   logdir = tmp_path / 'logdir'
-  proc = _Proc(
+  proc = trainer_process.Proc(
     tmp_path / 'log.txt',
     f'--logdir={logdir}',
     '--max_steps=100000',
@@ -350,7 +274,7 @@ def testSigkillThenRestartResumesWithoutCorruption(tmp_path):
   rng = random.Random()
   delays, last = [], -1
   for i in range(2):
-    proc = _Proc(
+    proc = trainer_process.Proc(
       tmp_path / f'log{i}.txt',
       f'--logdir={logdir}',
       '--max_steps=100000',
@@ -358,7 +282,7 @@ def testSigkillThenRestartResumesWithoutCorruption(tmp_path):
       '--saver_max_to_keep=2',
     )
     try:
-      proc.WaitFor(lambda last=last: _Latest(train_dir) > last)
+      proc.WaitFor(lambda last=last: trainer_process.Latest(train_dir) > last)
       delays.append(rng.uniform(0.0, 0.3))
       time.sleep(delays[-1])
       proc.proc.send_signal(signal.SIGKILL)
@@ -376,7 +300,7 @@ def testSigkillThenRestartResumesWithoutCorruption(tmp_path):
     if i:
       assert 'Restored ' in proc.Log(), delays
     last = step
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     f'--max_steps={last + 3}',
     '--model_params_override=task.train.save_interval_steps : 1',
@@ -390,7 +314,7 @@ def testSigkillThenRestartResumesWithoutCorruption(tmp_path):
 def testFineTuneFromAnotherLogdir(trained, tmp_path):
   logdir = tmp_path / 'logdir'
   source = trained[0] / 'train' / 'ckpt-30'
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={logdir}',
     '--max_steps=2',
     f'--restore_from={trained[0]}',
@@ -418,11 +342,11 @@ def testFineTuneFromAnotherLogdir(trained, tmp_path):
 
 def testExportModeWritesASavedmodel(trained, tmp_path):
   export_dir = tmp_path / 'export'
-  res = _Run(
+  res = trainer_process.Run(
     f'--logdir={trained[0]}', '--mode=export', f'--export_dir={export_dir}'
   )
   assert res.returncode == 0, res.stderr[-3000:]
-  model = model_registry.GetParams(MODEL, 'Test').Instantiate()
+  model = model_registry.GetParams(trainer_process.MODEL, 'Test').Instantiate()
   checkpointer.Checkpointer(
     str(trained[0] / 'train'), model.VariablesByName(), writable=False
   ).RestoreFrom(str(trained[0] / 'train' / 'ckpt-30'))
@@ -437,7 +361,7 @@ def testExportModeWritesASavedmodel(trained, tmp_path):
 
 
 def testTrainLoopInProcessNanHookAndStop(tmp_path):
-  model = model_registry.GetParams(MODEL, 'Train').Instantiate()
+  model = model_registry.GetParams(trainer_process.MODEL, 'Train').Instantiate()
   task = model.GetTask()
   it = iter(task.input_generator.GetDataset())
   ckpt = checkpointer.Checkpointer(
@@ -465,11 +389,13 @@ def testTrainLoopInProcessNanHookAndStop(tmp_path):
     train_loop.NonFiniteError, match='loss is nan at step 6.*last good model'
   ):
     loop.Run()
-  assert _Latest(tmp_path / 'train') == 5
+  assert trainer_process.Latest(tmp_path / 'train') == 5
   # A stop request ends the loop before the next step; nothing new to save.
   stop = train_loop.StopRequest()
   stop.Set('SIGTERM')
-  model2 = model_registry.GetParams(MODEL, 'Train').Instantiate()
+  model2 = model_registry.GetParams(
+    trainer_process.MODEL, 'Train'
+  ).Instantiate()
   ckpt2 = checkpointer.Checkpointer(
     str(tmp_path / 'train'), model2.VariablesByName()
   )

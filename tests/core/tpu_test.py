@@ -10,7 +10,6 @@ a TPU.
 import socket
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import nested_map
 from lingvo_gpipe.core import tpu
+from tests.testing import fake_tpu
 
 
 def _AllCoordinates(topology):
@@ -370,44 +370,16 @@ def testMirroredStrategyHasNoAssigner():
   assert seen and all(s == (None, 1, True) for s in seen), seen
 
 
-class _FakeTPUStrategy(tf.distribute.TPUStrategy):
-  """A TPUStrategy (for isinstance) whose `extended` is a stand-in.
-
-  `record=True` records experimental_assign_to_logical_device; else TF's own
-  method runs against the stand-in.
-  """
-
-  def __init__(
-    self, num_replicas, num_cores, device_assignment=None, record=True
-  ):  # pylint: disable=super-init-not-called
-    self._extended = types.SimpleNamespace(
-      _device_assignment=device_assignment,
-      _tpu_devices=np.empty([num_replicas, num_cores], dtype=object),
-      _use_spmd_for_xla_partitioning=False,
-      _get_local_replica_id=lambda replica_id: replica_id,
-    )
-    self.calls = []
-    self._record = record
-
-  def experimental_assign_to_logical_device(self, tensor, logical_device_id):
-    if not self._record:
-      return super().experimental_assign_to_logical_device(
-        tensor, logical_device_id
-      )
-    self.calls.append((tensor, logical_device_id))
-    return tf.identity(tensor)
-
-
 def testNumCoresPerReplicaOfTpuStrategy():
   da = tpu.BuildDeviceAssignment(tpu.MakeTopology('v3-8'), 4)
-  assert tpu.NumCoresPerReplica(_FakeTPUStrategy(2, 4, da)) == 4
-  assert tpu.NumCoresPerReplica(_FakeTPUStrategy(8, 1)) == 1
-  assert tpu.NumCoresPerReplica(_FakeTPUStrategy(4, 2)) == 2
-  assert tpu.IsTPUStrategy(_FakeTPUStrategy(4, 2))
+  assert tpu.NumCoresPerReplica(fake_tpu.FakeTPUStrategy(2, 4, da)) == 4
+  assert tpu.NumCoresPerReplica(fake_tpu.FakeTPUStrategy(8, 1)) == 1
+  assert tpu.NumCoresPerReplica(fake_tpu.FakeTPUStrategy(4, 2)) == 2
+  assert tpu.IsTPUStrategy(fake_tpu.FakeTPUStrategy(4, 2))
 
 
 def testTpuAssignerWrapsEveryTensor():
-  strategy = _FakeTPUStrategy(2, 4)
+  strategy = fake_tpu.FakeTPUStrategy(2, 4)
   assert tpu.LogicalDeviceAssigner(strategy) is None  # cross-replica context
   x, y, z = tf.ones([2]), tf.zeros([3]), tf.constant(5)
   structure = nested_map.NestedMap(a=x, b=(y, [z, None]), n=3)
@@ -427,7 +399,7 @@ def testTpuAssignerWrapsEveryTensor():
   assert [k for _, k in strategy.calls] == [2, 2, 2]
   np.testing.assert_array_equal(out.b[0].numpy(), y.numpy())
   # One core per replica: nothing to assign.
-  single = _FakeTPUStrategy(8, 1)
+  single = fake_tpu.FakeTPUStrategy(8, 1)
   with tf.distribute.ReplicaContext(single, replica_id_in_sync_group=0):
     assert tpu.LogicalDeviceAssigner() is None
 
@@ -435,7 +407,7 @@ def testTpuAssignerWrapsEveryTensor():
 def testTpuAssignerEmitsXlaSharding():
   from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-import-not-at-top
 
-  strategy = _FakeTPUStrategy(2, 4, record=False)
+  strategy = fake_tpu.FakeTPUStrategy(2, 4, record=False)
 
   @tf.function
   def Stage(x):

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.models.mt import bleu
 from lingvo_gpipe.models.mt import decoding
-from tests.models import mt_test
+from tests.testing import mt
 
 BOS, EOS, PAD = 1, 2, 0
 A, B_, C = 3, 4, 5  # Tokens of the handcrafted models.
@@ -109,11 +109,11 @@ def testStripEos():
 
 @pytest.fixture(scope='module')
 def task():
-  return mt_test._TaskParams(num_stages=2, num_micro_batches=2).Instantiate()
+  return mt.TaskParams(num_stages=2, num_micro_batches=2).Instantiate()
 
 
 def testGreedyEqualsBeamSizeOneOnTheModel(task):
-  batch = mt_test._Batch(seed=3, batch=4)
+  batch = mt.Batch(seed=3, batch=4)
   greedy = tf.function(
     lambda b: task.Search(
       task.theta, b.src.ids, b.src.paddings, beam_size=1, max_len=6
@@ -148,7 +148,7 @@ def _ModelFn(task, batch):
 
 
 def testGreedyIsTheArgmaxOfTeacherForcedLogits(task):
-  batch = mt_test._Batch(seed=4, batch=3)
+  batch = mt.Batch(seed=4, batch=3)
   out = task.Search(
     task.theta, batch.src.ids, batch.src.paddings, beam_size=1, max_len=5
   )
@@ -162,11 +162,11 @@ def testGreedyIsTheArgmaxOfTeacherForcedLogits(task):
 
 
 def testDecodeOutputsAndBeamScores(task):
-  batch = mt_test._Batch(seed=5, batch=4)
+  batch = mt.Batch(seed=5, batch=4)
   batch.lang = tf.constant([0, 1, 0, 1])
   batch.tgt.text = tf.constant(['a', 'b', 'c', 'd'])
   out = tf.function(task.Decode, autograph=False)(batch)
-  assert out.hyp_ids.shape.as_list() == [4, mt_test.T]
+  assert out.hyp_ids.shape.as_list() == [4, mt.T]
   assert out.hyp_lens.shape.as_list() == [4]
   assert out.lang.numpy().tolist() == [0, 1, 0, 1]
   assert out.ref_text.numpy().tolist() == [b'a', b'b', b'c', b'd']
@@ -175,13 +175,13 @@ def testDecodeOutputsAndBeamScores(task):
     batch.src.ids,
     batch.src.paddings,
     beam_size=4,
-    max_len=mt_test.T,
+    max_len=mt.T,
   )
   # Beam search finds a hypothesis at least as likely (normalized) as greedy.
   greedy_norm = (
     out.scores.numpy()
     / decoding.LengthPenalty(
-      np.minimum(out.hyp_lens.numpy() + 1, mt_test.T), 0.6
+      np.minimum(out.hyp_lens.numpy() + 1, mt.T), 0.6
     ).numpy()
   )
   assert np.all(beam.norm_scores.numpy() >= greedy_norm - 1e-4)

@@ -13,10 +13,10 @@ import tensorflow as tf
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import schedule
-from tests.pipeline import pipeline_features_test as pft
-from tests.pipeline import pipelining_layer_test as plt
+from tests.testing import fake_tpu
+from tests.testing import pipeline_layers
 
-DEVICES = plt.DEVICES
+DEVICES = pipeline_layers.DEVICES
 PipeliningLayer = pipelining_layer.PipeliningLayer
 
 
@@ -44,24 +44,28 @@ def testReplicasEqualSequential(
   plt_reference, num_replicas, num_stages, num_micro_batches
 ):
   _, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = plt_reference
-  pipe = _Pipe(plt.DenseLayers(), num_stages, num_replicas, num_micro_batches)
+  pipe = _Pipe(
+    pipeline_layers.DenseLayers(), num_stages, num_replicas, num_micro_batches
+  )
   assert pipe.num_replicas == num_replicas
-  out, loss, grads, in_grads = plt.LossAndGrads(pipe, (x,), w)
-  plt.AssertClose(out, ref_out)
-  plt.AssertClose(loss, ref_loss)
+  out, loss, grads, in_grads = pipeline_layers.LossAndGrads(pipe, (x,), w)
+  pipeline_layers.AssertClose(out, ref_out)
+  pipeline_layers.AssertClose(loss, ref_loss)
   assert sorted(grads) == sorted(ref_grads)
   for name in grads:
-    assert plt.MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
-  plt.AssertClose(in_grads, ref_in_grads)
+    assert pipeline_layers.MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, (
+      name
+    )
+  pipeline_layers.AssertClose(in_grads, ref_in_grads)
 
 
 @pytest.fixture(scope='module')
 def plt_reference():
-  return plt.reference.__wrapped__()
+  return pipeline_layers.Reference()
 
 
 def testVariablesOnReplicaZeroOpsOnEveryReplica():
-  pipe = _Pipe(plt.DenseLayers(4), 2, 2, 2)
+  pipe = _Pipe(pipeline_layers.DenseLayers(4), 2, 2, 2)
   assert pipe.devices == [
     tf.DeviceSpec.from_string(d).to_string() for d in pipe.replica_devices[0]
   ]
@@ -71,7 +75,7 @@ def testVariablesOnReplicaZeroOpsOnEveryReplica():
   ] == [[0, 1], [2, 3]]
   for v in pipe.trainable_variables:
     assert tf.DeviceSpec.from_string(v.device).device_index in (0, 1), v.name
-  x, w = plt._Inputs()
+  x, w = pipeline_layers.Inputs()
 
   def Step(x):
     with tf.GradientTape() as tape:
@@ -98,7 +102,9 @@ def testVariablesOnReplicaZeroOpsOnEveryReplica():
 
 
 def testSameRandomValuesAsOnePipelineOfRTimesMMicroBatches():
-  layers = [pft.RandomScale.Params().Set(name=f'r{i}') for i in range(2)]
+  layers = [
+    pipeline_layers.RandomScale.Params().Set(name=f'r{i}') for i in range(2)
+  ]
   x = tf.random.uniform([8, 5], 1.0, 2.0)
 
   def Run(pipe):
@@ -114,7 +120,7 @@ def testBatchNormStatsOverAllReplicas():
   """Each micro-batch normalizes by its own statistics; the moving averages
   take the statistics of the whole mini-batch, across replicas."""
   dim = 6
-  layers = pft.NormLayers(dim)
+  layers = pipeline_layers.NormLayers(dim)
   x = tf.random.normal([16, dim], seed=5)
 
   def Train(pipe):
@@ -140,16 +146,16 @@ def testBatchNormStatsOverAllReplicas():
 
   ref = Train(_Pipe(layers, 2, 1, 4, splits=[2, 3]))
   got = Train(_Pipe(layers, 2, 2, 2, splits=[2, 3]))
-  plt.AssertClose(got[0], ref[0])
+  pipeline_layers.AssertClose(got[0], ref[0])
   for g, rg in zip(got[1], ref[1]):
-    assert plt.MaxRelDiff(g, rg) <= 1e-5
+    assert pipeline_layers.MaxRelDiff(g, rg) <= 1e-5
   np.testing.assert_allclose(got[2], ref[2], rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(got[3], ref[3], rtol=1e-5)
 
 
 def testTraceHasOneRowPerDevice():
-  pipe = _Pipe(plt.DenseLayers(4), 2, 2, 2)
-  x, w = plt._Inputs()
+  pipe = _Pipe(pipeline_layers.DenseLayers(4), 2, 2, 2)
+  x, w = pipeline_layers.Inputs()
   tracer = schedule.ScheduleTracer()
 
   @tf.function
@@ -170,10 +176,10 @@ def testTraceHasOneRowPerDevice():
 
 def testEvalWithBatchThatReplicasDoNotDivideRunsOnReplicaZero(plt_reference):
   _, x, _, (ref_out, _, _, _) = plt_reference
-  pipe = _Pipe(plt.DenseLayers(), 2, 2, 2)
+  pipe = _Pipe(pipeline_layers.DenseLayers(), 2, 2, 2)
   with py_utils.EvalMode():
     out = tf.function(lambda x: pipe(x))(x[:5])
-  plt.AssertClose(out, ref_out[:5])
+  pipeline_layers.AssertClose(out, ref_out[:5])
 
 
 def testBadReplicaConfigurations():
@@ -184,7 +190,7 @@ def testBadReplicaConfigurations():
   ):
     PipeliningLayer.Params().Set(
       name='pipe',
-      layers=plt.DenseLayers(4),
+      layers=pipeline_layers.DenseLayers(4),
       num_stages=2,
       num_replicas=3,
       devices=DEVICES,
@@ -192,26 +198,26 @@ def testBadReplicaConfigurations():
   with pytest.raises(ValueError, match='num_replicas=0'):
     PipeliningLayer.Params().Set(
       name='pipe',
-      layers=plt.DenseLayers(4),
+      layers=pipeline_layers.DenseLayers(4),
       num_replicas=0,
       devices=DEVICES[:1],
     ).Instantiate()
   with pytest.raises(ValueError, match='must be distinct'):
     PipeliningLayer.Params().Set(
       name='pipe',
-      layers=plt.DenseLayers(4),
+      layers=pipeline_layers.DenseLayers(4),
       num_stages=2,
       num_replicas=2,
       devices=DEVICES[:2] * 2,
     ).Instantiate()
-  pipe = _Pipe(plt.DenseLayers(4), 1, 2, 1)
+  pipe = _Pipe(pipeline_layers.DenseLayers(4), 1, 2, 1)
   with pytest.raises(
     ValueError,
     match=r'num_replicas=2 does not divide the '
     r'batch size 7',
   ):
     pipe(tf.zeros([7, 6]))
-  pipe = _Pipe(plt.DenseLayers(4), 1, 2, 3)
+  pipe = _Pipe(pipeline_layers.DenseLayers(4), 1, 2, 3)
   with pytest.raises(ValueError, match=r'split over 2 replicas: 4 each'):
     pipe(tf.zeros([8, 6]))
 
@@ -220,16 +226,18 @@ def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
   """The TPU code path, with a stand-in TPUStrategy of 2 cores per replica:
   every cell's inputs, weights and outputs go to its logical core, no
   tf.device placement is used, and the result is unchanged."""
-  from tests.core import tpu_test  # pylint: disable=g-import-not-at-top
 
   _, x, w, (ref_out, _, ref_grads, _) = plt_reference
-  strategy = tpu_test._FakeTPUStrategy(4, 2)
+  strategy = fake_tpu.FakeTPUStrategy(4, 2)
   strategy.extended.value_container = lambda v: v  # Variables read as is.
   with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
     pipe = (
       PipeliningLayer.Params()
       .Set(
-        name='pipe', layers=plt.DenseLayers(), num_stages=2, num_micro_batches=2
+        name='pipe',
+        layers=pipeline_layers.DenseLayers(),
+        num_stages=2,
+        num_micro_batches=2,
       )
       .Instantiate()
     )
@@ -250,13 +258,18 @@ def testInATpuReplicaCellsArePinnedToLogicalCores(plt_reference):
   cores = {k for _, k in strategy.calls}
   assert cores == {0, 1}
   y, grads = Step(x)
-  plt.AssertClose(y, ref_out)
+  pipeline_layers.AssertClose(y, ref_out)
   for v, g in zip(pipe.trainable_variables, grads):
-    assert plt.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
+    assert pipeline_layers.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
   with tf.distribute.ReplicaContext(strategy, replica_id_in_sync_group=0):
     dp = (
       PipeliningLayer.Params()
-      .Set(name='pipe', layers=plt.DenseLayers(2), num_replicas=2, num_stages=1)
+      .Set(
+        name='pipe',
+        layers=pipeline_layers.DenseLayers(2),
+        num_replicas=2,
+        num_stages=1,
+      )
       .Instantiate()
     )
   with pytest.raises(ValueError, match='set num_replicas=1'):

@@ -11,28 +11,20 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import pipelining_layer
-from tests.pipeline import pipelining_layer_test as plt
+from tests.testing import pipeline_layers
 
-DEVICES = plt.DEVICES
+DEVICES = pipeline_layers.DEVICES
 PipeliningLayer = pipelining_layer.PipeliningLayer
-
-
-class RandomScale(base_layer.BaseLayer):
-  """y = x * u, u ~ U(0.5, 1.5) drawn statelessly per call (like dropout)."""
-
-  def FProp(self, theta, x):
-    seed = py_utils.GenerateStepSeedPair(py_utils.StableHash(self.path))
-    u = tf.random.stateless_uniform(tf.shape(x), seed, 0.5, 1.5)
-    return x * u
 
 
 @pytest.mark.parametrize('policy', ['always', 'never'])
 def testRecomputeDrawsTheForwardRandomValues(policy):
   """d(sum(y))/dx = u: equal to y / x only if the recompute redraws u."""
-  layers = [RandomScale.Params().Set(name=f'r{i}') for i in range(2)]
+  layers = [
+    pipeline_layers.RandomScale.Params().Set(name=f'r{i}') for i in range(2)
+  ]
   pipe = (
     PipeliningLayer.Params()
     .Set(
@@ -65,7 +57,7 @@ def testRecomputeDrawsTheForwardRandomValues(policy):
   np.testing.assert_array_equal(y.numpy(), y3.numpy())
 
 
-class TiedDense(plt.Dense):
+class TiedDense(pipeline_layers.Dense):
   """A Dense layer whose weight is shared under `tie` (if set)."""
 
   @classmethod
@@ -87,7 +79,7 @@ class TiedDense(plt.Dense):
 
 
 def _TiedLayers():
-  layers = plt.DenseLayers(4)
+  layers = pipeline_layers.DenseLayers(4)
   layers[0] = TiedDense.Params().Set(
     name='fc_0', input_dim=6, output_dim=6, tie='emb'
   )
@@ -99,8 +91,12 @@ def _TiedLayers():
 
 def testWeightsSharedAcrossCells():
   """First and last cell use one variable; gradients from both are summed."""
-  x, w = plt._Inputs()
-  ref = plt.Stack.Params().Set(name='pipe', layers=_TiedLayers()).Instantiate()
+  x, w = pipeline_layers.Inputs()
+  ref = (
+    pipeline_layers.Stack.Params()
+    .Set(name='pipe', layers=_TiedLayers())
+    .Instantiate()
+  )
   pipe = (
     PipeliningLayer.Params()
     .Set(
@@ -115,20 +111,22 @@ def testWeightsSharedAcrossCells():
   assert pipe.body[0].vars.w is pipe.body[3].vars.w
   assert 'pipe/fc_3/w' not in pipe.VariablesByName()
   assert len(pipe.trainable_variables) == 7
-  ref_out, _, ref_grads, _ = plt.LossAndGrads(ref, (x,), w)
-  out, _, grads, _ = plt.LossAndGrads(pipe, (x,), w)
-  plt.AssertClose(out, ref_out)
+  ref_out, _, ref_grads, _ = pipeline_layers.LossAndGrads(ref, (x,), w)
+  out, _, grads, _ = pipeline_layers.LossAndGrads(pipe, (x,), w)
+  pipeline_layers.AssertClose(out, ref_out)
   for name, g in grads.items():
-    assert plt.MaxRelDiff(g, ref_grads[name]) <= 1e-5, name
+    assert pipeline_layers.MaxRelDiff(g, ref_grads[name]) <= 1e-5, name
   # The tied gradient really has two contributions: compare with untied.
   untied = (
-    plt.Stack.Params().Set(name='pipe', layers=plt.DenseLayers(4)).Instantiate()
+    pipeline_layers.Stack.Params()
+    .Set(name='pipe', layers=pipeline_layers.DenseLayers(4))
+    .Instantiate()
   )
   for name, v in untied.VariablesByName().items():
     v.assign(
       ref.VariablesByName()['pipe/fc_0/w' if name == 'pipe/fc_3/w' else name]
     )
-  _, _, untied_grads, _ = plt.LossAndGrads(untied, (x,), w)
+  _, _, untied_grads, _ = pipeline_layers.LossAndGrads(untied, (x,), w)
   np.testing.assert_allclose(
     grads['pipe/fc_0/w:0'],
     untied_grads['pipe/fc_0/w:0'] + untied_grads['pipe/fc_3/w:0'],
@@ -143,7 +141,7 @@ def testSharedWeightShapeMismatchIsAnError():
     name='fc_3', input_dim=6, output_dim=5, tie='emb'
   )
   with pytest.raises(ValueError, match='shares .emb. with pipe/fc_0/w'):
-    plt.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
+    pipeline_layers.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
 
 
 class Scale(base_layer.BaseLayer):
@@ -165,7 +163,9 @@ class Scale(base_layer.BaseLayer):
 
 def _Widths(widths):
   return [
-    plt.Dense.Params().Set(name=f'fc_{i}', input_dim=a, output_dim=b)
+    pipeline_layers.Dense.Params().Set(
+      name=f'fc_{i}', input_dim=a, output_dim=b
+    )
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
   ]
 
@@ -223,7 +223,7 @@ def testPartitionByMeasuredTime():
 
 
 def testUniformAndExplicitSplitsAndLingvoHelper():
-  layers = plt.DenseLayers(6)
+  layers = pipeline_layers.DenseLayers(6)
   assert partition.ComputeSplits(layers, 3, None, 'uniform') == [2, 4, 6]
   assert partition.ComputeSplits(layers, None, [1, 6], 'flops') == [1, 6]
   assert partition.ComputeSplits(layers, None, 3, 'uniform') == [2, 4, 6]
@@ -241,7 +241,7 @@ def testUniformAndExplicitSplitsAndLingvoHelper():
 
 def testFPropMetaOfPipeline():
   p = PipeliningLayer.Params().Set(
-    name='p', layers=plt.DenseLayers(4), num_stages=2
+    name='p', layers=pipeline_layers.DenseLayers(4), num_stages=2
   )
   meta = PipeliningLayer.FPropMeta(p, [8, 6])
   assert meta.flops == 4 * 2 * 8 * 6 * 6
@@ -249,72 +249,9 @@ def testFPropMetaOfPipeline():
   assert base_layer.CountParams(p) == 4 * (36 + 6)
 
 
-class NormStats(base_layer.BaseLayer):
-  """Minimal batch norm (no scale/offset) used to test deferred updates."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('dim', 4, 'Width.')
-    p.Define('decay', 0.9, 'Moving average decay.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    d = self.params.dim
-    self.CreateVariable(
-      'moving_mean',
-      py_utils.WeightParams([d], py_utils.WeightInit.Constant(0.0)),
-      trainable=False,
-    )
-    self.CreateVariable(
-      'moving_variance',
-      py_utils.WeightParams([d], py_utils.WeightInit.Constant(1.0)),
-      trainable=False,
-    )
-
-  def FProp(self, theta, x):
-    if self.do_eval:
-      mean, var = theta.moving_mean, theta.moving_variance
-    else:
-      mean, var = tf.nn.moments(x, [0])
-      py_utils.AddDeferredUpdate(
-        self,
-        NestedMap(
-          mean=tf.stop_gradient(mean),
-          variance=tf.stop_gradient(var),
-          count=tf.cast(tf.shape(x)[0], tf.float32),
-        ),
-      )
-    return (x - mean) * tf.math.rsqrt(var + 1e-3)
-
-  def ApplyDeferredUpdates(self, stats_list):
-    n = tf.add_n([s.count for s in stats_list])
-    mean = tf.add_n([s.count * s.mean for s in stats_list]) / n
-    sq = (
-      tf.add_n([s.count * (s.variance + tf.square(s.mean)) for s in stats_list])
-      / n
-    )
-    var = sq - tf.square(mean)
-    d = self.params.decay
-    self.vars.moving_mean.assign(d * self.vars.moving_mean + (1 - d) * mean)
-    self.vars.moving_variance.assign(
-      d * self.vars.moving_variance + (1 - d) * var
-    )
-
-
-def NormLayers(dim):
-  """fc_0, bn (NormStats), fc_1: a batch-norm layer between two others."""
-  return [
-    plt.Dense.Params().Set(name='fc_0', input_dim=dim, output_dim=dim),
-    NormStats.Params().Set(name='bn', dim=dim),
-    plt.Dense.Params().Set(name='fc_1', input_dim=dim, output_dim=dim),
-  ]
-
-
 def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   num_mb, batch, dim = 4, 16, 6
-  layers = NormLayers(dim)
+  layers = pipeline_layers.NormLayers(dim)
   pipe = (
     PipeliningLayer.Params()
     .Set(
@@ -327,7 +264,9 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
     )
     .Instantiate()
   )
-  ref = plt.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
+  ref = (
+    pipeline_layers.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
+  )
   x = tf.random.normal([batch, dim], seed=3)
 
   @tf.function
@@ -359,9 +298,9 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   y, grads, num_updates = Train(x)
   assert int(num_updates) == num_mb
   ref_y, ref_grads, mean, var = RefTrain(x)
-  plt.AssertClose(y, ref_y)
+  pipeline_layers.AssertClose(y, ref_y)
   for g, rg in zip(grads, ref_grads):
-    assert plt.MaxRelDiff(g, rg) <= 1e-5
+    assert pipeline_layers.MaxRelDiff(g, rg) <= 1e-5
   bn = pipe.body[1]
   np.testing.assert_allclose(
     bn.vars.moving_mean.numpy(), 0.1 * mean.numpy(), rtol=1e-5, atol=1e-7
@@ -376,7 +315,7 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   h = tf.tanh(tf.matmul(x, ref.body[0].vars.w) + ref.body[0].vars.b)
   n = (h - bn.vars.moving_mean) * tf.math.rsqrt(bn.vars.moving_variance + 1e-3)
   expected = tf.tanh(tf.matmul(n, ref.body[2].vars.w) + ref.body[2].vars.b)
-  plt.AssertClose(y_eval, expected)
+  pipeline_layers.AssertClose(y_eval, expected)
   np.testing.assert_array_equal(before, bn.vars.moving_mean.numpy())
 
 
@@ -385,12 +324,12 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
   """fprop_dtype=bfloat16/float16: the cells compute in that type, the
   variables and their gradients stay float32, and the result tracks the
   float32 model."""
-  x, w = plt._Inputs()
+  x, w = pipeline_layers.Inputs()
   pipe32 = (
     PipeliningLayer.Params()
     .Set(
       name='pipe',
-      layers=plt.DenseLayers(4),
+      layers=pipeline_layers.DenseLayers(4),
       num_stages=2,
       num_micro_batches=2,
       devices=DEVICES[:2],
@@ -401,7 +340,7 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
     PipeliningLayer.Params()
     .Set(
       name='pipe',
-      layers=plt.DenseLayers(4),
+      layers=pipeline_layers.DenseLayers(4),
       num_stages=2,
       num_micro_batches=2,
       devices=DEVICES[:2],
@@ -420,7 +359,7 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
 
   y16, grads16 = Step16(x)
   assert y16.dtype == dtype
-  y32, _, grads32, _ = plt.LossAndGrads(pipe32, (x,), w)
+  y32, _, grads32, _ = pipeline_layers.LossAndGrads(pipe32, (x,), w)
   np.testing.assert_allclose(
     tf.cast(y16, tf.float32).numpy(), y32.numpy(), atol=0.05
   )

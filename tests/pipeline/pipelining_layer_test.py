@@ -10,142 +10,25 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import pipelining_layer
+from tests.testing import pipeline_layers
 
-DEVICES = [f'/device:CPU:{i}' for i in range(4)]
-
-
-class Dense(base_layer.BaseLayer):
-  """tanh(x w + b): a small test layer with a FPropMeta."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('input_dim', 4, 'Input width.')
-    p.Define('output_dim', 4, 'Output width.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.params
-    self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
-    self.CreateVariable(
-      'b',
-      py_utils.WeightParams([p.output_dim], py_utils.WeightInit.Gaussian(0.1)),
-    )
-
-  def FProp(self, theta, x):
-    py_utils.HasShape(x, [-1, self.params.input_dim], self.path)
-    return tf.tanh(tf.matmul(x, theta.w) + theta.b)
-
-  @classmethod
-  def FPropMeta(cls, p, x):
-    x = tf.TensorShape(x)
-    if x[-1] != p.input_dim:
-      raise ValueError(
-        f'{p.name}: input dim {x[-1]} != input_dim {p.input_dim}'
-      )
-    return NestedMap(
-      flops=2 * x[0] * p.input_dim * p.output_dim,
-      out_shapes=(tf.TensorShape([x[0], p.output_dim]),),
-    )
-
-
-class TwoState(base_layer.BaseLayer):
-  """AmoebaNet-like cell: takes (prev, cur), returns (cur, new)."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('dim', 4, 'Width.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    d = self.params.dim
-    self.CreateVariable('w', py_utils.WeightParams([2 * d, d]))
-
-  def FProp(self, theta, state):
-    both = tf.concat([state.prev, state.cur], axis=-1)
-    new = tf.tanh(tf.matmul(both, theta.w)) + 0.5 * state.prev
-    return NestedMap(prev=state.cur, cur=new)
-
-
-class Stack(base_layer.BaseLayer):
-  """The sequential reference: the same layers as children, no pipeline."""
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('layers', [], 'Layer params.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.CreateChildren('body', list(self.params.layers))
-
-  def FProp(self, theta, *args):
-    for layer, th in zip(self.body, theta.body):
-      out = layer.FProp(th, *args)
-      args = out if isinstance(out, tuple) else (out,)
-    return args[0] if len(args) == 1 else args
-
-
-def DenseLayers(n=8, dim=6):
-  return [
-    Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
-    for i in range(n)
-  ]
-
-
-def LossAndGrads(layer, inputs, weights):
-  """tf.function: loss = sum(out * weights); returns (out, loss, grads)."""
-  variables = layer.trainable_variables
-
-  @tf.function
-  def Step(inputs):
-    with tf.GradientTape() as tape:
-      tape.watch(tf.nest.flatten(inputs))
-      out = layer(*inputs)
-      loss = tf.add_n(
-        [
-          tf.reduce_sum(o * w)
-          for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
-        ]
-      )
-    grads = tape.gradient(loss, (variables, inputs))
-    return out, loss, grads
-
-  out, loss, (var_grads, in_grads) = Step(inputs)
-  named = {v.name: g for v, g in zip(variables, var_grads)}
-  return out, loss, named, in_grads
-
-
-def MaxRelDiff(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def AssertClose(actual, expected, tol=1e-5):
-  for a, e in zip(tf.nest.flatten(actual), tf.nest.flatten(expected)):
-    assert MaxRelDiff(a, e) <= tol, (MaxRelDiff(a, e), a, e)
-
-
-def _Inputs(batch=8, dim=6, seed=0):
-  rng = np.random.RandomState(seed)
-  x = tf.constant(rng.randn(batch, dim).astype(np.float32))
-  w = tf.constant(rng.randn(batch, dim).astype(np.float32))
-  return x, w
+DEVICES = pipeline_layers.DEVICES
+Dense = pipeline_layers.Dense
+TwoState = pipeline_layers.TwoState
+Stack = pipeline_layers.Stack
+DenseLayers = pipeline_layers.DenseLayers
+LossAndGrads = pipeline_layers.LossAndGrads
+MaxRelDiff = pipeline_layers.MaxRelDiff
+AssertClose = pipeline_layers.AssertClose
+_Inputs = pipeline_layers.Inputs
 
 
 @pytest.fixture(scope='module')
 def reference():
-  x, w = _Inputs()
-  ref = Stack.Params().Set(name='pipe', layers=DenseLayers()).Instantiate()
-  return ref, x, w, LossAndGrads(ref, (x,), w)
+  return pipeline_layers.Reference()
 
 
 @pytest.mark.parametrize('num_stages', [1, 2, 4])
@@ -312,7 +195,7 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 from lingvo_gpipe.core import cluster
 cluster.SplitCpu(2)
 from lingvo_gpipe.pipeline import pipelining_layer, schedule
-from tests.pipeline.pipelining_layer_test import Dense
+from tests.testing.pipeline_layers import Dense
 dim = 512
 layers = [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)
           for i in range(4)]

@@ -16,7 +16,7 @@ from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
 from lingvo_gpipe.pipeline import pipelining_layer
-from tests.pipeline import pipelining_layer_test as plt
+from tests.testing import pipeline_layers
 
 DEVICE = '/device:CPU:0'
 
@@ -56,14 +56,18 @@ def _AssertSameStep(layer_params, inputs, weights, num_stages, policy):
   flat_e, flat_a = tf.nest.flatten(expected), tf.nest.flatten(actual)
   assert len(flat_e) == len(flat_a)
   for a, e in zip(flat_a, flat_e):
-    assert plt.MaxRelDiff(a, e) <= 1e-5, (plt.MaxRelDiff(a, e), a, e)
+    assert pipeline_layers.MaxRelDiff(a, e) <= 1e-5, (
+      pipeline_layers.MaxRelDiff(a, e),
+      a,
+      e,
+    )
 
 
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledStepMatches(num_stages, policy):
-  x, w = plt._Inputs()
-  _AssertSameStep(plt.DenseLayers(4), x, w, num_stages, policy)
+  x, w = pipeline_layers.Inputs()
+  _AssertSameStep(pipeline_layers.DenseLayers(4), x, w, num_stages, policy)
 
 
 @pytest.mark.slow
@@ -79,7 +83,9 @@ def testJitCompiledNestedMapState(num_stages, policy):
     prev=tf.constant(rng.randn(8, 4), tf.float32),
     cur=tf.constant(rng.randn(8, 4), tf.float32),
   )
-  layers = [plt.TwoState.Params().Set(name=f'l{i}') for i in range(4)]
+  layers = [
+    pipeline_layers.TwoState.Params().Set(name=f'l{i}') for i in range(4)
+  ]
   _AssertSameStep(layers, state, w, num_stages, policy)
 
 
@@ -87,8 +93,8 @@ def testJitCompiledNestedMapState(num_stages, policy):
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledBatchNorm(num_stages, policy):
-  x, w = plt._Inputs()
-  layers = plt.DenseLayers(4)
+  x, w = pipeline_layers.Inputs()
+  layers = pipeline_layers.DenseLayers(4)
   layers.insert(2, normalizations.BatchNormLayer.Params().Set(name='bn', dim=6))
   _AssertSameStep(layers, x, w, num_stages, policy)
 
@@ -97,8 +103,8 @@ def testJitCompiledBatchNorm(num_stages, policy):
 @pytest.mark.parametrize('num_stages', [1, 2])
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
 def testJitCompiledDropout(num_stages, policy):
-  x, w = plt._Inputs()
-  layers = plt.DenseLayers(4)
+  x, w = pipeline_layers.Inputs()
+  layers = pipeline_layers.DenseLayers(4)
   layers.insert(
     1, dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
   )

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests import trainer_test
+from tests.testing import trainer_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def testLauncherServesATrainerAndStops(tmp_path):
     spec = json.loads(spec_file.read_text())
     assert len(spec['worker']) == 2
     logdir = tmp_path / 'logdir'
-    res = trainer_test._Run(
+    res = trainer_process.Run(
       f'--logdir={logdir}',
       '--cluster_spec=' + json.dumps(spec),
       '--worker_split_size=2',
@@ -47,12 +47,12 @@ def testLauncherServesATrainerAndStops(tmp_path):
     placement = (logdir / 'placement.txt').read_text()
     assert 'cell 1 on /job:worker/replica:0/task:1/device:CPU:0' in placement
     # The same cluster through TF_CONFIG; the trainer resumes to step 5.
-    env = trainer_test._Env()
+    env = trainer_process.Env()
     env['TF_CONFIG'] = json.dumps(
       {'cluster': spec, 'task': {'type': 'chief', 'index': 0}}
     )
     res = subprocess.run(
-      trainer_test._Cmd(
+      trainer_process.Cmd(
         f'--logdir={logdir}', '--worker_split_size=2', '--max_steps=5'
       ),
       cwd=ROOT,
@@ -63,7 +63,7 @@ def testLauncherServesATrainerAndStops(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "remote job 'worker'" in res.stderr
-    assert trainer_test._Latest(logdir / 'train') == 5
+    assert trainer_process.Latest(logdir / 'train') == 5
   finally:
     proc.terminate()
     out, err = proc.communicate(timeout=60)

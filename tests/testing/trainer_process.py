@@ -1,0 +1,93 @@
+"""Runs the trainer binary in a subprocess, as a user would, for the tests.
+
+Each run is bounded by a timeout; `Proc` runs one in the background and is
+always killed on `Close()`.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from lingvo_gpipe.runners import checkpointer
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODEL = 'image.digits.MlpDigitsTiny'
+TIMEOUT = 120
+
+
+def Cmd(*args, model=MODEL):
+  return [
+    sys.executable,
+    '-m',
+    'lingvo_gpipe.trainer',
+    f'--model={model}',
+    '--num_cpu_devices=2',
+    '--run_locally=cpu',
+    *args,
+  ]
+
+
+def Env():
+  path = os.environ.get('PYTHONPATH', '')
+  return dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='2',
+    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
+  )
+
+
+def Run(*args, model=MODEL, timeout=TIMEOUT):
+  return subprocess.run(
+    Cmd(*args, model=model),
+    cwd=REPO,
+    env=Env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+class Proc:
+  """A background trainer whose stderr goes to a file; always killed."""
+
+  def __init__(self, log_path, *args):
+    self.log_path = log_path
+    self._log = open(log_path, 'w')
+    self.proc = subprocess.Popen(
+      Cmd(*args),
+      cwd=REPO,
+      env=Env(),
+      stdout=self._log,
+      stderr=subprocess.STDOUT,
+    )
+
+  def Log(self):
+    with open(self.log_path) as f:
+      return f.read()
+
+  def WaitFor(self, predicate, timeout=TIMEOUT):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+      if predicate():
+        return
+      if self.proc.poll() is not None:
+        raise AssertionError(
+          f'Trainer exited early ({self.proc.returncode}):'
+          f'\n{self.Log()[-3000:]}'
+        )
+      time.sleep(0.05)
+    raise AssertionError(f'Timed out waiting; log:\n{self.Log()[-3000:]}')
+
+  def Close(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+    self.proc.wait(timeout=30)
+    self._log.close()
+
+
+def Latest(train_dir):
+  """The step of the checkpoint the pointer names (-1: none)."""
+  latest = checkpointer.LatestCheckpoint(str(train_dir))
+  return checkpointer.StepOf(latest) if latest else -1
