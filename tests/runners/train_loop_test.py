@@ -1,9 +1,17 @@
-"""StepWatchdog: reports a step that runs past its bound, once."""
+"""The train loop: it stops on a non-finite loss keeping the last good model,
+ends on a stop request, and its StepWatchdog reports a step that runs past its
+bound, once."""
 
 import threading
 import time
 
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import train_loop
+from tests.testing import trainer_process
 
 
 def testWatchdogReportsAStepPastItsBoundOnce():
@@ -45,3 +53,50 @@ def testFirstStepGetsALongerBound():
     assert calls == [2]
   finally:
     dog.Stop()
+
+
+def testTrainLoopInProcessNanHookAndStop(tmp_path):
+  model = model_registry.GetParams(trainer_process.MODEL, 'Train').Instantiate()
+  task = model.GetTask()
+  it = iter(task.input_generator.GetDataset())
+  ckpt = checkpointer.Checkpointer(
+    str(tmp_path / 'train'),
+    model.VariablesByName(),
+    iterator=it,
+    save_interval_steps=1,
+  )
+
+  def NanAtStep6(batch):  # The test hook: a NaN loss from step 6 on.
+    out = task.TrainStep(batch)
+    out.loss = tf.where(model.global_step >= 6, float('nan'), out.loss)
+    return out
+
+  loop = train_loop.TrainLoop(
+    task,
+    model.global_step,
+    it,
+    ckpt,
+    max_steps=10,
+    summary_dir=str(tmp_path / 'train'),
+    train_step_fn=NanAtStep6,
+  )
+  with pytest.raises(
+    train_loop.NonFiniteError, match='loss is nan at step 6.*last good model'
+  ):
+    loop.Run()
+  assert trainer_process.Latest(tmp_path / 'train') == 5
+  # A stop request ends the loop before the next step; nothing new to save.
+  stop = train_loop.StopRequest()
+  stop.Set('SIGTERM')
+  model2 = model_registry.GetParams(
+    trainer_process.MODEL, 'Train'
+  ).Instantiate()
+  ckpt2 = checkpointer.Checkpointer(
+    str(tmp_path / 'train'), model2.VariablesByName()
+  )
+  ckpt2.Restore()
+  result = train_loop.TrainLoop(
+    model2.GetTask(), model2.global_step, it, ckpt2, max_steps=10, stop=stop
+  ).Run()
+  assert (result.step, result.reason) == (5, 'SIGTERM')
+  assert result.checkpoint.endswith('ckpt-5')
