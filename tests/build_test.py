@@ -183,6 +183,17 @@ def _Layer(path):
   return parts[1]
 
 
+def _UpwardImports(graph):
+  """['a -> b'] of the imports in `graph` that go to a higher layer."""
+  return [
+    f'{f} -> {d}'
+    for f, deps in sorted(graph.items())
+    if f not in _FACADES
+    for d in sorted(deps)
+    if _LAYERS.get(_Layer(d), -1) > _LAYERS.get(_Layer(f), -1)
+  ]
+
+
 def testLibraryImportsFollowTheLayers():
   graph = _GenBuild().LibraryGraph(_GenBuild().ImportGraph())
   unknown = sorted({_Layer(f) for f in graph} - set(_LAYERS) - {'__init__'})
@@ -190,13 +201,7 @@ def testLibraryImportsFollowTheLayers():
     f'Packages {unknown} have no rank in _LAYERS of tests/build_test.py: '
     'give each one, and describe it in docs/architecture.md.'
   )
-  upward = [
-    f'{f} -> {d}'
-    for f, deps in sorted(graph.items())
-    if f not in _FACADES
-    for d in sorted(deps)
-    if _LAYERS.get(_Layer(d), -1) > _LAYERS.get(_Layer(f), -1)
-  ]
+  upward = _UpwardImports(graph)
   assert not upward, (
     'Library modules importing a higher layer '
     '(core -> layers, input -> pipeline -> models -> runners -> trainer -> '
@@ -205,13 +210,22 @@ def testLibraryImportsFollowTheLayers():
 
 
 def testLayerCheckSeesAnUpwardImport():
-  assert _Layer('lingvo_gpipe/core/cluster.py') == 'core'
-  assert _Layer('lingvo_gpipe/trainer.py') == 'trainer'
-  assert _Layer('params/mt/multilingual.py') == 'params'
-  assert (
-    _LAYERS[_Layer('lingvo_gpipe/pipeline/placement.py')]
-    > (_LAYERS[_Layer('lingvo_gpipe/core/cluster.py')])
-  )
+  cluster = 'lingvo_gpipe/core/cluster.py'
+  placement = 'lingvo_gpipe/pipeline/placement.py'
+  gpipe = 'lingvo_gpipe/core/gpipe.py'
+  evaluation = 'lingvo_gpipe/models/mt/evaluation.py'
+  checkpointer = 'lingvo_gpipe/runners/checkpointer.py'
+  graph = {
+    cluster: {placement},
+    placement: {cluster},
+    gpipe: {placement},
+    evaluation: {checkpointer},
+    'params/mt/multilingual.py': {evaluation, 'lingvo_gpipe/trainer.py'},
+  }
+  assert _UpwardImports(graph) == [
+    f'{cluster} -> {placement}',
+    f'{evaluation} -> {checkpointer}',
+  ]
 
 
 def testTestsImportNoOtherTestModule():
