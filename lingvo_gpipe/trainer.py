@@ -323,6 +323,12 @@ def ApplyWorkerSplit(p, num_stages, devices=None, num_replicas=1):
       or lp.num_stages
       or (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1)
     )
+    if k == 'auto':
+      # The pipeline's planner chooses K for these devices at build time.
+      lp.num_replicas = num_replicas
+      lp.devices = list(devices)
+      keys.append(key)
+      continue
     if k * num_replicas > len(devices):
       what = (
         f'--worker_replicas={num_replicas} x --worker_split_size={k} '

@@ -351,7 +351,9 @@ def ProfileLayers(layer_params, input_shapes, batch_dim=0, name='model'):
     prof, out_specs = cache[key]
     layers.append(dataclasses.replace(prof, name=p.name))
     specs = out_specs
-  return ModelProfile(name=name, layers=layers, batch_size=batch, batch_dim=0)
+  return ModelProfile(
+    name=name, layers=layers, batch_size=batch, batch_dim=batch_dim
+  )
 
 
 def _ProfileOne(p, specs, i, layer_params):
@@ -1019,6 +1021,7 @@ def Resolve(
   memory_bytes=None,
   batch_dim=0,
   name='pipeline',
+  split_by=('time',),
 ):
   """Chooses K and/or M for a pipeline; returns (K, M, Candidate, text).
 
@@ -1046,6 +1049,7 @@ def Resolve(
     num_micro_batches=m,
     num_replicas=num_replicas,
     recompute=recompute,
+    split_by=split_by,
   )
   best = result.best
   if best is None:
