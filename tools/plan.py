@@ -358,6 +358,8 @@ def Validate(args):
         )
       profiles[model] = profile
     profile = profiles[model]
+    if device is None and args.calibrate:
+      device = CalibratedDevice(records, profile, link)
     if device is None:
       if args.device == 'measure':
         mem = ParseBytes(args.memory_per_device) or 4 * GIB
@@ -396,6 +398,43 @@ def Validate(args):
       json.dump(dict(device=device.name, rows=rows), f, indent=1)
     print(f'Wrote {args.json}')
   return rows
+
+
+def CalibratedDevice(records, profile, link):
+  """A device whose flop rate makes the one-device record (the plain
+  model, else K=1 M=1) take its measured time; the link from the JSON.
+  Every other configuration is then a prediction of the schedule, the
+  transfers, recompute and the split."""
+  base = [r for r in records if int(r['num_stages']) == 0] or [
+    r
+    for r in records
+    if int(r['num_stages']) == 1
+    and int(r['num_micro_batches']) == 1
+    and not r['recompute']
+  ]
+  if not base:
+    raise UserError(
+      '--calibrate needs a one-device record (num_stages 0, or 1 with one '
+      'micro-batch and no recompute) in the benchmark JSON.'
+    )
+  flops = 3 * sum(lp.flops for lp in profile.layers)
+  rate = flops / float(base[0]['step_time_s'])
+  bw = link[0] if link else 1e9
+  return cost_model.Device(
+    name='calibrated',
+    description=(
+      f'{rate / 1e9:.1f} GFLOP/s from the measured one-device step of '
+      f'{base[0]["step_time_s"]:.3f} s, link {bw / 2**20:.0f} MiB/s from the '
+      'JSON'
+    ),
+    peak_flops=rate,
+    memory_bytes=4 * GIB,
+    memory_bytes_per_s=float('inf'),
+    link_bytes_per_s=bw,
+    link_latency_s=0.0,
+    op_overhead_s=0.0,
+    flops_efficiency=1.0,
+  )
 
 
 def ValidationTable(rows, device):
@@ -596,6 +635,12 @@ def ParseArgs(argv):
     '--timeline', default='', help='PNG of the best plan, predicted.'
   )
   parser.add_argument('--validate', default='', help='A benchmark JSON.')
+  parser.add_argument(
+    '--calibrate',
+    action='store_true',
+    help="--validate: take the flop rate from the JSON's one-device "
+    'record instead of --device.',
+  )
   parser.add_argument('--paper_table2', action='store_true')
   parser.add_argument('--paper_table1', action='store_true')
   parser.add_argument('--paper_device', default='tpu_v3')
