@@ -217,10 +217,19 @@ def ParseBytes(text):
   return int(value)
 
 
-def GetDevice(args, profile=None, layers=None, link=None):
-  if args.device == 'measure':
+def OneThread():
+  """Time layers with one thread, as one benchmark worker runs them (only
+  possible before TensorFlow starts; a process that already ran ops keeps
+  its pools)."""
+  try:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+  except RuntimeError:
+    pass
+
+
+def GetDevice(args, profile=None, layers=None, link=None):
+  if args.device == 'measure':
     if profile is not None:
       planner.MeasureProfile(
         profile, layers, time_budget_s=args.measure_budget_s
@@ -673,6 +682,8 @@ def ParseArgs(argv):
 def main(argv=None):
   try:
     args = ParseArgs(sys.argv[1:] if argv is None else argv)
+    if args.device == 'measure':
+      OneThread()
     if args.paper_table2:
       PaperTable2(args)
       return 0

@@ -447,7 +447,7 @@ def _MeasureLayer(p, in_specs, batch_dim, batches, device, repeats):
             ]
             or [tf.constant(0.0)]
           )
-        grads = tape.gradient(total, layer.trainable_variables + floats)
+        grads = tape.gradient(total, list(layer.trainable_variables) + floats)
         return [g for g in grads if g is not None] or [total]
 
       result[b] = tuple(_TimeFns([Fwd, Step], repeats))

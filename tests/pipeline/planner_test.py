@@ -148,3 +148,22 @@ def testAutoErrors():
     _AutoPipeline(planner_device='tpu_v9')
   with pytest.raises(ValueError, match='micro_batch_size'):
     _AutoPipeline(micro_batch_size=8)
+
+
+def testMeasureTimesEachDistinctLayerOnce():
+  layer_params = _Fcs(3, 32)
+  prof = planner.ProfileLayers(layer_params, [[16, 32]])
+  planner.MeasureProfile(prof, layer_params, repeats=1, time_budget_s=60)
+  for lp in prof.layers:
+    assert lp.measured is not None and all(t >= 0 for t in lp.measured)
+  # Three identical layers on identical inputs: one measurement.
+  assert prof.layers[0].measured == prof.layers[2].measured
+  device = planner.MeasuredDevice(64 * MIB, link=(1e9, 1e-4))
+  cand = planner.Evaluate(prof, device, 2, 4)
+  assert cand.step_s > 0 and len(cand.peak_bytes) == 2
+
+
+@pytest.mark.slow
+def testMeasureLinkBetweenTwoLocalWorkers():
+  bw, latency = planner.MeasureLink()
+  assert bw > 1e6 and latency >= 0
