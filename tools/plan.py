@@ -549,7 +549,9 @@ def LargestTransformer(device, num_stages, memory_bytes, recompute=True):
       splits.append(end)
     splits[-1] += 1  # the loss layer joins the last cell
     cells = planner._CellCosts(prof, splits, m, 1, device)  # pylint: disable=protected-access
-    return max(cost_model.PeakMemoryBytes(c, m, recompute) for c in cells)
+    return max(
+      cost_model.PeakMemoryBytes(c, m, recompute, 2, True) for c in cells
+    )
 
   best = (0, None, None)
   for m in ms:

@@ -207,18 +207,27 @@ def _TransferS(nbytes, spec):
   return spec.link_latency_s + nbytes / spec.link_bytes_per_s
 
 
-def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
+def MemoryBreakdown(
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  micro_batch_gradients=False,
+):
   """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
   'activations'}: bytes of one device holding `cell` at its peak.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
-  stores the activations of every micro-batch.
+  stores the activations of every micro-batch. With
+  `micro_batch_gradients` and M > 1, 'gradients' counts two copies: the
+  running sum and the gradients of the micro-batch being added to it.
   """
   m = num_micro_batches
+  grad_copies = 2 if micro_batch_gradients and m > 1 else 1
   out = {
     'weights': cell.weight_bytes,
-    'gradients': cell.weight_bytes,
+    'gradients': cell.weight_bytes * grad_copies,
     'optimizer_slots': cell.weight_bytes * optimizer_slots,
     'stored_inputs': m * cell.input_bytes,
   }
@@ -226,17 +235,23 @@ def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
   return out
 
 
-def PeakMemoryBytes(cell, num_micro_batches, recompute, optimizer_slots=2):
+def PeakMemoryBytes(
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  micro_batch_gradients=False,
+):
   """Peak bytes of one device holding `cell`.
 
-  Weights + gradients (one per weight) + optimizer slots (Adam: 2 per
-  weight) + with recompute: the input of every micro-batch plus the
-  activations of the one micro-batch being recomputed; without: the
-  activations of every micro-batch.
+  Weights + gradients (one per weight; two with `micro_batch_gradients`
+  and M > 1) + optimizer slots (Adam: 2 per weight) + with recompute: the
+  input of every micro-batch plus the activations of the one micro-batch
+  being recomputed; without: the activations of every micro-batch.
   """
   return sum(
     MemoryBreakdown(
-      cell, num_micro_batches, recompute, optimizer_slots
+      cell, num_micro_batches, recompute, optimizer_slots, micro_batch_gradients
     ).values()
   )
 
@@ -249,6 +264,7 @@ def Simulate(
   optimizer_slots=2,
   start_s=0.0,
   end_s=0.0,
+  micro_batch_gradients=False,
 ):
   """Simulates one training step; returns a SimResult (lists per device).
 
@@ -263,6 +279,8 @@ def Simulate(
       weights).
     end_s: seconds after the last backward (e.g. replicas returning their
       gradients).
+    micro_batch_gradients: count a micro-batch's weight gradients beside
+      their running sum (see `MemoryBreakdown`).
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,

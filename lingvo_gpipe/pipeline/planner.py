@@ -711,8 +711,17 @@ def Evaluate(
       spec.link_latency_s + c.weight_bytes / spec.link_bytes_per_s
       for c in cells
     )
+  # The engine adds each micro-batch's gradients to a running sum
+  # (AccumulateNV2): both exist while one is added.
   sim = cost_model.Simulate(
-    cells, m, spec, recompute, optimizer_slots, start_s=sync_s, end_s=sync_s
+    cells,
+    m,
+    spec,
+    recompute,
+    optimizer_slots,
+    start_s=sync_s,
+    end_s=sync_s,
+    micro_batch_gradients=True,
   )
   free = cost_model.Simulate(
     cells,
@@ -736,7 +745,7 @@ def Evaluate(
     bubble=1.0 - sum(sim.busy_fraction) / k,
     peak_bytes=peaks,
     memory=cost_model.MemoryBreakdown(
-      cells[worst], m, recompute, optimizer_slots
+      cells[worst], m, recompute, optimizer_slots, micro_batch_gradients=True
     ),
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,
