@@ -327,6 +327,8 @@ def Validate(args):
       data = json.load(f)
   except (OSError, ValueError) as e:
     raise UserError(f'--validate={args.validate}: cannot read it: {e}') from e
+  if isinstance(data, dict) and 'trials' in data and 'records' not in data:
+    return ValidateCapacity(data, args)
   records = data.get('records') if isinstance(data, dict) else None
   if not records:
     raise UserError(
@@ -405,6 +407,111 @@ def Validate(args):
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(dict(device=device.name, rows=rows), f, indent=1)
+    print(f'Wrote {args.json}')
+  return rows
+
+
+def CapacityModel(trial):
+  """(layers, input shapes) of a tools/max_model_size.py trial."""
+  fixed = trial['fixed']
+  if trial['family'] == 'transformer':
+    from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
+
+    layers = transformer_lm.LayerParams(
+      num_layers=trial['size'],
+      model_dim=fixed['model_dim'],
+      hidden_dim=fixed['hidden_dim'],
+      num_heads=fixed['num_heads'],
+      vocab_size=fixed['vocab_size'],
+    )
+    shape = [fixed['batch_size'], fixed['seq_len']]
+    return layers, [shape, shape]
+  if trial['family'] == 'amoebanet':
+    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+
+    net = (
+      amoebanet.AmoebaNet.Params()
+      .Set(
+        num_cells=trial['num_cells'],
+        num_filters=trial['size'],
+        image_size=fixed['image_size'],
+        stem_type='cifar',
+        stem_filters=trial['size'],
+        num_classes=fixed['num_classes'],
+        head_logits=True,
+      )
+      .Instantiate()
+    )
+    return net.Layers(), [net.InputShape(fixed['batch_size'])]
+  raise UserError(
+    f'--validate: unknown family {trial["family"]!r} (transformer, amoebanet).'
+  )
+
+
+def ValidateCapacity(data, args):
+  """Predicted vs measured peak bytes per device of the models of a
+  tools/max_model_size.py JSON (cells balanced by parameters, Adam)."""
+  from lingvo_gpipe.core import base_layer  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import balance  # pylint: disable=g-import-not-at-top
+
+  device = cost_model.GetPreset('cpu')
+  rows = []
+  for trial in data['trials']:
+    if not trial.get('peak_bytes_per_device') or 'fixed' not in trial:
+      continue
+    layers, shapes = CapacityModel(trial)
+    profile = planner.ProfileLayers(layers, shapes, name=trial['family'])
+    k = int(trial['num_stages'])
+    params = [float(base_layer.CountParams(p)) for p in layers]
+    splits = balance.BalancedSplits(params, k)
+    cand = planner.Evaluate(
+      profile,
+      device,
+      k,
+      int(trial['num_micro_batches']),
+      bool(trial['recompute']),
+      1,
+      splits=splits,
+      split_by='params',
+      memory_bytes=2**40,
+    )
+    measured = list(trial['peak_bytes_per_device'])
+    predicted = list(cand.peak_bytes)
+    if trial.get('peak_is_max_over_devices'):
+      predicted = [max(predicted)]
+    rows.append(
+      dict(
+        family=trial['family'],
+        config=trial['config'],
+        size=trial['size'],
+        num_micro_batches=int(trial['num_micro_batches']),
+        inter_op_threads=trial.get('inter_op_threads'),
+        predicted_peak_bytes=predicted,
+        measured_peak_bytes=measured,
+        peak_ratio=[p / q for p, q in zip(predicted, measured)],
+        predicted_memory=cand.memory,
+      )
+    )
+  lines = ['Peak bytes per device, predicted vs measured:']
+  lines.append(
+    f'{"family":>11} {"config":>11} {"size":>5} {"threads":>7}  '
+    'predicted / measured (ratio) per device'
+  )
+  for r in rows:
+    lines.append(
+      f'{r["family"]:>11} {r["config"]:>11} {r["size"]:>5} '
+      f'{str(r["inter_op_threads"] or "default"):>7}  '
+      + ', '.join(
+        f'{planner.FormatBytes(p)} / {planner.FormatBytes(q)} ({x:.2f})'
+        for p, q, x in zip(
+          r['predicted_peak_bytes'], r['measured_peak_bytes'], r['peak_ratio']
+        )
+      )
+    )
+  print('\n'.join(lines))
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(dict(rows=rows), f, indent=1)
     print(f'Wrote {args.json}')
   return rows
 

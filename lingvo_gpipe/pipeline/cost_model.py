@@ -337,7 +337,8 @@ def Simulate(
     busy_fraction=[b / step for b in busy],
     bytes_sent=sent,
     peak_memory=[
-      PeakMemoryBytes(c, m, r, optimizer_slots) for c, r in zip(cells, per_cell)
+      PeakMemoryBytes(c, m, r, optimizer_slots, micro_batch_gradients)
+      for c, r in zip(cells, per_cell)
     ],
     events=events,
   )

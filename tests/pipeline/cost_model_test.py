@@ -83,3 +83,11 @@ def testMicroBatchGradientsCountASecondCopyWhenMIsAboveOne():
 def testBadInput():
   with pytest.raises(ValueError, match='K=0 M=4'):
     cost_model.Simulate([], 4, _FREE_LINKS)
+
+
+def testSimulateCountsMicroBatchGradients():
+  cells = [_Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)] * 2
+  res = cost_model.Simulate(
+    cells, 4, _FREE_LINKS, recompute=True, micro_batch_gradients=True
+  )
+  assert res.peak_memory == [5 * 1000 + 4 * 10 + 50] * 2

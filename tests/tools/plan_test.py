@@ -165,3 +165,35 @@ def testPaperTable1LargestTransformerPerK():
     n, m, peak = plan.LargestTransformer(device, k, 16 * 2**30)
     assert abs(n / paper - 1) < 0.2, (k, n, paper)
     assert peak <= 16 * 2**30
+
+
+def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
+  fixed = dict(
+    model_dim=16,
+    hidden_dim=32,
+    num_heads=1,
+    vocab_size=64,
+    seq_len=8,
+    batch_size=8,
+  )
+  trial = dict(
+    family='transformer',
+    config='pipeline-2',
+    num_stages=2,
+    num_micro_batches=4,
+    recompute=True,
+    size=4,
+    fixed=fixed,
+    peak_bytes_per_device=[2**20, 2**19],
+  )
+  path = tmp_path / 'capacity.json'
+  path.write_text(json.dumps(dict(largest=[], trials=[trial])))
+  rows = plan.Validate(plan.ParseArgs([f'--validate={path}']))
+  assert len(rows) == 1
+  row = rows[0]
+  assert len(row['predicted_peak_bytes']) == 2
+  assert row['peak_ratio'] == [
+    p / q
+    for p, q in zip(row['predicted_peak_bytes'], trial['peak_bytes_per_device'])
+  ]
+  assert 'predicted vs measured' in capsys.readouterr().out
