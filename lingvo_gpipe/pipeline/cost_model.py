@@ -43,6 +43,9 @@ DeviceSpec = collections.namedtuple(
 #   activation_bytes: bytes of all intermediate activations of one
 #     micro-batch (live while the cell's backward runs, or stored for every
 #     micro-batch without recompute).
+#   backward_bytes: peak bytes the backward of one micro-batch allocates
+#     beyond the activations (gradients of activations, temporaries);
+#     optional, 0 by default.
 CellCost = collections.namedtuple(
   'CellCost',
   [
@@ -52,7 +55,9 @@ CellCost = collections.namedtuple(
     'weight_bytes',
     'input_bytes',
     'activation_bytes',
+    'backward_bytes',
   ],
+  defaults=[0],
 )
 
 SimResult = collections.namedtuple(
@@ -215,7 +220,8 @@ def MemoryBreakdown(
   micro_batch_gradients=False,
 ):
   """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
-  'activations'}: bytes of one device holding `cell` at its peak.
+  'activations'[, 'backward_temporaries']}: bytes of one device holding
+  `cell` at its peak.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
@@ -232,6 +238,8 @@ def MemoryBreakdown(
     'stored_inputs': m * cell.input_bytes,
   }
   out['activations'] = cell.activation_bytes * (1 if recompute else m)
+  if cell.backward_bytes:
+    out['backward_temporaries'] = cell.backward_bytes
   return out
 
 

@@ -124,8 +124,10 @@ class LayerProfile:
     flops: forward flops.
     in_bytes: bytes of the layer's inputs.
     out_bytes: bytes of its outputs.
-    activation_bytes: bytes of every tensor its forward computes (its
+    activation_bytes: bytes of the forward tensors its backward reads (its
       outputs included): what the backward needs stored.
+    backward_bytes: the peak bytes its backward allocates beyond those
+      (gradients of activations, temporaries).
     num_params: number of weights.
     param_bytes: bytes of the weights.
     num_ops: ops in the forward graph (each pays a launch overhead).
@@ -142,6 +144,7 @@ class LayerProfile:
   num_params: int
   param_bytes: int
   num_ops: int
+  backward_bytes: int = 0
   in_specs: object = None
   measured: tuple = None
 
@@ -262,12 +265,46 @@ def _SavedBytes(fn, theta_spec, specs):
       ):
         continue
       saved[t.ref()] = t
-  total = 0
-  for t in saved.values():
-    n = t.shape.num_elements()
-    if n and t.dtype != tf.resource:
-      total += int(n) * t.dtype.size
-  return total
+  total = sum(_Bytes(t) for t in saved.values())
+  return total, _BackwardExtra(graph, saved, total)
+
+
+def _Bytes(t):
+  n = t.shape.num_elements()
+  if not n or t.dtype == tf.resource:
+    return 0
+  return int(n) * t.dtype.size
+
+
+def _BackwardExtra(graph, saved, saved_bytes):
+  """Peak bytes the backward pass allocates beyond the saved activations:
+  the gradients of activations and temporaries, with each tensor freed
+  after its last reader (ops in creation order). The weight gradients it
+  returns are not counted (the gradients term holds them)."""
+  ops = [
+    op for op in graph.get_operations() if op.name.startswith('gradient_tape/')
+  ]
+  last = {}
+  for i, op in enumerate(ops):
+    for t in op.inputs:
+      last[t.ref()] = i
+  outputs = {t.ref() for t in graph.outputs}
+  live = saved_bytes
+  peak = live
+  alive = {ref: _Bytes(t) for ref, t in saved.items()}
+  for i, op in enumerate(ops):
+    if op.type not in _NO_ALLOCATION_OPS and op.type not in _ALIAS_OPS:
+      for t in op.outputs:
+        if t.ref() in outputs or t.ref() not in last:
+          continue
+        alive[t.ref()] = _Bytes(t)
+        live += alive[t.ref()]
+    peak = max(peak, live)
+    for t in op.inputs:
+      ref = t.ref()
+      if last.get(ref) == i and ref in alive:
+        live -= alive.pop(ref)
+  return max(peak - saved_bytes, 0)
 
 
 def _TraceLayer(p, specs):
@@ -297,12 +334,12 @@ def _TraceLayer(p, specs):
       lambda t: tf.TensorSpec(t.shape, t.dtype), outs
     )
     try:
-      act = _SavedBytes(Fn, theta_spec, cand)
+      act, extra = _SavedBytes(Fn, theta_spec, cand)
     except (ValueError, TypeError, LookupError, NotImplementedError):
-      act = 2 * _SpecBytes(out_specs)
+      act, extra = 2 * _SpecBytes(out_specs), _SpecBytes(out_specs)
     # The layer's outputs are kept too (the next layer's inputs).
     act = max(act, _SpecBytes(out_specs))
-    return meta.GraphFlops(graph), out_specs, act, ops, cand
+    return meta.GraphFlops(graph), out_specs, act, extra, ops, cand
   return None
 
 
@@ -365,7 +402,7 @@ def _ProfileOne(p, specs, i, layer_params):
   )
   traced = _TraceLayer(p, specs)
   if traced is not None:
-    flops, out_specs, act, ops, in_specs = traced
+    flops, out_specs, act, extra, ops, in_specs = traced
   else:
     try:
       m = p.cls.FPropMeta(p, *specs)
@@ -379,6 +416,7 @@ def _ProfileOne(p, specs, i, layer_params):
     out_specs = tuple(meta.ToSpec(s) for s in py_utils.AsTuple(m.out_shapes))
     # Without a graph: the outputs and as much again inside.
     act = 2 * _SpecBytes(out_specs)
+    extra = _SpecBytes(out_specs)
     ops = 10
     in_specs = None
   prof = LayerProfile(
@@ -387,6 +425,7 @@ def _ProfileOne(p, specs, i, layer_params):
     in_bytes=_SpecBytes(specs),
     out_bytes=_SpecBytes(out_specs),
     activation_bytes=int(act),
+    backward_bytes=int(extra),
     num_params=num_params,
     param_bytes=param_bytes,
     num_ops=int(ops),
@@ -639,7 +678,8 @@ class Candidate:
       + self.memory['gradients']
       + self.memory['optimizer_slots'],
       'stored micro-batch inputs': self.memory['stored_inputs'],
-      'activations': self.memory['activations'],
+      'activations': self.memory['activations']
+      + self.memory.get('backward_temporaries', 0),
     }
     what = max(groups, key=groups.get)
     return what, groups[what]
@@ -679,6 +719,7 @@ def _CellCosts(profile, splits, m, r, device):
         weight_bytes=sum(lp.param_bytes for lp in lps),
         input_bytes=int(lps[0].in_bytes * frac),
         activation_bytes=int(sum(lp.activation_bytes for lp in lps) * frac),
+        backward_bytes=int(max(lp.backward_bytes for lp in lps) * frac),
       )
     )
     start = end
