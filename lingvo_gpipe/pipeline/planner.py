@@ -801,17 +801,17 @@ def Evaluate(
       f'needs {FormatBytes(cand.max_peak_bytes)} on device {worst} > '
       f'{FormatBytes(limit)}; {what} dominate ({FormatBytes(nbytes)})'
     )
-  elif cand.bubble > BUBBLE_BOUND:
-    cand.verdict = 'bubble-bound'
-    cand.reason = (
-      f'devices idle {100 * cand.bubble:.0f}% of the step (fill-drain '
-      f'bubble (K-1)/(M+K-1) and imbalance); use M >= 4K'
-    )
   elif (cand.step_s - free.step_s) > TRANSFER_BOUND * cand.step_s:
     cand.verdict = 'transfer-bound'
     cand.reason = (
       f'{100 * (cand.step_s - free.step_s) / cand.step_s:.0f}% of the step '
       'waits for transfers between devices'
+    )
+  elif cand.bubble > BUBBLE_BOUND:
+    cand.verdict = 'bubble-bound'
+    cand.reason = (
+      f'devices idle {100 * cand.bubble:.0f}% of the step (fill-drain '
+      f'bubble (K-1)/(M+K-1) and imbalance); use M >= 4K'
     )
   return cand
 

@@ -1,5 +1,7 @@
 """The planner: profiles from Params, the candidate search and 'auto'."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -92,7 +94,8 @@ def testBadShapesGiveTheValidRange():
 
 
 def testBubbleBoundIsRejectedWhenBetterExists():
-  prof = planner.ProfileLayers(_Fcs(4, 512), [[512, 512]])
+  # 1024 flops per byte sent: compute-bound on a TPU core's link.
+  prof = planner.ProfileLayers(_Fcs(4, 2048), [[256, 2048]])
   res = planner.Plan(prof, cost_model.GetPreset('tpu_v3'), 4)
   bubble = [c for c in res.rejected if c.verdict == 'bubble-bound']
   assert any(c.num_stages == 4 and c.num_micro_batches == 1 for c in bubble)
@@ -167,3 +170,24 @@ def testMeasureTimesEachDistinctLayerOnce():
 def testMeasureLinkBetweenTwoLocalWorkers():
   bw, latency = planner.MeasureLink()
   assert bw > 1e6 and latency >= 0
+
+
+def testBackwardPeakBeyondSavedActivations():
+  p = transformer.TransformerLayer.Params().Set(
+    name='b', source_dim=64, hidden_dim=256, num_attention_heads=2
+  )
+  lp = planner.ProfileLayers([p], [[8, 16, 64]]).layers[0]
+  # At least the gradient of the block's input is alive at some point.
+  assert lp.backward_bytes >= 8 * 16 * 64 * 4
+  assert lp.backward_bytes < lp.activation_bytes * 4
+
+
+def testSlowLinksMakeATransferBoundPipeline():
+  prof = planner.ProfileLayers(_Fcs(4, 512), [[512, 512]])
+  slow = dataclasses.replace(
+    cost_model.GetPreset('tpu_v3'), link_bytes_per_s=1e6, name='slow'
+  )
+  cand = planner.Evaluate(prof, slow, 2, 8)
+  assert cand.verdict == 'transfer-bound'
+  assert 'waits for transfers' in cand.reason
+  assert cand.free_link_step_s < 0.7 * cand.step_s
