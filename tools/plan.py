@@ -32,7 +32,6 @@ import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -82,6 +81,20 @@ PAPER_AMOEBANET_BATCH = 128
 
 class UserError(Exception):
   pass
+
+
+def _BenchmarkTool():
+  """tools/benchmark_pipeline.py, for its models (loaded from its file:
+  tools/ is not a package)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), 'benchmark_pipeline.py'
+  )
+  spec = importlib.util.spec_from_file_location('benchmark_pipeline', path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def _BenchArgs(args):
@@ -163,7 +176,7 @@ def BuildModel(args, key=None):
   if not key:
     raise UserError('--model is required, e.g. --model=bench.transformer.')
   if key.startswith('bench.'):
-    import benchmark_pipeline  # pylint: disable=g-import-not-at-top
+    benchmark_pipeline = _BenchmarkTool()
 
     name = key.split('.', 1)[1]
     if name not in benchmark_pipeline.MODELS:
@@ -320,7 +333,7 @@ def WriteTimeline(cand, path, name, device):
 
 def Validate(args):
   """Rows of predicted vs measured for every record of a benchmark JSON."""
-  import benchmark_pipeline  # pylint: disable=g-import-not-at-top
+  benchmark_pipeline = _BenchmarkTool()
 
   try:
     with open(args.validate) as f:
@@ -655,7 +668,7 @@ def LargestTransformer(device, num_stages, memory_bytes, recompute=True):
       end += base + (1 if k < extra else 0)
       splits.append(end)
     splits[-1] += 1  # the loss layer joins the last cell
-    cells = planner._CellCosts(prof, splits, m, 1, device)  # pylint: disable=protected-access
+    cells = planner.CellCosts(prof, splits, m, 1, device)
     return max(
       cost_model.PeakMemoryBytes(c, m, recompute, 2, True) for c in cells
     )

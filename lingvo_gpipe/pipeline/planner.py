@@ -46,6 +46,7 @@ __all__ = [
   'MeasureProfile',
   'MeasureLink',
   'MeasuredDevice',
+  'CellCosts',
   'Candidate',
   'PlanResult',
   'Plan',
@@ -699,7 +700,9 @@ class Candidate:
     return d
 
 
-def _CellCosts(profile, splits, m, r, device):
+def CellCosts(profile, splits, m, r, device):
+  """One `cost_model.CellCost` per cell of `splits` for a micro-batch of
+  batch / (m * r) examples on `device`."""
   frac = 1.0 / (m * r)
   batch = profile.batch_size
   cells = []
@@ -743,7 +746,7 @@ def Evaluate(
   if splits is None:
     splits = _Splits(profile, k, split_by, device, optimizer_slots)
   spec = device.Spec(memory_bytes)
-  cells = _CellCosts(profile, splits, m, r, device)
+  cells = CellCosts(profile, splits, m, r, device)
   sync_s = 0.0
   if r > 1:
     # Replicas 1..R-1 read each cell's weights from replica 0 before the
