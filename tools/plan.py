@@ -157,12 +157,15 @@ def _Registered(key, batch_size):
       dims[0] = batch
     return dims
 
-  shapes = [
-    tf.nest.map_structure(Fill, s, check_types=False)
-    if isinstance(s, dict)
-    else Fill(s)
-    for s in lp.input_shapes
-  ]
+  def FillAll(s):
+    if isinstance(s, dict):
+      out = s.copy()
+      for k in out:
+        out[k] = FillAll(out[k])
+      return out
+    return Fill(s)
+
+  shapes = [FillAll(s) for s in lp.input_shapes]
   slots = 2
   opt = getattr(getattr(p.task, 'train', None), 'optimizer', None)
   if opt is not None and 'SGD' in getattr(opt.cls, '__name__', ''):

@@ -79,12 +79,15 @@ def testBadInputIsOneClearMessage(flags, message, capsys):
   assert message in capsys.readouterr().err
 
 
-def testPlansARegisteredModel(capsys):
-  rc = plan.main(
-    ['--model=image.digits.MlpDigitsTiny', '--num_devices=2', '--device=cpu']
-  )
+@pytest.mark.parametrize(
+  'key', ['image.digits.MlpDigitsTiny', 'mt.multilingual.TransformerTiny']
+)
+def testPlansARegisteredModel(key, capsys):
+  # The MT model's pipeline input is a NestedMap of ids, labels, paddings.
+  rc = plan.main([f'--model={key}', '--num_devices=2', '--device=cpu'])
   assert rc == 0
-  assert 'image.digits.MlpDigitsTiny' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert key in out and 'Feasible, best first' in out
 
 
 def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
