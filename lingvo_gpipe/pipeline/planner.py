@@ -47,6 +47,7 @@ __all__ = [
   'MeasureLink',
   'MeasuredDevice',
   'CellCosts',
+  'CheckShape',
   'Candidate',
   'PlanResult',
   'Plan',
