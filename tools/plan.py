@@ -83,18 +83,21 @@ class UserError(Exception):
   pass
 
 
-def _BenchmarkTool():
-  """tools/benchmark_pipeline.py, for its models (loaded from its file:
-  tools/ is not a package)."""
+def _LoadTool(name):
+  """tools/<name>.py as a module (loaded from its file: tools/ is not a
+  package)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
 
-  path = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), 'benchmark_pipeline.py'
-  )
-  spec = importlib.util.spec_from_file_location('benchmark_pipeline', path)
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + '.py')
+  spec = importlib.util.spec_from_file_location(name, path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
+
+
+def _BenchmarkTool():
+  """tools/benchmark_pipeline.py, for its models."""
+  return _LoadTool('benchmark_pipeline')
 
 
 def _BenchArgs(args):
@@ -472,9 +475,14 @@ def ValidateCapacity(data, args):
 
   device = cost_model.GetPreset('cpu')
   rows = []
+  families = None
   for trial in data['trials']:
-    if not trial.get('peak_bytes_per_device') or 'fixed' not in trial:
+    if not trial.get('peak_bytes_per_device'):
       continue
+    if 'fixed' not in trial:  # older records: the tool's default sizes
+      if families is None:
+        families = _LoadTool('max_model_size').FAMILIES
+      trial = dict(trial, fixed=families[trial['family']]['fixed'])
     layers, shapes = CapacityModel(trial)
     profile = planner.ProfileLayers(layers, shapes, name=trial['family'])
     k = int(trial['num_stages'])

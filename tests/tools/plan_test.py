@@ -191,8 +191,13 @@ def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
   )
   path = tmp_path / 'capacity.json'
   path.write_text(json.dumps(dict(largest=[], trials=[trial])))
+  # A record without its sizes gets tools/max_model_size.py's defaults.
+  default = dict(trial, size=2)
+  del default['fixed']
+  path.write_text(json.dumps(dict(largest=[], trials=[trial, default])))
   rows = plan.Validate(plan.ParseArgs([f'--validate={path}']))
-  assert len(rows) == 1
+  assert len(rows) == 2
+  assert rows[1]['predicted_peak_bytes'] != rows[0]['predicted_peak_bytes']
   row = rows[0]
   assert len(row['predicted_peak_bytes']) == 2
   assert row['peak_ratio'] == [
