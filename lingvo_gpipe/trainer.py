@@ -280,9 +280,30 @@ def _OverrideText(lines):
   return '\n'.join(out)
 
 
+# Int params of a pipeline that also take 'auto' (resolved by the planner).
+_AUTO_PARAMS = ('num_stages', 'num_micro_batches')
+
+
 def _ApplyText(p, text, where):
+  """Applies 'a.b.c : value' lines; `...num_stages : 'auto'` (or
+  num_micro_batches) sets 'auto', which the int parser would refuse."""
+  rest = []
+  for line in text.split('\n'):
+    key, sep, value = line.partition(':')
+    key = key.strip()
+    if (
+      sep
+      and key.split('.')[-1] in _AUTO_PARAMS
+      and value.strip().strip('\'"') == 'auto'
+    ):
+      try:
+        p.Set(**{key: 'auto'})
+      except (AttributeError, ValueError, KeyError) as e:
+        raise UserError(f'{where}: {e}') from e
+      continue
+    rest.append(line)
   try:
-    p.FromText(text)
+    p.FromText('\n'.join(rest))
   except (AttributeError, ValueError) as e:
     raise UserError(f'{where}: {e}') from e
 
@@ -326,6 +347,12 @@ def ApplyWorkerSplit(p, num_stages, devices=None, num_replicas=1):
       or lp.num_stages
       or (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1)
     )
+    if k == 'auto':
+      # The pipeline's planner chooses K for these devices at build time.
+      lp.num_replicas = num_replicas
+      lp.devices = list(devices)
+      keys.append(key)
+      continue
     if k * num_replicas > len(devices):
       what = (
         f'--worker_replicas={num_replicas} x --worker_split_size={k} '
@@ -409,7 +436,30 @@ def BuildParams(
       p.task.random_seed = seed
   if worker_split_size or (worker_replicas or 1) > 1 or devices:
     ApplyWorkerSplit(p, worker_split_size, devices, worker_replicas or 1)
+  _FillAutoBatch(p)
   return p
+
+
+def _FillAutoBatch(p):
+  """Gives pipelines with num_stages / num_micro_batches = 'auto' the
+  training batch size where their input_shapes leave the batch unknown,
+  so that the planner can resolve them."""
+  inp = p.Get('input') if 'input' in p else None
+  batch = getattr(inp, 'batch_size', None)
+  if not batch:
+    return
+  for _, lp in PipelineLayers(p):
+    if 'auto' not in (lp.num_stages, lp.num_micro_batches):
+      continue
+    if not lp.input_shapes:
+      continue
+    shapes = []
+    for s in lp.input_shapes:
+      if isinstance(s, (list, tuple)) and s and s[lp.batch_dim] is None:
+        s = list(s)
+        s[lp.batch_dim] = batch
+      shapes.append(s)
+    lp.input_shapes = shapes
 
 
 def _FlagParams(dataset='Train'):

@@ -357,3 +357,25 @@ def testExportModeWritesASavedmodel(trained, tmp_path):
   np.testing.assert_allclose(
     out['logits'].numpy(), expected, rtol=1e-5, atol=1e-6
   )
+
+
+def testAutoStagesAndMicroBatchesResolvedAtBuild():
+  p = trainer.BuildParams(
+    trainer_process.MODEL,
+    'Train',
+    overrides=[
+      "task.network.num_stages : 'auto'; task.network.num_micro_batches : auto",
+      'task.network.planner_memory_per_device : 150000',
+    ],
+    devices=[f'/device:CPU:{i}' for i in range(4)],
+  )
+  net = p.task.network
+  assert net.num_stages == 'auto' and net.num_micro_batches == 'auto'
+  assert len(net.devices) == 4
+  # The batch of the training input fills the planner's input shape.
+  assert net.input_shapes[0][0] == p.input.batch_size
+  text = trainer.PlacementText(p.Instantiate())
+  assert 'planned (num_stages=auto, num_micro_batches=auto' in text
+  # 150 kB per device cannot hold the weights, gradients and Adam slots of
+  # all the layers (about 190 KiB): more than one cell.
+  assert 'cell 1 on' in text

@@ -634,7 +634,7 @@ def main(argv=None):
     cluster.Connect(local.cluster_spec)
     devices = local.devices
   try:
-    result = {'records': [], 'trace': None}
+    result = {'records': [], 'trace': None, 'args': vars(args)}
     if not args.no_benchmark:
       status = (
         device_memory.StatusMap(devices, local.status_addresses)

@@ -252,6 +252,7 @@ def RunTrial(spec):
       recompute=config['recompute'],
       size=size,
       knob=FAMILIES[family]['knob'],
+      fixed=dict(FAMILIES[family]['fixed']),
       num_cells=NumCells(family, k),
       budget_bytes=spec['budget_mb'] * MIB,
       devices=devices,

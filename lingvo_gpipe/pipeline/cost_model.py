@@ -14,10 +14,20 @@ recomputed), busy fraction and bytes sent.
 """
 
 import collections
+import dataclasses
 
 from lingvo_gpipe.pipeline import schedule
 
-__all__ = ['DeviceSpec', 'CellCost', 'Simulate', 'PeakMemoryBytes']
+__all__ = [
+  'DeviceSpec',
+  'CellCost',
+  'Device',
+  'PRESETS',
+  'GetPreset',
+  'Simulate',
+  'PeakMemoryBytes',
+  'MemoryBreakdown',
+]
 
 DeviceSpec = collections.namedtuple(
   'DeviceSpec',
@@ -33,6 +43,9 @@ DeviceSpec = collections.namedtuple(
 #   activation_bytes: bytes of all intermediate activations of one
 #     micro-batch (live while the cell's backward runs, or stored for every
 #     micro-batch without recompute).
+#   backward_bytes: peak bytes the backward of one micro-batch allocates
+#     beyond the activations (gradients of activations, temporaries);
+#     optional, 0 by default.
 CellCost = collections.namedtuple(
   'CellCost',
   [
@@ -42,12 +55,155 @@ CellCost = collections.namedtuple(
     'weight_bytes',
     'input_bytes',
     'activation_bytes',
+    'backward_bytes',
   ],
+  defaults=[0],
 )
 
 SimResult = collections.namedtuple(
-  'SimResult', ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory']
+  'SimResult',
+  ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory', 'events'],
 )
+
+_GB = 1e9
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """An accelerator as the cost model sees it.
+
+  Attributes:
+    name: the preset's key, e.g. 'tpu_v3'.
+    description: what it is and where its numbers come from.
+    peak_flops: peak FLOP/s of one device (the matrix units, 16-bit inputs).
+    memory_bytes: memory of one device.
+    memory_bytes_per_s: memory bandwidth of one device.
+    link_bytes_per_s: one-way bandwidth between two neighbouring devices.
+    link_latency_s: latency of one transfer.
+    op_overhead_s: fixed cost of launching one op.
+    flops_efficiency: the fraction of peak_flops that training reaches
+      (an assumption, the same for every preset unless measured).
+  """
+
+  name: str
+  description: str
+  peak_flops: float
+  memory_bytes: int
+  memory_bytes_per_s: float
+  link_bytes_per_s: float
+  link_latency_s: float
+  op_overhead_s: float
+  flops_efficiency: float = 0.5
+
+  def Spec(self, memory_bytes=None):
+    """The `DeviceSpec` the simulator takes (per-op overhead is charged
+    per op by the planner, so the per-task overhead here is 0)."""
+    return DeviceSpec(
+      memory_bytes=int(memory_bytes or self.memory_bytes),
+      link_bytes_per_s=self.link_bytes_per_s,
+      link_latency_s=self.link_latency_s,
+      op_overhead_s=0.0,
+    )
+
+  def ComputeS(self, flops, bytes_touched, num_ops):
+    """Seconds of an op sequence: roofline of compute and memory traffic,
+    plus the launch overhead of each op."""
+    compute = flops / (self.peak_flops * self.flops_efficiency)
+    traffic = bytes_touched / self.memory_bytes_per_s
+    return max(compute, traffic) + num_ops * self.op_overhead_s
+
+
+# Published peak numbers (per device: one TPU core, one GPU). Links are the
+# one-way bandwidth of the inter-chip link between two neighbours: TPU ICI
+# (Jouppi et al., "A domain-specific supercomputer for training deep neural
+# networks", CACM 2020: 4 links of 496 Gbit/s on v2, 656 Gbit/s on v3),
+# NVLink for GPUs. flops_efficiency 0.5 is an assumption, not a published
+# figure.
+PRESETS = {
+  d.name: d
+  for d in [
+    Device(
+      'tpu_v2',
+      'Cloud TPU v2, one core (published: 45 TFLOP/s bf16 and 16 GiB HBM '
+      'per chip of 2 cores, 600 GB/s HBM per chip, ICI 496 Gbit/s per link)',
+      peak_flops=22.5e12,
+      memory_bytes=8 * _GIB,
+      memory_bytes_per_s=300 * _GB,
+      link_bytes_per_s=62 * _GB,
+      link_latency_s=5e-6,
+      op_overhead_s=1e-6,
+    ),
+    Device(
+      'tpu_v3',
+      'Cloud TPU v3, one core (published: 123 TFLOP/s bf16 and 32 GiB HBM '
+      'per chip of 2 cores, 900 GB/s HBM per chip, ICI 656 Gbit/s per link)',
+      peak_flops=61.5e12,
+      memory_bytes=16 * _GIB,
+      memory_bytes_per_s=450 * _GB,
+      link_bytes_per_s=82 * _GB,
+      link_latency_s=5e-6,
+      op_overhead_s=1e-6,
+    ),
+    Device(
+      'v100',
+      'NVIDIA V100 SXM2 32 GB (published: 125 TFLOP/s fp16 tensor, '
+      '900 GB/s HBM2, NVLink 2: 2 links of 25 GB/s each way between '
+      'neighbours in a DGX-1)',
+      peak_flops=125e12,
+      memory_bytes=32 * _GB,
+      memory_bytes_per_s=900 * _GB,
+      link_bytes_per_s=50 * _GB,
+      link_latency_s=10e-6,
+      op_overhead_s=5e-6,
+    ),
+    Device(
+      'a100',
+      'NVIDIA A100 SXM4 80 GB (published: 312 TFLOP/s bf16 dense, '
+      '2039 GB/s HBM2e, NVLink 3: 300 GB/s each way)',
+      peak_flops=312e12,
+      memory_bytes=80 * _GB,
+      memory_bytes_per_s=2039 * _GB,
+      link_bytes_per_s=300 * _GB,
+      link_latency_s=10e-6,
+      op_overhead_s=5e-6,
+    ),
+    Device(
+      'h100',
+      'NVIDIA H100 SXM5 80 GB (published: 989 TFLOP/s bf16 dense, '
+      '3.35 TB/s HBM3, NVLink 4: 450 GB/s each way)',
+      peak_flops=989e12,
+      memory_bytes=80 * _GB,
+      memory_bytes_per_s=3350 * _GB,
+      link_bytes_per_s=450 * _GB,
+      link_latency_s=10e-6,
+      op_overhead_s=5e-6,
+    ),
+    Device(
+      'cpu',
+      'A generic host CPU core standing for a device (rough figures: '
+      '100 GFLOP/s, 4 GiB, 10 GB/s memory, 1 GB/s loopback gRPC between '
+      "processes as tools/benchmark_pipeline.py measures it); use 'measure' "
+      'for this host',
+      peak_flops=100e9,
+      memory_bytes=4 * _GIB,
+      memory_bytes_per_s=10 * _GB,
+      link_bytes_per_s=1 * _GB,
+      link_latency_s=200e-6,
+      op_overhead_s=20e-6,
+    ),
+  ]
+}
+
+
+def GetPreset(name):
+  """The preset `name`; ValueError listing the presets otherwise."""
+  if name not in PRESETS:
+    raise ValueError(
+      f'Unknown device preset {name!r}; use one of {sorted(PRESETS)} '
+      "or 'measure' (profiles this host)."
+    )
+  return PRESETS[name]
 
 
 def _TransferS(nbytes, spec):
@@ -56,24 +212,89 @@ def _TransferS(nbytes, spec):
   return spec.link_latency_s + nbytes / spec.link_bytes_per_s
 
 
-def PeakMemoryBytes(cell, num_micro_batches, recompute, optimizer_slots=2):
+def MemoryBreakdown(
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  micro_batch_gradients=False,
+):
+  """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
+  'activations'[, 'backward_temporaries']}: bytes of one device holding
+  `cell` at its peak.
+
+  With recompute the device stores the input of every micro-batch and holds
+  the activations of the one micro-batch being recomputed; without, it
+  stores the activations of every micro-batch. With
+  `micro_batch_gradients` and M > 1, 'gradients' counts two copies: the
+  running sum and the gradients of the micro-batch being added to it.
+  """
+  m = num_micro_batches
+  grad_copies = 2 if micro_batch_gradients and m > 1 else 1
+  out = {
+    'weights': cell.weight_bytes,
+    'gradients': cell.weight_bytes * grad_copies,
+    'optimizer_slots': cell.weight_bytes * optimizer_slots,
+    'stored_inputs': m * cell.input_bytes,
+  }
+  out['activations'] = cell.activation_bytes * (1 if recompute else m)
+  if cell.backward_bytes:
+    out['backward_temporaries'] = cell.backward_bytes
+  return out
+
+
+def PeakMemoryBytes(
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  micro_batch_gradients=False,
+):
   """Peak bytes of one device holding `cell`.
 
-  Weights + gradients (one per weight) + optimizer slots (Adam: 2 per
-  weight) + with recompute: the input of every micro-batch plus the
-  activations of the one micro-batch being recomputed; without: the
-  activations of every micro-batch.
+  Weights + gradients (one per weight; two with `micro_batch_gradients`
+  and M > 1) + optimizer slots (Adam: 2 per weight) + with recompute: the
+  input of every micro-batch plus the activations of the one micro-batch
+  being recomputed; without: the activations of every micro-batch.
   """
-  static = cell.weight_bytes * (2 + optimizer_slots)
-  if recompute:
-    acts = num_micro_batches * cell.input_bytes + cell.activation_bytes
-  else:
-    acts = num_micro_batches * (cell.input_bytes + cell.activation_bytes)
-  return static + acts
+  return sum(
+    MemoryBreakdown(
+      cell, num_micro_batches, recompute, optimizer_slots, micro_batch_gradients
+    ).values()
+  )
 
 
-def Simulate(cells, num_micro_batches, spec, recompute=True, optimizer_slots=2):
-  """Simulates one training step; returns a SimResult (lists per device)."""
+def Simulate(
+  cells,
+  num_micro_batches,
+  spec,
+  recompute=True,
+  optimizer_slots=2,
+  start_s=0.0,
+  end_s=0.0,
+  micro_batch_gradients=False,
+):
+  """Simulates one training step; returns a SimResult (lists per device).
+
+  Args:
+    cells: one `CellCost` per device, in pipeline order.
+    num_micro_batches: M.
+    spec: a `DeviceSpec`.
+    recompute: a bool, or a list of bools (one per cell): whether the
+      cell's backward re-runs its forward first.
+    optimizer_slots: optimizer slots per weight (Adam: 2).
+    start_s: seconds before the first forward (e.g. replicas reading the
+      weights).
+    end_s: seconds after the last backward (e.g. replicas returning their
+      gradients).
+    micro_batch_gradients: count a micro-batch's weight gradients beside
+      their running sum (see `MemoryBreakdown`).
+
+  Returns:
+    SimResult: step_s, and per device busy_fraction, bytes_sent,
+    peak_memory; events: (pass, cell, micro-batch, start_s, end_s) of every
+    task, as `timeline.PlotTimeline` takes them.
+  """
   k_cells = len(cells)
   m = num_micro_batches
   if k_cells < 1 or m < 1:
@@ -81,9 +302,14 @@ def Simulate(cells, num_micro_batches, spec, recompute=True, optimizer_slots=2):
       'Simulate needs at least one cell and one micro-batch, '
       'got K=%d M=%d.' % (k_cells, m)
     )
-  free = [0.0] * k_cells  # when each device is free
+  if isinstance(recompute, (list, tuple)):
+    per_cell = [bool(r) for r in recompute]
+  else:
+    per_cell = [bool(recompute)] * k_cells
+  free = [float(start_s)] * k_cells  # when each device is free
   busy = [0.0] * k_cells
   sent = [0] * k_cells
+  events = []
   fwd_done = {}
   for _, k, mb in schedule.ForwardOrder(k_cells, m):
     ready = free[k]
@@ -96,6 +322,7 @@ def Simulate(cells, num_micro_batches, spec, recompute=True, optimizer_slots=2):
     free[k] = ready + dur
     busy[k] += dur
     fwd_done[(k, mb)] = free[k]
+    events.append(('forward', k, mb, ready, free[k]))
   bwd_done = {}
   for _, k, mb in schedule.BackwardOrder(k_cells, m):
     ready = free[k]
@@ -106,17 +333,20 @@ def Simulate(cells, num_micro_batches, spec, recompute=True, optimizer_slots=2):
       )
       sent[k + 1] += cells[k].out_bytes
     dur = cells[k].bprop_s + spec.op_overhead_s
-    if recompute:
+    if per_cell[k]:
       dur += cells[k].fprop_s
     free[k] = ready + dur
     busy[k] += dur
     bwd_done[(k, mb)] = free[k]
-  step = max(free)
+    events.append(('backward', k, mb, ready, free[k]))
+  step = max(free) + end_s
   return SimResult(
     step_s=step,
     busy_fraction=[b / step for b in busy],
     bytes_sent=sent,
     peak_memory=[
-      PeakMemoryBytes(c, m, recompute, optimizer_slots) for c in cells
+      PeakMemoryBytes(c, m, r, optimizer_slots, micro_batch_gradients)
+      for c, r in zip(cells, per_cell)
     ],
+    events=events,
   )

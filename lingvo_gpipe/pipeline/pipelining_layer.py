@@ -52,6 +52,7 @@ Two ways to describe the cells:
     split: a checkpoint of K=8 restores into K=1.
 """
 
+from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -62,6 +63,7 @@ from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
+from lingvo_gpipe.pipeline import planner
 from lingvo_gpipe.pipeline import schedule
 
 __all__ = ['FeatureExtractionLayer', 'PipeliningLayer', 'RECOMPUTE_POLICIES']
@@ -91,7 +93,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define(
       'num_stages',
       None,
-      'Number of cells K for `layers`; None: len(devices) or 1.',
+      'Number of cells K for `layers`; None: len(devices) or 1; '
+      "'auto': the planner (pipeline/planner.py) chooses K for the "
+      'devices at hand (needs input_shapes with the batch size).',
     )
     p.Define(
       'splits',
@@ -112,7 +116,24 @@ class PipeliningLayer(base_layer.BaseLayer):
       'allowed), e.g. [[batch, 1024]]. Enables build-time shape checks '
       'and balancing by flops or time.',
     )
-    p.Define('num_micro_batches', 1, 'Number of micro-batches M.')
+    p.Define(
+      'num_micro_batches',
+      1,
+      "Number of micro-batches M; 'auto': the planner chooses M (a "
+      'divisor of the per-replica batch; needs input_shapes).',
+    )
+    p.Define(
+      'planner_device',
+      None,
+      "With 'auto': the device preset the planner predicts for "
+      '(pipeline/cost_model.PRESETS: tpu_v2, tpu_v3, v100, a100, h100, '
+      'cpu); None: guessed from the devices.',
+    )
+    p.Define(
+      'planner_memory_per_device',
+      None,
+      "With 'auto': bytes of memory per device; None: the preset's.",
+    )
     p.Define(
       'micro_batch_size',
       None,
@@ -196,6 +217,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         'cell Params) or layers (a flat list the library splits); got '
         f'{len(p.cell_tpl or [])} cells and {len(p.layers or [])} layers.'
       )
+    self._num_micro_batches = p.num_micro_batches
+    self._auto_num_stages = None
+    self.plan_text = None
+    if p.num_stages == 'auto' or p.num_micro_batches == 'auto':
+      self._ResolveAuto()
     if p.cell_tpl:
       cells = []
       for k, cp in enumerate(p.cell_tpl):
@@ -234,8 +260,72 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   # -- Construction helpers ----------------------------------------------------
 
+  def _ResolveAuto(self):
+    """Resolves num_stages / num_micro_batches = 'auto' with the planner."""
+    p = self.params
+    for name in ('num_stages', 'num_micro_batches'):
+      v = p.Get(name)
+      if v != 'auto' and v is not None and not isinstance(v, int):
+        raise ValueError(
+          f"Pipeline {p.name!r}: {name}={v!r}; use an int or 'auto'."
+        )
+    if p.num_micro_batches == 'auto' and p.micro_batch_size:
+      raise ValueError(
+        f"Pipeline {p.name!r}: num_micro_batches='auto' and "
+        f'micro_batch_size={p.micro_batch_size} both set M; give one.'
+      )
+    if p.cell_tpl:
+      if p.num_stages == 'auto':
+        raise ValueError(
+          f"Pipeline {p.name!r}: num_stages='auto' needs a flat `layers` "
+          f'list; cell_tpl fixes K={len(p.cell_tpl)} cells.'
+        )
+      layers, num_stages = list(p.cell_tpl), len(p.cell_tpl)
+    else:
+      layers = list(p.layers)
+      num_stages = p.num_stages
+    devices = list(p.devices) if p.devices else placement.DefaultDevices()
+    if num_stages is None:  # M is 'auto'; K as without it.
+      if isinstance(p.splits, int) and not isinstance(p.splits, bool):
+        num_stages = p.splits
+      elif p.splits:
+        num_stages = len(p.splits)
+      else:
+        num_stages = max(1, len(devices) // p.num_replicas) if p.devices else 1
+    device = p.planner_device or planner.DetectDevice(devices)
+    try:
+      k, m, _, text = planner.Resolve(
+        layers,
+        p.input_shapes,
+        max(1, len(devices)),
+        num_stages=num_stages,
+        num_micro_batches=p.num_micro_batches,
+        num_replicas=p.num_replicas,
+        recompute=p.recompute != 'never',
+        device=device,
+        memory_bytes=p.planner_memory_per_device,
+        batch_dim=p.batch_dim,
+        name=p.name,
+      )
+    except ValueError as e:
+      raise ValueError(f'PipeliningLayer {p.name!r}: {e}') from e
+    if p.num_stages == 'auto':
+      self._auto_num_stages = k
+    self._num_micro_batches = m
+    self.plan_text = text
+    logging.info('Pipeline %r %s', p.name, text)
+
   def _Splits(self, layers):
     p = self.params
+    if self._auto_num_stages:
+      return partition.ComputeSplits(
+        layers,
+        self._auto_num_stages,
+        None,
+        'flops' if p.balance_by == 'auto' else p.balance_by,
+        p.input_shapes,
+        device=(p.devices or [None])[0],
+      )
     num_stages = p.num_stages or (
       len(p.devices) // p.num_replicas if p.devices else None
     )
@@ -328,12 +418,17 @@ class PipeliningLayer(base_layer.BaseLayer):
       for k in range(self.num_stages)
     ]
 
+  @property
+  def num_micro_batches(self):
+    """M (resolved when the Params say 'auto')."""
+    return self._num_micro_batches
+
   def PlacementText(self):
     p = self.params
     m = (
       f'micro-batches of {p.micro_batch_size} examples'
       if p.micro_batch_size
-      else f'{p.num_micro_batches} micro-batches'
+      else f'{self._num_micro_batches} micro-batches'
     )
     if self.num_replicas > 1:
       m += ' per replica'
@@ -346,6 +441,8 @@ class PipeliningLayer(base_layer.BaseLayer):
         f', {self.num_replicas} data-parallel replicas (variables '
         'on replica 0, gradients summed there)'
       )
+    if self.plan_text:
+      lines.append(f'  {self.plan_text}')
     for k, _, paths in self.Placement():
       lines.append(
         f'  cell {k} on {self._placement.Describe(k)}: {", ".join(paths)}'
@@ -454,7 +551,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     r = self.num_replicas
     if r == 1:
       return 1, microbatch.NumMicroBatches(
-        batch, self.params.num_micro_batches, self.params.micro_batch_size
+        batch, self._num_micro_batches, self.params.micro_batch_size
       )
     if batch is not None and batch % r:
       raise ValueError(
@@ -465,7 +562,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     per_replica = None if batch is None else batch // r
     try:
       m = microbatch.NumMicroBatches(
-        per_replica, self.params.num_micro_batches, self.params.micro_batch_size
+        per_replica, self._num_micro_batches, self.params.micro_batch_size
       )
     except ValueError as e:
       raise ValueError(

@@ -59,6 +59,35 @@ def testTwoCellToyMemoryMatchesHandCount():
   assert res.peak_memory == [4000 + 4 * 60, 1600 + 4 * 50]
 
 
+def testMicroBatchGradientsCountASecondCopyWhenMIsAboveOne():
+  cell = _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)
+  assert (
+    cost_model.PeakMemoryBytes(cell, 4, True, micro_batch_gradients=True)
+    == 5 * 1000 + 4 * 10 + 50
+  )
+  # One micro-batch: its gradients are the sum.
+  assert (
+    cost_model.PeakMemoryBytes(cell, 1, True, micro_batch_gradients=True)
+    == 4 * 1000 + 10 + 50
+  )
+  parts = cost_model.MemoryBreakdown(cell, 4, False, 0, True)
+  assert parts == dict(
+    weights=1000,
+    gradients=2000,
+    optimizer_slots=0,
+    stored_inputs=40,
+    activations=200,
+  )
+
+
 def testBadInput():
   with pytest.raises(ValueError, match='K=0 M=4'):
     cost_model.Simulate([], 4, _FREE_LINKS)
+
+
+def testSimulateCountsMicroBatchGradients():
+  cells = [_Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)] * 2
+  res = cost_model.Simulate(
+    cells, 4, _FREE_LINKS, recompute=True, micro_batch_gradients=True
+  )
+  assert res.peak_memory == [5 * 1000 + 4 * 10 + 50] * 2

@@ -1,0 +1,193 @@
+"""The planner: profiles from Params, the candidate search and 'auto'."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.layers import transformer
+from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import planner
+
+DEVICES = [f'/device:CPU:{i}' for i in range(4)]
+MIB = 2**20
+
+
+def _Fcs(n, dim=256):
+  return [
+    layers.FCLayer.Params().Set(
+      name=f'fc_{i}', input_dim=dim, output_dim=dim, activation='RELU'
+    )
+    for i in range(n)
+  ]
+
+
+def testProfileCountsFlopsParamsAndSavedActivations():
+  prof = planner.ProfileLayers(_Fcs(3, 64), [[32, 64]])
+  assert prof.batch_size == 32 and prof.num_layers == 3
+  lp = prof.layers[0]
+  assert lp.num_params == 64 * 64 + 64
+  assert lp.param_bytes == 4 * lp.num_params
+  assert lp.flops >= 2 * 32 * 64 * 64
+  assert lp.in_bytes == lp.out_bytes == 32 * 64 * 4
+  # The backward of relu(x w + b) reads at least the output of the layer.
+  assert lp.activation_bytes >= 32 * 64 * 4
+  assert [x.name for x in prof.layers] == ['fc_0', 'fc_1', 'fc_2']
+
+
+def testSavedActivationsOfATransformerBlock():
+  # The saved tensors of one block: dominated by the FFN hidden layer
+  # [b, t, 4d] and the attention probabilities [b, h, t, t]; between 4x and
+  # 40x the block's output.
+  p = transformer.TransformerLayer.Params().Set(
+    name='b', source_dim=64, hidden_dim=256, num_attention_heads=2
+  )
+  prof = planner.ProfileLayers([p], [[8, 16, 64]])
+  out = 8 * 16 * 64 * 4
+  assert 4 * out <= prof.layers[0].activation_bytes <= 40 * out
+
+
+def testProfileNeedsTheBatchSize():
+  with pytest.raises(ValueError, match='batch size'):
+    planner.ProfileLayers(_Fcs(2), [[None, 256]])
+
+
+def testPlanRanksAndExplainsRejections():
+  prof = planner.ProfileLayers(_Fcs(8, 512), [[256, 512]])
+  device = cost_model.GetPreset('cpu')
+  # 8 layers of 1 MiB weights: 4 MiB each with gradients and Adam slots.
+  res = planner.Plan(prof, device, 4, memory_bytes=14 * MIB)
+  assert res.feasible
+  steps = [c.step_s for c in res.feasible]
+  assert steps == sorted(steps)
+  for c in res.feasible:
+    assert c.num_stages * c.num_replicas <= 4
+    assert c.max_peak_bytes <= 14 * MIB
+  no_fit = [c for c in res.rejected if c.verdict == 'does not fit']
+  assert any(c.num_stages == 1 for c in no_fit)
+  assert all('dominate' in c.reason for c in no_fit)
+  text = res.ToText()
+  assert 'Feasible, best first' in text and 'does not fit' in text
+
+
+def testModelThatFitsNothingNamesItsSmallestNeed():
+  prof = planner.ProfileLayers(_Fcs(2, 512), [[64, 512]])
+  res = planner.Plan(prof, cost_model.GetPreset('cpu'), 2, memory_bytes=MIB)
+  assert not res.feasible
+  text = res.ToText()
+  assert 'No configuration fits' in text
+  assert 'weights, gradients and optimizer slots dominate' in text
+
+
+def testBadShapesGiveTheValidRange():
+  prof = planner.ProfileLayers(_Fcs(3), [[8, 256]])
+  cpu = cost_model.GetPreset('cpu')
+  with pytest.raises(ValueError, match=r'3 layers: K must lie in \[1, 3\]'):
+    planner.Plan(prof, cpu, 8, num_stages=4)
+  with pytest.raises(ValueError, match=r'K=2 x R=2 = 4 devices'):
+    planner.Plan(prof, cpu, 2, num_stages=2, num_replicas=2)
+  with pytest.raises(ValueError, match='tpu_v3'):
+    cost_model.GetPreset('tpu_v9')
+
+
+def testBubbleBoundIsRejectedWhenBetterExists():
+  # 1024 flops per byte sent: compute-bound on a TPU core's link.
+  prof = planner.ProfileLayers(_Fcs(4, 2048), [[256, 2048]])
+  res = planner.Plan(prof, cost_model.GetPreset('tpu_v3'), 4)
+  bubble = [c for c in res.rejected if c.verdict == 'bubble-bound']
+  assert any(c.num_stages == 4 and c.num_micro_batches == 1 for c in bubble)
+  assert all('idle' in c.reason for c in bubble)
+
+
+def _AutoPipeline(**kw):
+  p = pipelining_layer.PipeliningLayer.Params().Set(
+    name='auto',
+    layers=_Fcs(8, 512),
+    num_stages='auto',
+    num_micro_batches='auto',
+    devices=DEVICES,
+    input_shapes=[[64, 512]],
+    planner_device='cpu',
+  )
+  p.Set(**kw)
+  return p.Instantiate()
+
+
+def testAutoResolvesKForMemoryAndRuns():
+  # 8 x 4 MiB of weights, gradients and slots: only K >= 3 fits 14 MiB.
+  pipe = _AutoPipeline(planner_memory_per_device=14 * MIB)
+  assert pipe.num_stages >= 3
+  assert 64 % pipe.num_micro_batches == 0
+  text = pipe.PlacementText()
+  assert 'planned (num_stages=auto, num_micro_batches=auto' in text
+  assert f'K={pipe.num_stages}, M={pipe.num_micro_batches}' in text
+  x = tf.random.stateless_normal([64, 512], [1, 2])
+  with tf.GradientTape() as tape:
+    y = pipe(x)
+    loss = tf.reduce_sum(y)
+  grads = tape.gradient(loss, pipe.trainable_variables)
+  assert all(g is not None for g in grads)
+  assert np.isfinite(loss.numpy())
+
+
+def testAutoMicroBatchesWithFixedStages():
+  pipe = _AutoPipeline(num_stages=2, planner_device='tpu_v3')
+  assert pipe.num_stages == 2
+  # On a TPU core this model is compute-bound: more than one micro-batch
+  # shrinks the bubble.
+  assert pipe.num_micro_batches > 1
+  assert 'num_micro_batches=auto' in pipe.PlacementText()
+
+
+def testAutoErrors():
+  with pytest.raises(ValueError, match='input_shapes'):
+    _AutoPipeline(input_shapes=None)
+  with pytest.raises(ValueError, match='smallest need'):
+    _AutoPipeline(planner_memory_per_device=MIB)
+  with pytest.raises(ValueError, match='tpu_v3'):
+    _AutoPipeline(planner_device='tpu_v9')
+  with pytest.raises(ValueError, match='micro_batch_size'):
+    _AutoPipeline(micro_batch_size=8)
+
+
+def testMeasureTimesEachDistinctLayerOnce():
+  layer_params = _Fcs(3, 32)
+  prof = planner.ProfileLayers(layer_params, [[16, 32]])
+  planner.MeasureProfile(prof, layer_params, repeats=1, time_budget_s=60)
+  for lp in prof.layers:
+    assert lp.measured is not None and all(t >= 0 for t in lp.measured)
+  # Three identical layers on identical inputs: one measurement.
+  assert prof.layers[0].measured == prof.layers[2].measured
+  device = planner.MeasuredDevice(64 * MIB, link=(1e9, 1e-4))
+  cand = planner.Evaluate(prof, device, 2, 4)
+  assert cand.step_s > 0 and len(cand.peak_bytes) == 2
+
+
+@pytest.mark.slow
+def testMeasureLinkBetweenTwoLocalWorkers():
+  bw, latency = planner.MeasureLink()
+  assert bw > 1e6 and latency >= 0
+
+
+def testBackwardPeakBeyondSavedActivations():
+  p = transformer.TransformerLayer.Params().Set(
+    name='b', source_dim=64, hidden_dim=256, num_attention_heads=2
+  )
+  lp = planner.ProfileLayers([p], [[8, 16, 64]]).layers[0]
+  # At least the gradient of the block's input is alive at some point.
+  assert lp.backward_bytes >= 8 * 16 * 64 * 4
+  assert lp.backward_bytes < lp.activation_bytes * 4
+
+
+def testSlowLinksMakeATransferBoundPipeline():
+  prof = planner.ProfileLayers(_Fcs(4, 512), [[512, 512]])
+  slow = dataclasses.replace(
+    cost_model.GetPreset('tpu_v3'), link_bytes_per_s=1e6, name='slow'
+  )
+  cand = planner.Evaluate(prof, slow, 2, 8)
+  assert cand.verdict == 'transfer-bound'
+  assert 'waits for transfers' in cand.reason
+  assert cand.free_link_step_s < 0.7 * cand.step_s

@@ -1,0 +1,207 @@
+"""tools/plan.py: plans, errors, the predicted timeline, validation against
+a benchmark JSON and the paper's tables."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+_TOOL = os.path.join(os.path.dirname(__file__), '..', '..', 'tools', 'plan.py')
+
+
+def _Tool():
+  spec = importlib.util.spec_from_file_location('plan_tool', _TOOL)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+plan = _Tool()
+
+_SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
+
+
+def testPlanListsFeasibleBestFirstAndWritesJson(tmp_path, capsys):
+  path = str(tmp_path / 'plan.json')
+  png = str(tmp_path / 'plan.png')
+  rc = plan.main(
+    [
+      '--model=bench.mlp',
+      '--num_devices=2',
+      '--device=tpu_v3',
+      f'--json={path}',
+      f'--timeline={png}',
+      *_SMALL,
+    ]
+  )
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert 'Feasible, best first' in out
+  with open(path) as f:
+    data = json.load(f)
+  steps = [c['step_s'] for c in data['feasible']]
+  assert steps and steps == sorted(steps)
+  for c in data['feasible'] + data['rejected']:
+    assert {'num_stages', 'num_micro_batches', 'recompute', 'splits'} <= set(c)
+  assert os.path.getsize(png) > 1000
+
+
+def testNothingFitsSaysTheSmallestNeed(capsys):
+  rc = plan.main(
+    [
+      '--model=bench.mlp',
+      '--num_devices=2',
+      '--device=cpu',
+      '--memory_per_device=16KiB',
+      *_SMALL,
+    ]
+  )
+  assert rc == 1
+  out = capsys.readouterr().out
+  assert 'No configuration fits in 16.0 KiB' in out
+  assert 'The smallest need is' in out and 'dominate' in out
+
+
+@pytest.mark.parametrize(
+  'flags,message',
+  [
+    (['--device=tpu_v9'], "the presets are ['a100', 'cpu'"),
+    (['--num_stages=5'], 'K must lie in [1, 2]'),
+    (['--num_stages=2', '--num_replicas=2'], 'K=2 x R=2 = 4 devices'),
+    (['--memory_per_device=lots'], 'is not a size'),
+    (['--model=bench.rnn'], 'the benchmark models are'),
+  ],
+)
+def testBadInputIsOneClearMessage(flags, message, capsys):
+  argv = ['--model=bench.mlp', '--num_devices=2', *_SMALL, *flags]
+  assert plan.main(argv) == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  'key', ['image.digits.MlpDigitsTiny', 'mt.multilingual.TransformerTiny']
+)
+def testPlansARegisteredModel(key, capsys):
+  # The MT model's pipeline input is a NestedMap of ids, labels, paddings.
+  rc = plan.main([f'--model={key}', '--num_devices=2', '--device=cpu'])
+  assert rc == 0
+  out = capsys.readouterr().out
+  assert key in out and 'Feasible, best first' in out
+
+
+def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
+  # Records as tools/benchmark_pipeline.py writes them (multi_process with
+  # --memory=1): the measured numbers here are made up; the test checks that
+  # every configuration gets its prediction and the ratios.
+  bench = dict(
+    args=dict(num_blocks=4, dim=32, seq_len=8, batch_size=16),
+    records=[
+      dict(
+        model='mlp',
+        num_stages=k,
+        num_micro_batches=m,
+        recompute=rc,
+        replicas=1,
+        batch_size=16,
+        step_time_s=0.01 * (k + m),
+        peak_bytes={f'/job:worker/task:{i}': 2**20 for i in range(max(k, 1))},
+      )
+      for k, m, rc in [(0, 1, False), (1, 1, False), (2, 4, True)]
+    ],
+    transfer=dict(bytes_per_s=1e9),
+  )
+  path = tmp_path / 'bench.json'
+  path.write_text(json.dumps(bench))
+  out_json = str(tmp_path / 'validation.json')
+  rows = plan.Validate(
+    plan.ParseArgs([f'--validate={path}', '--device=cpu', f'--json={out_json}'])
+  )
+  assert len(rows) == 3
+  for row, rec in zip(rows, bench['records']):
+    assert row['measured_step_s'] == rec['step_time_s']
+    assert row['step_ratio'] == pytest.approx(
+      row['predicted_step_s'] / row['measured_step_s']
+    )
+    assert len(row['peak_ratio']) == max(rec['num_stages'], 1)
+  # K=2, M=4 with recompute: less per device than the one-device model.
+  assert (
+    max(rows[2]['predicted_peak_bytes']) < rows[1]['predicted_peak_bytes'][0]
+  )
+  text = capsys.readouterr().out
+  assert 'vs measured' in text and text.count('mlp') >= 3
+  with open(out_json) as f:
+    assert len(json.load(f)['rows']) == 3
+
+
+@pytest.mark.slow
+def testPaperTable2TransformerRowsAtM32(tmp_path):
+  path = str(tmp_path / 't2.json')
+  records = plan.PaperTable2(
+    plan.ParseArgs(['--paper_table2', f'--json={path}'])
+  )
+  with open(path) as f:
+    assert json.load(f) == records
+  for r in records:
+    assert {
+      'model',
+      'num_stages',
+      'num_micro_batches',
+      'predicted_normalized',
+      'paper_normalized',
+    } <= set(r)
+  m32 = [
+    r
+    for r in records
+    if r['model'] == 'transformer48' and r['num_micro_batches'] == 32
+  ]
+  assert [r['paper_normalized'] for r in m32] == [1.8, 3.4, 6.3]
+  for r in m32:
+    assert abs(r['predicted_normalized'] / r['paper_normalized'] - 1) < 0.15
+
+
+def testPaperTable1LargestTransformerPerK():
+  device = plan.cost_model.GetPreset('tpu_v3')
+  for k, paper in plan.PAPER_TABLE1_TRANSFORMER.items():
+    if k > 8:
+      continue
+    n, m, peak = plan.LargestTransformer(device, k, 16 * 2**30)
+    assert abs(n / paper - 1) < 0.2, (k, n, paper)
+    assert peak <= 16 * 2**30
+
+
+def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
+  fixed = dict(
+    model_dim=16,
+    hidden_dim=32,
+    num_heads=1,
+    vocab_size=64,
+    seq_len=8,
+    batch_size=8,
+  )
+  trial = dict(
+    family='transformer',
+    config='pipeline-2',
+    num_stages=2,
+    num_micro_batches=4,
+    recompute=True,
+    size=4,
+    fixed=fixed,
+    peak_bytes_per_device=[2**20, 2**19],
+  )
+  path = tmp_path / 'capacity.json'
+  path.write_text(json.dumps(dict(largest=[], trials=[trial])))
+  # A record without its sizes gets tools/max_model_size.py's defaults.
+  default = dict(trial, size=2)
+  del default['fixed']
+  path.write_text(json.dumps(dict(largest=[], trials=[trial, default])))
+  rows = plan.Validate(plan.ParseArgs([f'--validate={path}']))
+  assert len(rows) == 2
+  assert rows[1]['predicted_peak_bytes'] != rows[0]['predicted_peak_bytes']
+  row = rows[0]
+  assert len(row['predicted_peak_bytes']) == 2
+  assert row['peak_ratio'] == [
+    p / q
+    for p, q in zip(row['predicted_peak_bytes'], trial['peak_bytes_per_device'])
+  ]
+  assert 'predicted vs measured' in capsys.readouterr().out
