@@ -32,13 +32,39 @@ Layout of --logdir:
   decoder_dev/               decoder outputs (decoder_out_<step>.npz)
 
 Exit status: 0 after training (also after SIGINT/SIGTERM, which save a
-checkpoint first), 1 with a one-line reason on errors (unknown model, bad
-override, incompatible checkpoint, NaN loss, unwritable logdir).
+checkpoint first; a second signal ends the process at once, with status
+128 + signal number), 1 with a one-line reason on any error of any job
+(unknown model, bad override, bad input data, incompatible checkpoint,
+NaN loss, unwritable logdir, a lost worker; an unexpected error's traceback
+goes to <logdir>/error_traceback.txt), 130 on SIGINT during start-up.
+docs/reliability.md lists what survives which fault.
 """
 
 import os
+import re
+import signal
 import sys
 import threading
+
+
+def _StartupSignal(signum, unused_frame):
+  """SIGINT/SIGTERM while TensorFlow loads: one line, exit 128 + signum."""
+  name = signal.Signals(signum).name
+  sys.stderr.write(
+    f'ERROR: {name} during start-up: exiting before anything was trained '
+    'or saved.\n'
+  )
+  sys.stderr.flush()
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+# Run as a program, the handlers go in before the slow imports below, so an
+# early Ctrl-C gives one line and status 130, not a traceback.
+if __name__ == '__main__':
+  for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, _StartupSignal)
+
+import traceback
 
 from absl import app
 from absl import flags
@@ -48,6 +74,7 @@ import tensorflow as tf
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import cluster
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.runners import checkpointer
@@ -634,8 +661,9 @@ def _RaiseIfWorkerLost(error, train_dir):
   ) from error
 
 
-def _RunEvaler(kind, dataset, logdir, stop, errors):
-  """Runs an evaler/decoder job; exceptions go to `errors`."""
+def _RunEvaler(kind, dataset, logdir, stop, errors, trainer_stop=None):
+  """Runs an evaler/decoder job; exceptions go to `errors` and stop the
+  trainer (`trainer_stop`), which saves and exits."""
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
     with _BUILD_LOCK:
@@ -655,8 +683,11 @@ def _RunEvaler(kind, dataset, logdir, stop, errors):
     )
     ev.Run(stop=stop)
   except Exception as e:  # pylint: disable=broad-except
-    logging.exception('%s_%s failed.', kind, dataset.lower())
-    errors.append(e)
+    job = f'{kind}_{dataset.lower()}'
+    logging.error('%s failed: %s', job, OneLine(e, logdir))
+    errors.append((job, e))
+    if trainer_stop is not None:
+      trainer_stop.Set(f'{job} failed')
 
 
 def ParseJobs(text):
@@ -698,7 +729,14 @@ def _Sync():
       t = threading.Thread(
         target=_RunEvaler,
         name=f'{kind}_{dataset.lower()}',
-        args=(kind, dataset, FLAGS.logdir, eval_stop, errors),
+        args=(
+          kind,
+          dataset,
+          FLAGS.logdir,
+          eval_stop,
+          errors,
+          stop if has_trainer else None,
+        ),
         daemon=True,
       )
       threads.append(t)
@@ -713,11 +751,8 @@ def _Sync():
       while t.is_alive():  # Short joins: signals reach the main thread.
         t.join(timeout=0.5)
   if errors:
-    if isinstance(errors[0], (UserError, checkpointer.CheckpointError)):
-      raise errors[0]
-    raise UserError(
-      f'{type(errors[0]).__name__}: {errors[0]} (traceback logged above)'
-    )
+    job, error = errors[0]
+    raise UserError(f'{job}: {OneLine(error, FLAGS.logdir)}') from error
 
 
 def _Export():
@@ -754,16 +789,69 @@ def _Main(unused_argv):
     _Sync()
 
 
+_KNOWN_ERRORS = (
+  UserError,
+  checkpointer.CheckpointError,
+  train_loop.NonFiniteError,
+)
+
+
+def _TensorFlowText(error):
+  """The first meaningful line of a TensorFlow error, without the
+  {{function_node ...}} and [Op:...] decorations."""
+  text = str(getattr(error, 'message', None) or error)
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  line = lines[0] if lines else ''
+  line = re.sub(r'\s*\[\[\{\{node .*', '', line)
+  return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line).strip()
+
+
+def OneLine(error, logdir=None):
+  """The one-line message the trainer exits with for `error`."""
+  if isinstance(error, _KNOWN_ERRORS):
+    return ' '.join(str(error).split('\n'))
+  if isinstance(error, tf.errors.OpError):
+    message = imagenet.ErrorMessage(error)
+    if message:
+      return message
+    return f'{type(error).__name__} from TensorFlow: {_TensorFlowText(error)}'
+  where = 'the log (--verbosity=1)'
+  if logdir and tf.io.gfile.isdir(logdir):
+    path = os.path.join(logdir, 'error_traceback.txt')
+    try:
+      with open(path, 'w') as f:
+        f.write(''.join(traceback.format_exception(error)))
+      where = path
+    except OSError:
+      pass
+  logging.vlog(1, '%s', ''.join(traceback.format_exception(error)))
+  first = str(error).strip().split('\n')[0]
+  return f'{type(error).__name__}: {first} (traceback in {where})'
+
+
+def _Exit(status, message=None):
+  """Reports `message` in one line and ends the process without running
+  interpreter shutdown (which can block in TensorFlow's destructors)."""
+  if message:
+    logging.error('%s', message)
+    sys.stderr.write(f'ERROR: {message}\n')
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
 def _Run(argv):
   try:
     _Main(argv)
-  except (
-    UserError,
-    checkpointer.CheckpointError,
-    train_loop.NonFiniteError,
-  ) as e:
-    logging.error('%s', e)
-    sys.exit(f'ERROR: {e}')
+  except KeyboardInterrupt:
+    _Exit(130, 'SIGINT during start-up: exiting before anything was saved.')
+  except SystemExit:
+    raise
+  except BaseException as e:  # pylint: disable=broad-except
+    _Exit(1, OneLine(e, FLAGS.logdir))
+  _Exit(0)
 
 
 def main(argv=None):

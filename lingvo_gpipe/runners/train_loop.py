@@ -16,7 +16,9 @@ model.
 """
 
 import math
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -67,18 +69,20 @@ class StopRequest:
     return self._event.wait(timeout)
 
   def InstallSignalHandlers(self, signums=(signal.SIGINT, signal.SIGTERM)):
-    """SIGINT/SIGTERM set the flag; a second one kills the process at once.
+    """SIGINT/SIGTERM set the flag; a second one ends the process at once.
 
+    The second signal is seen by a thread that reads the interpreter's
+    signal wake-up file, so it ends the process (status 128 + signal number,
+    after one log line) within a second even while the main thread is
+    blocked inside a TensorFlow call, where Python handlers cannot run.
     Must be called from the main thread.
     """
+    signums = tuple(signums)
 
     def Handler(signum, unused_frame):
       name = signal.Signals(signum).name
       if self.requested:
-        logging.warning('Second %s: exiting without saving.', name)
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
-        return
+        _ExitNow(signum)
       logging.info(
         '%s received: saving a checkpoint after this step, then exiting.', name
       )
@@ -86,6 +90,37 @@ class StopRequest:
 
     for signum in signums:
       signal.signal(signum, Handler)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def Watch():
+      count = 0
+      while True:
+        data = os.read(read_fd, 64)
+        if not data:
+          return
+        for signum in data:
+          if signum in signums:
+            count += 1
+            if count >= 2:
+              _ExitNow(signum)
+
+    threading.Thread(target=Watch, name='second_signal', daemon=True).start()
+
+
+def _ExitNow(signum):
+  """The second SIGINT/SIGTERM: one line, no save, no waiting."""
+  name = signal.Signals(signum).name
+  message = (
+    f'Second {name}: exiting now without saving; the last checkpoint '
+    'stays the one to resume from.'
+  )
+  logging.warning('%s', message)
+  logging.flush()
+  sys.stderr.write(f'ERROR: {message}\n')
+  sys.stderr.flush()
+  os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 class StepWatchdog:
