@@ -108,6 +108,12 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
       'Files of the evaluation split (validation-*), used by '
       'EvalParams for Dev/Test.',
     )
+    p.Define(
+      'use_eval_files',
+      False,
+      'Read eval_file_pattern instead of file_pattern (set by EvalParams, '
+      'so that an override of one pattern changes one split).',
+    )
     p.Define('image_size', 224, 'Output height and width.')
     p.Define('num_classes', 1000, 'Number of classes.')
     p.Define(
@@ -203,26 +209,28 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
         'empty; set it to the validation files (e.g. ".../validation-*") '
         f'or define {dataset}() with its own file_pattern.'
       )
-    p.file_pattern = p.eval_file_pattern
+    p.use_eval_files = True
     p.augment = False
     return p
 
   def Files(self):
-    """The files matching `file_pattern` (comma-separated globs)."""
+    """The files matching `file_pattern` (`eval_file_pattern` with
+    use_eval_files; comma-separated globs)."""
     p = self.params
-    if not p.file_pattern:
+    name = 'eval_file_pattern' if p.use_eval_files else 'file_pattern'
+    value = p.eval_file_pattern if p.use_eval_files else p.file_pattern
+    if not value:
       raise ValueError(
-        f'ImageNetInput {self.path!r}: file_pattern is empty; '
+        f'ImageNetInput {self.path!r}: {name} is empty; '
         'set it to the TFRecord files, e.g. '
         '"/data/imagenet/train-*".'
       )
     files = []
-    for pattern in p.file_pattern.split(','):
+    for pattern in value.split(','):
       files.extend(sorted(tf.io.gfile.glob(pattern.strip())))
     if not files:
       raise ValueError(
-        f'ImageNetInput {self.path!r}: no file matches '
-        f'file_pattern = {p.file_pattern!r}.'
+        f'ImageNetInput {self.path!r}: no file matches {name} = {value!r}.'
       )
     return files
 

@@ -98,7 +98,8 @@ def testTrainingBatchesAreAugmentedAndReproducible(files):
 def testEvalCentralCropAtAnyResolution(files):
   d, _, val = files
   p = imagenet.ImageNetInput.EvalParams(_Params(d, image_size=20), 'Dev')
-  assert p.file_pattern == str(d / 'validation-*') and not p.augment
+  assert p.use_eval_files and not p.augment
+  assert p.eval_file_pattern == str(d / 'validation-*')
   _, batches = _All(p)
   (b,) = batches
   assert b.image.shape == [4, 20, 20, 3]
