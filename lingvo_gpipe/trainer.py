@@ -196,6 +196,12 @@ flags.DEFINE_float(
   '(the first step: 4 times longer). Default: 900 with '
   '--cluster_spec/TF_CONFIG, off on one host; 0: off.',
 )
+flags.DEFINE_float(
+  'max_weight_abs',
+  1e6,
+  'A checkpoint save refuses trainable weights larger than this in '
+  'absolute value (diverged training); 0: only NaN/Inf are refused.',
+)
 flags.DEFINE_integer(
   'max_steps', None, 'Overrides task.train.max_steps.', lower_bound=0
 )
@@ -568,6 +574,7 @@ def _RunTrainer(p, logdir, stop):
     summary_interval_steps=tp.summary_interval_steps,
     stop=stop,
     watchdog=watchdog,
+    max_weight_abs=FLAGS.max_weight_abs,
   )
   try:
     return loop.Run()

@@ -292,3 +292,28 @@ def testSecondSignalEndsAProcessBlockedInTensorFlow(tmp_path):
   err = proc.stderr.read()
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
   assert 'ERROR: Second SIGTERM: exiting now without saving' in err
+
+
+@pytest.mark.slow
+def testDivergedWeightsAreNeverTheLastGoodModel(tmp_path):
+  files = _Good(tmp_path / 'train-0')
+  logdir = tmp_path / 'logdir'
+  res = _Train(
+    logdir,
+    files,
+    '--max_steps=60',
+    '--model_params_override=task.train.learning_rate : 1e30',
+    '--model_params_override=task.train.save_interval_steps : 1',
+  )
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = _ErrorLine(res)
+  assert 'The last good model is the last checkpoint' in line, line
+  latest = checkpointer.LatestCheckpoint(str(logdir / 'train'))
+  if latest is not None:
+    reader = tf.train.load_checkpoint(latest)
+    for key, dtype in reader.get_variable_to_dtype_map().items():
+      if 'network' in key and dtype.is_floating and 'Adam' not in key:
+        assert np.all(np.abs(reader.get_tensor(key)) <= 1e6), key
+  # The logdir recovers at a sane learning rate, without deleting files.
+  res = _Train(logdir, files, '--max_steps=80')
+  assert res.returncode == 0, res.stderr[-3000:]

@@ -157,6 +157,27 @@ class Checkpointer:
   def last_saved_step(self):
     return self._last_step
 
+  @property
+  def latest(self):
+    """The prefix of the newest checkpoint saved or restored, or None."""
+    return self._kept[-1] if self._kept else None
+
+  def Discard(self, prefix):
+    """Removes checkpoint `prefix` (e.g. diverged weights): the pointer goes
+    back to the checkpoint before it (or is removed), then its files go."""
+    if prefix not in self._kept:
+      return
+    self._kept.remove(prefix)
+    if self._kept:
+      WritePointer(self._dir, self._kept[-1], self._kept)
+    else:
+      pointer = os.path.join(self._dir, POINTER)
+      if tf.io.gfile.exists(pointer):
+        tf.io.gfile.remove(pointer)
+    DeleteCheckpointFiles(prefix)
+    self._last_step = StepOf(self._kept[-1]) if self._kept else None
+    logging.warning('Removed checkpoint %s.', prefix)
+
   def _Cleanup(self):
     """Removes what crashed saves left; adopts the pointer's checkpoint list.
 

@@ -10,9 +10,15 @@ time, ETA); every `summary_interval_steps` the step's scalars (loss, metrics,
 learning_rate, grad_norm) and examples_per_sec and step_time go to
 TensorBoard. The loop stops at `max_steps`, when the input ends, or when a
 `StopRequest` is set (SIGINT/SIGTERM): it then saves a checkpoint and
-returns. A NaN or Inf loss (or weight) raises `NonFiniteError` naming the
-step, before anything is saved, so the last checkpoint stays the last good
-model.
+returns.
+
+Diverged weights are never kept as the last good model: a NaN or Inf loss
+raises `NonFiniteError` naming the step, before anything is saved, and if
+the latest checkpoint holds the weights that produced that loss (the step
+before), it is removed, so the pointer names the checkpoint before it.
+Weights are checked before every save too: a NaN or Inf, or a trainable
+weight beyond `max_weight_abs` (finite but diverged, e.g. 1e30 after a far
+too high learning rate), stops training without saving them.
 """
 
 import math
@@ -247,6 +253,7 @@ class TrainLoop:
     batch_size=None,
     train_step_fn=None,
     watchdog=None,
+    max_weight_abs=1e6,
   ):
     """Constructor.
 
@@ -266,7 +273,10 @@ class TrainLoop:
       train_step_fn: replaces `task.TrainStep` (tests).
       watchdog: a StepWatchdog told when each step (and its checkpoint)
         starts and ends.
+      max_weight_abs: a save refuses trainable weights larger in absolute
+        value (diverged); 0 or None: only NaN/Inf are refused.
     """
+    self._max_weight_abs = max_weight_abs
     self._watchdog = watchdog
     self._task = task
     self._global_step = global_step
@@ -293,27 +303,56 @@ class TrainLoop:
   def stop(self):
     return self._stop
 
+  def _Latest(self):
+    last = self._ckpt.latest if self._ckpt is not None else None
+    return last or 'none (start afresh)'
+
   def _CheckFinite(self, step, scalars):
     loss = scalars.get('loss')
     if loss is not None and not math.isfinite(loss):
+      dropped = ''
+      # The loss of `step` was computed with the weights of step - 1.
+      if self._ckpt is not None and self._ckpt.last_saved_step == step - 1:
+        prefix = self._ckpt.latest
+        self._ckpt.Discard(prefix)
+        dropped = (
+          f' The checkpoint of step {step - 1} ({prefix}), whose weights '
+          'gave this loss, was removed.'
+        )
       raise NonFiniteError(
         f'The loss is {loss} at step {step}. Training stopped without '
-        'saving, so the last checkpoint is the last good model. Lower the '
-        'learning rate (e.g. --model_params_override="task.train.'
-        'learning_rate : ...") or add gradient clipping, then restart.'
+        f'saving.{dropped} The last good model is the last checkpoint: '
+        f'{self._Latest()}. Lower the learning rate (e.g. '
+        '--model_params_override="task.train.learning_rate : ...") or add '
+        'gradient clipping, then rerun to resume from it.'
       )
 
   def _CheckWeightsFinite(self, step):
-    bad = [
-      v.name
-      for v in self._Variables()
-      if v.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(v)))
-    ]
+    bad, big = [], []
+    for v in self._Variables():
+      if not v.dtype.is_floating:
+        continue
+      if not bool(tf.reduce_all(tf.math.is_finite(v))):
+        bad.append(v.name)
+      elif self._max_weight_abs and v.trainable:
+        peak = float(tf.reduce_max(tf.abs(v))) if v.shape.num_elements() else 0
+        if peak > self._max_weight_abs:
+          big.append((peak, v.name))
     if bad:
       raise NonFiniteError(
         f'NaN or Inf in {len(bad)} variables at step {step} (e.g. '
-        f'{bad[:3]}); not saving them, the last checkpoint is the last '
-        'good model.'
+        f'{bad[:3]}); not saving them. The last good model is the last '
+        f'checkpoint: {self._Latest()}.'
+      )
+    if big:
+      peak, name = max(big)
+      raise NonFiniteError(
+        f'The weights diverged at step {step}: |{name}| reaches {peak:.3g} '
+        f'(> --max_weight_abs={self._max_weight_abs:g}); not saving them. '
+        f'The last good model is the last checkpoint: {self._Latest()}. '
+        'Lower the learning rate or add gradient clipping, then rerun to '
+        'resume from it (or raise --max_weight_abs if such weights are '
+        'expected).'
       )
 
   def _Variables(self):
