@@ -191,10 +191,11 @@ flags.DEFINE_float(
 flags.DEFINE_float(
   'step_timeout_s',
   None,
-  'Exit with status 1, naming the unreachable workers, if '
-  'one training step (with its checkpoint) takes longer '
-  '(the first step: 4 times longer). Default: 900 with '
-  '--cluster_spec/TF_CONFIG, off on one host; 0: off.',
+  'Exit with status 1, naming the dead or silent workers, if one training '
+  'step (with its checkpoint) takes longer (the first step: 4 times '
+  'longer). Default with --cluster_spec/TF_CONFIG: max(60 s, 10 x the '
+  'running median step time), 900 s for the first step; off on one host. '
+  '0: off.',
 )
 flags.DEFINE_float(
   'max_weight_abs',
@@ -593,45 +594,58 @@ def _RunTrainer(p, logdir, stop):
 
 
 def _StepTimeout():
+  """Seconds, 0 (off) or None (auto: from the running median step time)."""
   if FLAGS.step_timeout_s is not None:
     return FLAGS.step_timeout_s
-  return 900.0 if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
+  return None if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
 
 
 def _Watchdog(train_dir):
   """A StepWatchdog that ends the process naming the workers (or None)."""
   timeout = _StepTimeout()
-  if not timeout:
+  if timeout == 0:
     return None
+  rule = (
+    f'--step_timeout_s={timeout:g}'
+    if timeout is not None
+    else 'the default step timeout, max(60 s, 10 x the median step time)'
+  )
 
-  def OnTimeout(step, elapsed):
+  def OnTimeout(step, elapsed, bound):
     lost = _CLUSTER.UnreachableWorkers() if _CLUSTER is not None else []
+    silent = []
+    if not lost and _CLUSTER is not None and _CLUSTER.is_remote:
+      silent = _CLUSTER.SilentWorkers()
     if lost:
       who = (
         f'worker {", ".join(lost)} no longer accepts connections (the '
         'process died or its host is down)'
       )
+    elif silent:
+      who = (
+        f'worker {", ".join(silent)} accepts connections but does not '
+        'answer (stopped, swapping or deadlocked)'
+      )
     elif _CLUSTER is not None and _CLUSTER.is_remote:
       who = (
-        'every worker still accepts connections, so one is stuck (e.g. '
-        'stopped, swapping, or deadlocked) or the step is slower than '
-        'the bound; raise --step_timeout_s if it is just slow'
+        'every worker answers, so the step is slower than the bound or '
+        'stuck inside a worker; set --step_timeout_s if it is just slow'
       )
     else:
       who = 'raise --step_timeout_s if the step is just slow'
     last = checkpointer.LatestCheckpoint(train_dir)
-    message = (
-      f'Step {step} did not finish within {elapsed:.0f} s '
-      f'(--step_timeout_s={timeout:g}): {who}. The last checkpoint '
-      f'is {last or "none"}; fix the workers and rerun the trainer '
-      'to resume from it.'
+    _Exit(
+      1,
+      f'Step {step} did not finish within {elapsed:.0f} s (bound '
+      f'{bound:.0f} s, {rule}): {who}. The last checkpoint is '
+      f'{last or "none"}; fix the workers and rerun the trainer to resume '
+      'from it.',
     )
-    logging.error('%s', message)
-    logging.flush()
-    sys.stderr.write(f'ERROR: {message}\n')
-    sys.stderr.flush()
-    os._exit(1)  # pylint: disable=protected-access
 
+  logging.info(
+    'Step timeout: %s.',
+    rule if timeout is not None else rule + ', 900 s for the first step',
+  )
   return train_loop.StepWatchdog(timeout, OnTimeout)
 
 

@@ -21,6 +21,7 @@ weight beyond `max_weight_abs` (finite but diverged, e.g. 1e30 after a far
 too high learning rate), stops training without saving them.
 """
 
+import collections
 import math
 import os
 import signal
@@ -130,40 +131,94 @@ def _ExitNow(signum):
 
 
 class StepWatchdog:
-  """Calls `on_timeout(step, seconds)` if one step runs longer than a bound.
+  """Calls `on_timeout(step, seconds, bound)` if one step runs past a bound.
 
   A TensorFlow step blocked on a worker that stopped answering (hung, or its
   host unreachable without a closed connection) cannot be interrupted from
   Python; the trainer's `on_timeout` names the workers and ends the process
-  (checkpoints are written atomically, so the last one stays good). The
-  first step (tracing, compilation) gets `first_step_factor` times the bound.
+  (checkpoints are written atomically, so the last one stays good).
+
+  With a fixed `timeout_s` every step gets that bound and the first step
+  (tracing, compilation) `first_step_factor` times it. With `timeout_s=None`
+  (auto) the bound follows the steps measured so far:
+  max(`min_timeout_s`, `median_factor` x the running median step time), and
+  the first step gets `first_step_timeout_s`. Either way a step slower than
+  `slow_factor` x the median (and over a second) is logged as slow, once
+  while it runs and once when it ends.
   """
 
-  def __init__(self, timeout_s, on_timeout, first_step_factor=4.0, poll_s=0.5):
-    self._timeout = float(timeout_s)
+  def __init__(
+    self,
+    timeout_s,
+    on_timeout,
+    first_step_factor=4.0,
+    poll_s=0.5,
+    min_timeout_s=60.0,
+    median_factor=10.0,
+    first_step_timeout_s=900.0,
+    slow_factor=3.0,
+  ):
+    self._timeout = None if timeout_s is None else float(timeout_s)
     self._on_timeout = on_timeout
     self._first_factor = float(first_step_factor)
     self._poll = poll_s
+    self._min_timeout = float(min_timeout_s)
+    self._median_factor = float(median_factor)
+    self._first_timeout = float(first_step_timeout_s)
+    self._slow_factor = float(slow_factor)
     self._lock = threading.Lock()
-    self._current = None  # (step, start time, bound)
+    self._current = None  # [step, start time, bound, reported slow]
     self._steps_done = 0
+    self._times = collections.deque(maxlen=101)
     self._done = threading.Event()
     self._thread = threading.Thread(
       target=self._Watch, name='step_watchdog', daemon=True
     )
     self._thread.start()
 
-  def StepStarted(self, step):
-    bound = self._timeout * (
-      self._first_factor if self._steps_done == 0 else 1.0
-    )
+  def Median(self):
+    """The median of the recent step times (None before the second step)."""
     with self._lock:
-      self._current = (step, time.time(), bound)
+      times = sorted(self._times)
+    return times[len(times) // 2] if times else None
+
+  def Bound(self):
+    """The bound of the next step, in seconds."""
+    if self._timeout is not None:
+      factor = self._first_factor if self._steps_done == 0 else 1.0
+      return self._timeout * factor
+    median = self.Median()
+    if median is None:
+      return self._first_timeout
+    return max(self._min_timeout, self._median_factor * median)
+
+  def StepStarted(self, step):
+    bound = self.Bound()
+    with self._lock:
+      self._current = [step, time.time(), bound, False]
 
   def StepFinished(self):
     with self._lock:
-      self._current = None
+      current, self._current = self._current, None
       self._steps_done += 1
+    if current is None:
+      return
+    step, start, bound, _ = current
+    elapsed = time.time() - start
+    median = self.Median()
+    if self._steps_done > 1:  # The first step (tracing) is not timed.
+      with self._lock:
+        self._times.append(elapsed)
+    if median and elapsed > max(1.0, self._slow_factor * median):
+      logging.warning(
+        'Slow step %d: %.1f s, %.0fx the median step time (%.3f s); the '
+        'step timeout is %.0f s.',
+        step,
+        elapsed,
+        elapsed / median,
+        median,
+        bound,
+      )
 
   def Stop(self):
     self._done.set()
@@ -173,14 +228,29 @@ class StepWatchdog:
     while not self._done.wait(self._poll):
       with self._lock:
         current = self._current
-      if current is None:
-        continue
-      step, start, bound = current
-      elapsed = time.time() - start
-      if elapsed > bound:
-        with self._lock:
-          self._current = None  # report once
-        self._on_timeout(step, elapsed)
+        if current is None:
+          continue
+        step, start, bound, reported = current
+        elapsed = time.time() - start
+        median = self._times and sorted(self._times)[len(self._times) // 2]
+        if (
+          not reported
+          and median
+          and elapsed > max(1.0, self._slow_factor * median, bound / 2)
+        ):
+          current[3] = True
+          logging.warning(
+            'Step %d has been running for %.0f s (the median step takes '
+            '%.3f s); the trainer gives up at %.0f s.',
+            step,
+            elapsed,
+            median,
+            bound,
+          )
+        if elapsed <= bound:
+          continue
+        self._current = None  # report once
+      self._on_timeout(step, elapsed, bound)
 
 
 class TrainResult:

@@ -10,7 +10,8 @@ def testWatchdogReportsAStepPastItsBoundOnce():
   calls = []
   fired = threading.Event()
 
-  def OnTimeout(step, elapsed):
+  def OnTimeout(step, elapsed, bound):
+    del bound
     calls.append((step, elapsed))
     fired.set()
 
@@ -33,7 +34,7 @@ def testWatchdogReportsAStepPastItsBoundOnce():
 def testFirstStepGetsALongerBound():
   calls = []
   dog = train_loop.StepWatchdog(
-    0.1, lambda s, e: calls.append(s), first_step_factor=10.0, poll_s=0.02
+    0.1, lambda s, e, b: calls.append(s), first_step_factor=10.0, poll_s=0.02
   )
   try:
     dog.StepStarted(1)
@@ -43,5 +44,32 @@ def testFirstStepGetsALongerBound():
     dog.StepStarted(2)
     time.sleep(0.4)
     assert calls == [2]
+  finally:
+    dog.Stop()
+
+
+def testAutoBoundFollowsTheMedianStepTime():
+  calls = []
+  dog = train_loop.StepWatchdog(
+    None,
+    lambda s, e, b: calls.append((s, b)),
+    poll_s=0.02,
+    min_timeout_s=0.3,
+    median_factor=10.0,
+    first_step_timeout_s=5.0,
+  )
+  try:
+    assert dog.Bound() == 5.0  # Nothing measured: the first-step bound.
+    for step in range(1, 6):
+      dog.StepStarted(step)
+      time.sleep(0.01 if step > 1 else 0.1)
+      dog.StepFinished()
+    assert 0.005 < dog.Median() < 0.1
+    assert dog.Bound() == max(0.3, 10 * dog.Median())
+    dog.StepStarted(6)  # A stuck step ends within the bound.
+    deadline = time.time() + 5
+    while not calls and time.time() < deadline:
+      time.sleep(0.02)
+    assert calls and calls[0][0] == 6 and calls[0][1] < 1.1
   finally:
     dog.Stop()
