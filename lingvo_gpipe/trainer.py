@@ -824,6 +824,7 @@ def _TensorFlowText(error):
   text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
   lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
   line = lines[0] if lines else ''
+  line = re.sub(r'^Error in user-defined function .*?: (?=assertion)', '', line)
   line = re.sub(r'\s*\[\[\{\{node .*', '', line)
   return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line).strip()
 
@@ -836,7 +837,11 @@ def OneLine(error, logdir=None):
     message = imagenet.ErrorMessage(error)
     if message:
       return message
-    return f'{type(error).__name__} from TensorFlow: {_TensorFlowText(error)}'
+    text = _TensorFlowText(error)
+    if text.startswith('assertion failed: '):  # An input's own check.
+      text = text[len('assertion failed: ') :]
+      return text.replace("\\'", "'").replace('\\"', '"')
+    return f'{type(error).__name__} from TensorFlow: {text}'
   where = 'the log (--verbosity=1)'
   if logdir and tf.io.gfile.isdir(logdir):
     path = os.path.join(logdir, 'error_traceback.txt')

@@ -317,3 +317,36 @@ def testDivergedWeightsAreNeverTheLastGoodModel(tmp_path):
   # The logdir recovers at a sane learning rate, without deleting files.
   res = _Train(logdir, files, '--max_steps=80')
   assert res.returncode == 0, res.stderr[-3000:]
+
+
+def testOneLineOfEachKindOfError(tmp_path):
+  from lingvo_gpipe import trainer  # pylint: disable=g-import-not-at-top
+
+  message = (
+    '{{function_node __wrapped__IteratorGetNext_output_types_2_device_/job:'
+    'localhost/replica:0/task:0/device:CPU:0}} assertion failed: [CifarInput:'
+    ' label out of [0, 10) for cifar10 (fine); set p.dataset. Label and '
+    'file:] [17] [/data/x.bin]\n\t [[{{node Assert/Assert}}]] '
+    '[Op:IteratorGetNext] name: '
+  )
+  error = tf.errors.InvalidArgumentError(None, None, message)
+  assert trainer.OneLine(error) == (
+    '[CifarInput: label out of [0, 10) for cifar10 (fine); set p.dataset. '
+    'Label and file:] [17] [/data/x.bin]'
+  )
+  error = tf.errors.DataLossError(
+    None, None, '{{function_node x}} corrupted record at 0 [Op:Foo] name: '
+  )
+  assert trainer.OneLine(error) == (
+    'DataLossError from TensorFlow: corrupted record at 0'
+  )
+  try:
+    {}['key']
+  except KeyError as e:
+    line = trainer.OneLine(e, str(tmp_path))
+  path = tmp_path / 'error_traceback.txt'
+  assert line == f"KeyError: 'key' (traceback in {path})"
+  assert 'Traceback' in path.read_text()
+  assert '\n' not in trainer.OneLine(
+    trainer.UserError('first line\nsecond line')
+  )

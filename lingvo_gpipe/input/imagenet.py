@@ -37,6 +37,8 @@ byte offset where the file itself is damaged), what is wrong and the fix:
     `max_corrupt_fraction` of the records read so far.
 """
 
+import os
+
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_input_generator
@@ -569,7 +571,7 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
     # interleave keeps the order.
     ds = ds.interleave(
       Examine,
-      cycle_length=4,
+      cycle_length=max(4, os.cpu_count() or 1),  # Records decoded at once.
       num_parallel_calls=tf.data.AUTOTUNE,
       deterministic=True,
     )
