@@ -35,13 +35,39 @@ Layout of --logdir:
   decoder_dev/               decoder outputs (decoder_out_<step>.npz)
 
 Exit status: 0 after training (also after SIGINT/SIGTERM, which save a
-checkpoint first), 1 with a one-line reason on errors (unknown model, bad
-override, incompatible checkpoint, NaN loss, unwritable logdir).
+checkpoint first; a second signal ends the process at once, with status
+128 + signal number), 1 with a one-line reason on any error of any job
+(unknown model, bad override, bad input data, incompatible checkpoint,
+NaN loss, unwritable logdir, a lost worker; an unexpected error's traceback
+goes to <logdir>/error_traceback.txt), 130 on SIGINT during start-up.
+docs/reliability.md lists what survives which fault.
 """
 
 import os
+import re
+import signal
 import sys
 import threading
+
+
+def _StartupSignal(signum, unused_frame):
+  """SIGINT/SIGTERM while TensorFlow loads: one line, exit 128 + signum."""
+  name = signal.Signals(signum).name
+  sys.stderr.write(
+    f'ERROR: {name} during start-up: exiting before anything was trained '
+    'or saved.\n'
+  )
+  sys.stderr.flush()
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+# Run as a program, the handlers go in before the slow imports below, so an
+# early Ctrl-C gives one line and status 130, not a traceback.
+if __name__ == '__main__':
+  for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, _StartupSignal)
+
+import traceback
 
 from absl import app
 from absl import flags
@@ -51,6 +77,7 @@ import tensorflow as tf
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import cluster
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.runners import checkpointer
@@ -167,10 +194,17 @@ flags.DEFINE_float(
 flags.DEFINE_float(
   'step_timeout_s',
   None,
-  'Exit with status 1, naming the unreachable workers, if '
-  'one training step (with its checkpoint) takes longer '
-  '(the first step: 4 times longer). Default: 900 with '
-  '--cluster_spec/TF_CONFIG, off on one host; 0: off.',
+  'Exit with status 1, naming the dead or silent workers, if one training '
+  'step (with its checkpoint) takes longer (the first step: 4 times '
+  'longer). Default with --cluster_spec/TF_CONFIG: max(60 s, 10 x the '
+  'running median step time), 900 s for the first step; off on one host. '
+  '0: off.',
+)
+flags.DEFINE_float(
+  'max_weight_abs',
+  1e6,
+  'A checkpoint save refuses trainable weights larger than this in '
+  'absolute value (diverged training); 0: only NaN/Inf are refused.',
 )
 flags.DEFINE_integer(
   'max_steps', None, 'Overrides task.train.max_steps.', lower_bound=0
@@ -594,6 +628,7 @@ def _RunTrainer(p, logdir, stop):
     summary_interval_steps=tp.summary_interval_steps,
     stop=stop,
     watchdog=watchdog,
+    max_weight_abs=FLAGS.max_weight_abs,
   )
   try:
     return loop.Run()
@@ -612,45 +647,58 @@ def _RunTrainer(p, logdir, stop):
 
 
 def _StepTimeout():
+  """Seconds, 0 (off) or None (auto: from the running median step time)."""
   if FLAGS.step_timeout_s is not None:
     return FLAGS.step_timeout_s
-  return 900.0 if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
+  return None if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
 
 
 def _Watchdog(train_dir):
   """A StepWatchdog that ends the process naming the workers (or None)."""
   timeout = _StepTimeout()
-  if not timeout:
+  if timeout == 0:
     return None
+  rule = (
+    f'--step_timeout_s={timeout:g}'
+    if timeout is not None
+    else 'the default step timeout, max(60 s, 10 x the median step time)'
+  )
 
-  def OnTimeout(step, elapsed):
+  def OnTimeout(step, elapsed, bound):
     lost = _CLUSTER.UnreachableWorkers() if _CLUSTER is not None else []
+    silent = []
+    if not lost and _CLUSTER is not None and _CLUSTER.is_remote:
+      silent = _CLUSTER.SilentWorkers()
     if lost:
       who = (
         f'worker {", ".join(lost)} no longer accepts connections (the '
         'process died or its host is down)'
       )
+    elif silent:
+      who = (
+        f'worker {", ".join(silent)} accepts connections but does not '
+        'answer (stopped, swapping or deadlocked)'
+      )
     elif _CLUSTER is not None and _CLUSTER.is_remote:
       who = (
-        'every worker still accepts connections, so one is stuck (e.g. '
-        'stopped, swapping, or deadlocked) or the step is slower than '
-        'the bound; raise --step_timeout_s if it is just slow'
+        'every worker answers, so the step is slower than the bound or '
+        'stuck inside a worker; set --step_timeout_s if it is just slow'
       )
     else:
       who = 'raise --step_timeout_s if the step is just slow'
     last = checkpointer.LatestCheckpoint(train_dir)
-    message = (
-      f'Step {step} did not finish within {elapsed:.0f} s '
-      f'(--step_timeout_s={timeout:g}): {who}. The last checkpoint '
-      f'is {last or "none"}; fix the workers and rerun the trainer '
-      'to resume from it.'
+    _Exit(
+      1,
+      f'Step {step} did not finish within {elapsed:.0f} s (bound '
+      f'{bound:.0f} s, {rule}): {who}. The last checkpoint is '
+      f'{last or "none"}; fix the workers and rerun the trainer to resume '
+      'from it.',
     )
-    logging.error('%s', message)
-    logging.flush()
-    sys.stderr.write(f'ERROR: {message}\n')
-    sys.stderr.flush()
-    os._exit(1)  # pylint: disable=protected-access
 
+  logging.info(
+    'Step timeout: %s.',
+    rule if timeout is not None else rule + ', 900 s for the first step',
+  )
   return train_loop.StepWatchdog(timeout, OnTimeout)
 
 
@@ -687,8 +735,9 @@ def _RaiseIfWorkerLost(error, train_dir):
   ) from error
 
 
-def _RunEvaler(kind, dataset, logdir, stop, errors):
-  """Runs an evaler/decoder job; exceptions go to `errors`."""
+def _RunEvaler(kind, dataset, logdir, stop, errors, trainer_stop=None):
+  """Runs an evaler/decoder job; exceptions go to `errors` and stop the
+  trainer (`trainer_stop`), which saves and exits."""
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
     with _BUILD_LOCK:
@@ -708,8 +757,11 @@ def _RunEvaler(kind, dataset, logdir, stop, errors):
     )
     ev.Run(stop=stop)
   except Exception as e:  # pylint: disable=broad-except
-    logging.exception('%s_%s failed.', kind, dataset.lower())
-    errors.append(e)
+    job = f'{kind}_{dataset.lower()}'
+    logging.error('%s failed: %s', job, OneLine(e, logdir))
+    errors.append((job, e))
+    if trainer_stop is not None:
+      trainer_stop.Set(f'{job} failed')
 
 
 def ParseJobs(text):
@@ -751,7 +803,14 @@ def _Sync():
       t = threading.Thread(
         target=_RunEvaler,
         name=f'{kind}_{dataset.lower()}',
-        args=(kind, dataset, FLAGS.logdir, eval_stop, errors),
+        args=(
+          kind,
+          dataset,
+          FLAGS.logdir,
+          eval_stop,
+          errors,
+          stop if has_trainer else None,
+        ),
         daemon=True,
       )
       threads.append(t)
@@ -766,11 +825,8 @@ def _Sync():
       while t.is_alive():  # Short joins: signals reach the main thread.
         t.join(timeout=0.5)
   if errors:
-    if isinstance(errors[0], (UserError, checkpointer.CheckpointError)):
-      raise errors[0]
-    raise UserError(
-      f'{type(errors[0]).__name__}: {errors[0]} (traceback logged above)'
-    )
+    job, error = errors[0]
+    raise UserError(f'{job}: {OneLine(error, FLAGS.logdir)}') from error
 
 
 def _Export():
@@ -807,16 +863,74 @@ def _Main(unused_argv):
     _Sync()
 
 
+_KNOWN_ERRORS = (
+  UserError,
+  checkpointer.CheckpointError,
+  train_loop.NonFiniteError,
+)
+
+
+def _TensorFlowText(error):
+  """The first meaningful line of a TensorFlow error, without the
+  {{function_node ...}} and [Op:...] decorations."""
+  text = str(getattr(error, 'message', None) or error)
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  line = lines[0] if lines else ''
+  line = re.sub(r'^Error in user-defined function .*?: (?=assertion)', '', line)
+  line = re.sub(r'\s*\[\[\{\{node .*', '', line)
+  return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line).strip()
+
+
+def OneLine(error, logdir=None):
+  """The one-line message the trainer exits with for `error`."""
+  if isinstance(error, _KNOWN_ERRORS):
+    return ' '.join(str(error).split('\n'))
+  if isinstance(error, tf.errors.OpError):
+    message = imagenet.ErrorMessage(error)
+    if message:
+      return message
+    text = _TensorFlowText(error)
+    if text.startswith('assertion failed: '):  # An input's own check.
+      text = text[len('assertion failed: ') :]
+      return text.replace("\\'", "'").replace('\\"', '"')
+    return f'{type(error).__name__} from TensorFlow: {text}'
+  where = 'the log (--verbosity=1)'
+  if logdir and tf.io.gfile.isdir(logdir):
+    path = os.path.join(logdir, 'error_traceback.txt')
+    try:
+      with open(path, 'w') as f:
+        f.write(''.join(traceback.format_exception(error)))
+      where = path
+    except OSError:
+      pass
+  logging.vlog(1, '%s', ''.join(traceback.format_exception(error)))
+  first = str(error).strip().split('\n')[0]
+  return f'{type(error).__name__}: {first} (traceback in {where})'
+
+
+def _Exit(status, message=None):
+  """Reports `message` in one line and ends the process without running
+  interpreter shutdown (which can block in TensorFlow's destructors)."""
+  if message:
+    logging.error('%s', message)
+    sys.stderr.write(f'ERROR: {message}\n')
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
 def _Run(argv):
   try:
     _Main(argv)
-  except (
-    UserError,
-    checkpointer.CheckpointError,
-    train_loop.NonFiniteError,
-  ) as e:
-    logging.error('%s', e)
-    sys.exit(f'ERROR: {e}')
+  except KeyboardInterrupt:
+    _Exit(130, 'SIGINT during start-up: exiting before anything was saved.')
+  except SystemExit:
+    raise
+  except BaseException as e:  # pylint: disable=broad-except
+    _Exit(1, OneLine(e, FLAGS.logdir))
+  _Exit(0)
 
 
 def main(argv=None):

@@ -10,6 +10,11 @@ In another shell, train with stages (or replicas) on the workers:
       --logdir=/tmp/digits_cluster --cluster_spec=worker=127.0.0.1:P0,... \
       --worker_split_size=2
 
+A worker that dies is restarted on its own port while the others keep
+running, so the cluster spec stays valid: rerun the trainer with the same
+--cluster_spec to resume from its last checkpoint (--max_restarts bounds the
+restarts of each worker; beyond it the cluster stops with status 1).
+
 Each worker is `python -m lingvo_gpipe.runners.tf_server` (console script
 `gpipe_tf_server`); on several hosts, start one per host with the same
 --cluster_spec and its own --task_index instead of this tool. --pin pins worker
@@ -44,6 +49,12 @@ def main(argv=None):
     '--pin', action='store_true', help='Pin worker i to CPU core i.'
   )
   parser.add_argument('--startup_timeout_s', type=float, default=120)
+  parser.add_argument(
+    '--max_restarts',
+    type=int,
+    default=5,
+    help='Restarts of each worker that dies (0: stop the cluster instead).',
+  )
   parser.add_argument(
     '--spec_file', default='', help='Also write the cluster spec (JSON) here.'
   )
@@ -82,14 +93,33 @@ def main(argv=None):
       flush=True,
     )
     deadline = time.time() + args.serve_seconds if args.serve_seconds else None
+    restarts = [0] * args.num_workers
     try:
       while not stop and (deadline is None or time.time() < deadline):
-        dead = [i for i, alive in enumerate(local.Alive()) if not alive]
-        if dead:
+        for i, alive in enumerate(local.Alive()):
+          if alive:
+            continue
+          if restarts[i] >= args.max_restarts:
+            print(
+              f'Worker {i} exited after {restarts[i]} restarts '
+              f'(--max_restarts={args.max_restarts}); stopping the cluster.',
+              file=sys.stderr,
+              flush=True,
+            )
+            return 1
+          restarts[i] += 1
           print(
-            f'Worker(s) {dead} exited; stopping the cluster.', file=sys.stderr
+            f'Worker {i} exited; restarting it on {local.addresses[i]} '
+            f'(restart {restarts[i]} of {args.max_restarts}); the other '
+            'workers keep running.',
+            flush=True,
           )
-          return 1
+          local.Restart(i)
+          print(
+            f'  task {i}: pid {local.pids[i]} ready again; the cluster spec '
+            f'is unchanged: --cluster_spec={spec}',
+            flush=True,
+          )
         time.sleep(0.5)
     except KeyboardInterrupt:
       pass

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -46,6 +47,8 @@ __all__ = [
   'ParseClusterSpec',
   'ClusterSpecFromTfConfig',
   'UnreachableWorkers',
+  'SilentWorkers',
+  'Answers',
   'WorkerName',
 ]
 
@@ -193,6 +196,55 @@ def UnreachableWorkers(spec, timeout_s=2.0, skip=None):
       except TimeoutError:
         bad.append(WorkerName(job, i, spec))
   return bad
+
+
+# An HTTP/2 client preface and an empty SETTINGS frame: a live gRPC server
+# (a TensorFlow worker) answers with its own SETTINGS frame at once; a stopped
+# or wedged process, whose kernel still accepts the connection, says nothing.
+_HTTP2_PREFACE = b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n' + bytes(
+  [0, 0, 0, 4, 0, 0, 0, 0, 0]
+)
+
+
+def Answers(address, timeout_s=3.0):
+  """True if the gRPC server at host:port answers within `timeout_s`."""
+  host, port = address.rsplit(':', 1)
+  try:
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+      s.settimeout(timeout_s)
+      s.sendall(_HTTP2_PREFACE)
+      return len(s.recv(9)) > 0
+  except OSError:  # Refused, reset, or no answer in time.
+    return False
+
+
+def SilentWorkers(spec, timeout_s=3.0, skip=None):
+  """Names of the tasks of `spec` that accept connections but do not answer
+  (stopped, swapping, deadlocked). Probed in parallel."""
+  tasks = [
+    (job, i, address)
+    for job, addresses in spec.items()
+    for i, address in enumerate(addresses)
+    if skip != (job, i)
+  ]
+  results = [None] * len(tasks)
+
+  def Probe(k):
+    results[k] = Answers(tasks[k][2], timeout_s)
+
+  threads = [
+    threading.Thread(target=Probe, args=(k,), daemon=True)
+    for k in range(len(tasks))
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout_s + 2)
+  return [
+    WorkerName(job, i, spec)
+    for (job, i, _), ok in zip(tasks, results)
+    if not ok
+  ]
 
 
 def FreePorts(n):
@@ -579,6 +631,12 @@ class Cluster:
     if not self.is_remote:
       return []
     return UnreachableWorkers(self.spec, timeout_s)
+
+  def SilentWorkers(self, timeout_s=3.0):
+    """The reachable workers that do not answer a gRPC handshake."""
+    if not self.is_remote:
+      return []
+    return SilentWorkers(self.spec, timeout_s)
 
   def Describe(self):
     p = self.params

@@ -16,32 +16,84 @@ reproduces its batches. Evaluation takes the central 87.5% and resizes it.
 Images come out float32 in [-1, 1]: NestedMap(image [b, s, s, 3],
 label int32 [b]).
 
-Bad data, by policy:
-  * a record without `image/encoded` or `image/class/label` fails the
-    pipeline with an error naming the file, the record index and the
-    missing feature (InvalidArgumentError when iterating);
-  * a label outside [0, num_classes) fails likewise, naming the file;
-  * an image that does not decode (corrupt or truncated) is handled by
-    `corrupt_images`: 'skip' (default) drops it, logs a warning naming the
-    file and record, and counts it in `corrupt_records`; 'fail' stops with
-    an error naming the file and record. Images are decoded in a
-    `tf.py_function` for this, so the policy can see the failure.
+The whole pipeline is TensorFlow ops (no `tf.py_function`), so its
+iterator is saved in every checkpoint: a resumed run reads the records the
+uninterrupted run would have read.
+
+Bad data, by policy. Every message names the file, the record index (and
+byte offset where the file itself is damaged), what is wrong and the fix:
+  * a record without `image/encoded` or `image/class/label`, or with a label
+    outside [0, num_classes), fails the pipeline (InvalidArgumentError when
+    iterating): the data and the Params disagree, skipping cannot help;
+  * a corrupt record is one whose bytes are damaged: a TFRecord whose
+    framing or checksum is broken (a truncated file, a bit flip, a file
+    that is not a TFRecord; the rest of that file is unreadable), a record
+    that is not a `tf.train.Example`, or an image that does not decode.
+    `corrupt_records` = 'skip' (default) drops it and logs one line per
+    corrupt record with the running count (the first 20, then at every
+    doubling of the count, so the log stays small); 'error' fails with the
+    message instead. Skipping is bounded: the pipeline fails once more than
+    `max_corrupt_records` records were corrupt and more than
+    `max_corrupt_fraction` of the records read so far.
 """
 
-import threading
+import os
 
-from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_input_generator
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['ImageNetInput', 'CORRUPT_POLICIES', 'IMAGE_KEY', 'LABEL_KEY']
+__all__ = [
+  'ImageNetInput',
+  'CORRUPT_POLICIES',
+  'IMAGE_KEY',
+  'LABEL_KEY',
+  'ErrorMessage',
+]
 
 IMAGE_KEY = 'image/encoded'
 LABEL_KEY = 'image/class/label'
-CORRUPT_POLICIES = ('skip', 'fail')
+CORRUPT_POLICIES = ('skip', 'error')
+
+# Record status codes inside the pipeline.
+_OK, _BAD_FRAMING, _NOT_EXAMPLE, _BAD_IMAGE = 0, 1, 2, 3
+# Corrupt records logged one by one before the log thins out.
+_LOG_FIRST = 20
+
+
+def ErrorMessage(error):
+  """The message of an ImageNetInput check inside a TensorFlow error (the
+  text between 'assertion failed: [' and its ']'), or None."""
+  text = str(getattr(error, 'message', None) or error)
+  marker = 'assertion failed: ['
+  i = text.find(marker)
+  if i < 0 or 'ImageNetInput' not in text[i:]:
+    return None
+  line = text[i + len(marker) :].split('\n')[0]
+  j = line.rfind(']')
+  line = (line[:j] if j >= 0 else line).strip()
+  return line.replace("\\'", "'").replace('\\"', '"')
+
+
+def _Try(fn, arg, fallback):
+  """A dataset of one element: fn(arg) + (True,) if `fn` succeeds, else
+  fallback + (False,). Only tf.data isolates an op's error this way (and
+  keeps the pipeline checkpointable)."""
+  fallback = fallback if isinstance(fallback, tuple) else (fallback,)
+  return (
+    tf.data.Dataset.from_tensors(arg)
+    .map(lambda x: tf.nest.flatten(fn(x)) + [tf.constant(True)])
+    .ignore_errors()
+    .map(lambda *xs: tuple(xs))
+    .concatenate(tf.data.Dataset.from_tensors(fallback + (False,)))
+    .take(1)
+  )
+
+
+def _Str(x):
+  return tf.strings.as_string(x) if x.dtype != tf.string else x
 
 
 class ImageNetInput(base_input_generator.BaseInputGenerator):
@@ -57,6 +109,12 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
       '',
       'Files of the evaluation split (validation-*), used by '
       'EvalParams for Dev/Test.',
+    )
+    p.Define(
+      'use_eval_files',
+      False,
+      'Read eval_file_pattern instead of file_pattern (set by EvalParams, '
+      'so that an override of one pattern changes one split).',
     )
     p.Define('image_size', 224, 'Output height and width.')
     p.Define('num_classes', 1000, 'Number of classes.')
@@ -88,10 +146,24 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
       'Fraction of the image side kept by the eval central crop.',
     )
     p.Define(
-      'corrupt_images',
+      'corrupt_records',
       'skip',
-      f'{CORRUPT_POLICIES}: drop and count images that do not '
-      'decode, or stop with an error naming the file.',
+      f'{CORRUPT_POLICIES}: drop, log and count corrupt records (damaged '
+      'TFRecord bytes, not a tf.train.Example, an image that does not '
+      'decode), or stop with an error naming the file and record.',
+    )
+    p.Define(
+      'max_corrupt_records',
+      100,
+      "With corrupt_records 'skip': this many corrupt records are always "
+      'tolerated; beyond it, max_corrupt_fraction bounds them.',
+    )
+    p.Define(
+      'max_corrupt_fraction',
+      0.01,
+      "With corrupt_records 'skip': stop with an error once more than "
+      'max_corrupt_records records and more than this fraction of the '
+      'records read so far were corrupt.',
     )
     p.Define('num_parallel_reads', 8, 'Files read in parallel.')
     return p
@@ -100,10 +172,20 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
     super().__init__(params)
     p = self.params
     name = f'ImageNetInput {self.path!r}'
-    if p.corrupt_images not in CORRUPT_POLICIES:
+    if p.corrupt_records not in CORRUPT_POLICIES:
       raise ValueError(
-        f'{name}: corrupt_images = {p.corrupt_images!r}; use '
+        f'{name}: corrupt_records = {p.corrupt_records!r}; use '
         f'one of {CORRUPT_POLICIES}.'
+      )
+    if not isinstance(p.max_corrupt_records, int) or p.max_corrupt_records < 0:
+      raise ValueError(
+        f'{name}: max_corrupt_records = {p.max_corrupt_records!r}; use an '
+        'int >= 0.'
+      )
+    if not 0 <= p.max_corrupt_fraction <= 1:
+      raise ValueError(
+        f'{name}: max_corrupt_fraction = {p.max_corrupt_fraction!r}; use a '
+        'value in [0, 1].'
       )
     if not isinstance(p.image_size, int) or p.image_size < 1:
       raise ValueError(
@@ -118,8 +200,6 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
         f'{name}: eval_crop_fraction = '
         f'{p.eval_crop_fraction!r}; use a value in (0, 1].'
       )
-    self._lock = threading.Lock()
-    self._corrupt = []
 
   @classmethod
   def EvalParams(cls, train_params, dataset):
@@ -131,117 +211,317 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
         'empty; set it to the validation files (e.g. ".../validation-*") '
         f'or define {dataset}() with its own file_pattern.'
       )
-    p.file_pattern = p.eval_file_pattern
+    p.use_eval_files = True
     p.augment = False
     return p
 
-  @property
-  def corrupt_records(self):
-    """[(file, record index)] of the images skipped so far (a copy)."""
-    with self._lock:
-      return list(self._corrupt)
-
-  @property
-  def num_corrupt(self):
-    with self._lock:
-      return len(self._corrupt)
-
   def Files(self):
-    """The files matching `file_pattern` (comma-separated globs)."""
+    """The files matching `file_pattern` (`eval_file_pattern` with
+    use_eval_files; comma-separated globs)."""
     p = self.params
-    if not p.file_pattern:
+    name = 'eval_file_pattern' if p.use_eval_files else 'file_pattern'
+    value = p.eval_file_pattern if p.use_eval_files else p.file_pattern
+    if not value:
       raise ValueError(
-        f'ImageNetInput {self.path!r}: file_pattern is empty; '
+        f'ImageNetInput {self.path!r}: {name} is empty; '
         'set it to the TFRecord files, e.g. '
         '"/data/imagenet/train-*".'
       )
     files = []
-    for pattern in p.file_pattern.split(','):
+    for pattern in value.split(','):
       files.extend(sorted(tf.io.gfile.glob(pattern.strip())))
     if not files:
       raise ValueError(
-        f'ImageNetInput {self.path!r}: no file matches '
-        f'file_pattern = {p.file_pattern!r}.'
+        f'ImageNetInput {self.path!r}: no file matches {name} = {value!r}.'
       )
     return files
 
   def _DataSource(self):
+    """NestedMap(file, index, offset, record, status) per record.
+
+    A file is read up to its first damaged byte (`ignore_errors`); if the
+    records read do not reach the file's size, one extra element with
+    status _BAD_FRAMING and the offset of the damage stands for the rest.
+    """
     p = self.params
-    files = tf.data.Dataset.from_tensor_slices(self.Files())
+    files = self.Files()
+    sizes = [tf.io.gfile.stat(f).length for f in files]
+    ds = tf.data.Dataset.from_tensor_slices(
+      (files, tf.constant(sizes, tf.int64))
+    )
     if p.shuffle:
-      files = files.shuffle(1024, seed=self.seed)
+      ds = ds.shuffle(1024, seed=self.seed)
 
-    def Records(filename):
-      ds = tf.data.TFRecordDataset(filename).enumerate()
-      return ds.map(lambda i, r: NestedMap(file=filename, index=i, record=r))
+    def Records(filename, size):
+      def Offsets(offset, record):
+        # A TFRecord: length (8 bytes), its CRC (4), data, data CRC (4).
+        end = offset + 16 + tf.cast(tf.strings.length(record), tf.int64)
+        return end, (offset, end, record)
 
-    return files.interleave(
+      recs = tf.data.TFRecordDataset(filename).scan(
+        tf.constant(0, tf.int64), Offsets
+      )
+      recs = recs.ignore_errors()
+      recs = recs.concatenate(
+        tf.data.Dataset.from_tensors(
+          (tf.constant(-1, tf.int64), tf.constant(-1, tf.int64), '')
+        )
+      )
+
+      def Check(state, elem):
+        index, end = state
+        offset, rec_end, record = elem
+        last = tf.equal(offset, -1)
+        status = tf.where(
+          tf.logical_and(last, tf.not_equal(end, size)), _BAD_FRAMING, _OK
+        )
+        status = tf.where(last, status, _OK)
+        out = NestedMap(
+          file=filename,
+          index=index,
+          offset=tf.where(last, end, offset),
+          record=record,
+          status=status,
+          drop=tf.logical_and(last, tf.equal(status, _OK)),
+        )
+        return (index + 1, tf.where(last, end, rec_end)), out
+
+      recs = recs.scan(
+        (tf.constant(0, tf.int64), tf.constant(0, tf.int64)), Check
+      )
+      return recs.filter(lambda ex: tf.logical_not(ex.drop)).map(
+        lambda ex: NestedMap(
+          file=ex.file,
+          index=ex.index,
+          offset=ex.offset,
+          record=ex.record,
+          status=ex.status,
+        )
+      )
+
+    return ds.interleave(
       Records,
       cycle_length=max(1, p.num_parallel_reads),
       num_parallel_calls=tf.data.AUTOTUNE,
       deterministic=True,
     )
 
-  def _Decode(self, encoded, filename, index):
-    """Eager: (uint8 [h, w, 3] or [0, 0, 3], ok) — applies the policy."""
-    try:
-      image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
-      return image, True
-    except (tf.errors.InvalidArgumentError, ValueError) as e:
-      where = f'{filename.numpy().decode()} (record {int(index)})'
-      if self.params.corrupt_images == 'fail':
-        raise ValueError(
-          f'ImageNetInput: the image in {where} does not decode ({e}); '
-          'fix or remove the file, or set corrupt_images = "skip".'
-        ) from e
-      with self._lock:
-        self._corrupt.append((filename.numpy().decode(), int(index)))
-      logging.warning('ImageNetInput: skipping the corrupt image in %s.', where)
-      return tf.zeros([0, 0, 3], tf.uint8), False
+  def _Where(self, ex):
+    return [
+      ex.file,
+      ' (record ',
+      _Str(ex.index),
+      ', byte offset ',
+      _Str(ex.offset),
+      ')',
+    ]
 
-  def _Parse(self, example):
-    """(encoded, label int32, ok) with the feature and label checks."""
+  def _Parse(self, ex):
+    """A dataset of one (encoded, label int32, status): a record that is not
+    a tf.train.Example gets status _NOT_EXAMPLE, a missing feature or a
+    label out of range fails the pipeline."""
+
+    def ParseRaw(record):
+      feats = tf.io.parse_single_example(
+        record,
+        {
+          IMAGE_KEY: tf.io.VarLenFeature(tf.string),
+          LABEL_KEY: tf.io.VarLenFeature(tf.int64),
+        },
+      )
+      return feats[IMAGE_KEY].values, feats[LABEL_KEY].values
+
+    return _Try(
+      ParseRaw,
+      ex.record,
+      (tf.zeros([0], tf.string), tf.zeros([0], tf.int64)),
+    ).map(lambda encoded, label, ok: self._CheckParsed(ex, encoded, label, ok))
+
+  def _CheckParsed(self, ex, encoded, label, parsed_ok):
     p = self.params
-    feats = tf.io.parse_single_example(
-      example.record,
-      {
-        IMAGE_KEY: tf.io.VarLenFeature(tf.string),
-        LABEL_KEY: tf.io.VarLenFeature(tf.int64),
-      },
+    status = tf.where(
+      tf.logical_and(tf.equal(ex.status, _OK), tf.logical_not(parsed_ok)),
+      _NOT_EXAMPLE,
+      ex.status,
     )
-    encoded, label = feats[IMAGE_KEY].values, feats[LABEL_KEY].values
+    good = tf.equal(status, _OK)
     checks = []
     for key, values in ((IMAGE_KEY, encoded), (LABEL_KEY, label)):
       checks.append(
         tf.debugging.Assert(
-          tf.equal(tf.size(values), 1),
+          tf.logical_or(tf.logical_not(good), tf.equal(tf.size(values), 1)),
           [
-            f'ImageNetInput: the record lacks the feature "{key}" (or holds '
-            'several values). File and record index:',
-            example.file,
-            example.index,
+            tf.strings.join(
+              ['ImageNetInput: ']
+              + self._Where(ex)
+              + [
+                f' lacks the feature "{key}" (or holds several values); '
+                'the files are not ImageNet-format tf.train.Examples: fix '
+                'file_pattern or convert the data.'
+              ]
+            )
           ],
-          summarize=3,
         )
       )
     with tf.control_dependencies(checks):
-      label = tf.cast(label[0], tf.int32) - p.label_offset
-      encoded = encoded[0]
+      label = tf.cast(
+        tf.concat([label, tf.zeros([1], tf.int64)], 0)[0], tf.int32
+      )
+      label -= p.label_offset
+      encoded = tf.concat([encoded, tf.constant([''])], 0)[0]
     in_range = tf.logical_and(label >= 0, label < p.num_classes)
     check = tf.debugging.Assert(
-      in_range,
+      tf.logical_or(tf.logical_not(good), in_range),
       [
-        f'ImageNetInput: label - label_offset ({p.label_offset}) is outside '
-        f'[0, {p.num_classes}); set num_classes / label_offset to match the '
-        'data. Label, file and record index:',
-        label,
-        example.file,
-        example.index,
+        tf.strings.join(
+          ['ImageNetInput: ']
+          + self._Where(ex)
+          + [
+            ': label - label_offset = ',
+            _Str(label),
+            f' is outside [0, {p.num_classes}); set num_classes / '
+            f'label_offset (now {p.label_offset}) to match the data.',
+          ]
+        )
       ],
-      summarize=3,
     )
     with tf.control_dependencies([check]):
-      return tf.identity(encoded), tf.identity(label)
+      return tf.identity(encoded), tf.identity(label), tf.identity(status)
+
+  def _Decode(self, encoded, status):
+    """A dataset of one (uint8 image [h, w, 3], status): _BAD_IMAGE if the
+    image does not decode."""
+
+    def Decode(e):
+      return tf.io.decode_image(e, channels=3, expand_animations=False)
+
+    return _Try(Decode, encoded, tf.zeros([1, 1, 3], tf.uint8)).map(
+      lambda image, ok: self._CheckDecoded(image, ok, status)
+    )
+
+  def _CheckDecoded(self, image, ok, status):
+    status = tf.where(
+      tf.logical_and(tf.equal(status, _OK), tf.logical_not(ok)),
+      _BAD_IMAGE,
+      status,
+    )
+    image = tf.cond(
+      tf.equal(status, _OK),
+      lambda: image,
+      lambda: tf.zeros([1, 1, 3], tf.uint8),
+    )
+    return image, status
+
+  def _Problem(self, ex, status):
+    """The string tensor saying what is wrong with a corrupt record."""
+    framing = tf.strings.join(
+      [
+        ex.file,
+        ': damaged TFRecord data at byte offset ',
+        _Str(ex.offset),
+        tf.where(
+          tf.equal(ex.index, 0),
+          ' (before the first record',
+          tf.strings.join([' (after record ', _Str(ex.index - 1)]),
+        ),
+        tf.where(
+          tf.equal(ex.offset, 0),
+          '; this file is not a TFRecord of tf.train.Example',
+          '; the file is truncated or corrupt, the rest of it is unreadable',
+        ),
+        ')',
+      ]
+    )
+    where = tf.strings.join(self._Where(ex))
+    not_example = tf.strings.join(
+      [
+        where,
+        ' is not a tf.train.Example (this file is not a TFRecord of '
+        'tf.train.Example)',
+      ]
+    )
+    bad_image = tf.strings.join([where, ': the image does not decode'])
+    return tf.switch_case(
+      tf.cast(status, tf.int32) - 1,
+      [lambda: framing, lambda: not_example, lambda: bad_image],
+    )
+
+  def _Account(self, state, ex):
+    """The scan over every record: counts, logs and bounds corrupt ones."""
+    p = self.params
+    seen, bad = state
+    seen += 1
+    corrupt = tf.not_equal(ex.status, _OK)
+    bad += tf.cast(corrupt, tf.int64)
+    ops = []
+    if p.corrupt_records == 'error':
+      ops.append(
+        tf.debugging.Assert(
+          tf.logical_not(corrupt),
+          [
+            tf.strings.join(
+              [
+                'ImageNetInput: ',
+                self._Problem(ex, tf.maximum(ex.status, 1)),
+                '. Fix or remove the file, or skip corrupt records with '
+                "input.corrupt_records : 'skip'.",
+              ]
+            )
+          ],
+        )
+      )
+    else:
+      frac = p.max_corrupt_fraction
+      too_many = tf.logical_and(
+        bad > p.max_corrupt_records,
+        tf.cast(bad, tf.float64) > frac * tf.cast(seen, tf.float64),
+      )
+      ops.append(
+        tf.debugging.Assert(
+          tf.logical_not(too_many),
+          [
+            tf.strings.join(
+              [
+                'ImageNetInput: ',
+                _Str(bad),
+                ' of the ',
+                _Str(seen),
+                ' records read are corrupt, more than max_corrupt_records ('
+                f'{p.max_corrupt_records}) and max_corrupt_fraction '
+                f'({frac:g}); the last: ',
+                self._Problem(ex, tf.maximum(ex.status, 1)),
+                '. Fix the data (or file_pattern), or raise '
+                'input.max_corrupt_fraction.',
+              ]
+            )
+          ],
+        )
+      )
+      is_pow2 = tf.equal(tf.bitwise.bitwise_and(bad, bad - 1), 0)
+      log = tf.logical_and(corrupt, tf.logical_or(bad <= _LOG_FIRST, is_pow2))
+
+      def Log():
+        tf.print(
+          tf.strings.join(
+            [
+              'W ImageNetInput: skipping a corrupt record: ',
+              self._Problem(ex, tf.maximum(ex.status, 1)),
+              ' (corrupt records so far: ',
+              _Str(bad),
+              ' of ',
+              _Str(seen),
+              '; logged one by one up to ',
+              str(_LOG_FIRST),
+              ', then at every doubling).',
+            ]
+          ),
+          output_stream='file:///dev/stderr',
+        )
+        return tf.constant(True)
+
+      ops.append(tf.cond(log, Log, lambda: tf.constant(False)))
+    with tf.control_dependencies(ops):
+      return (seen, bad), tf.logical_not(corrupt)
 
   def _Crop(self, image):
     p = self.params
@@ -266,8 +546,8 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
     return tf.slice(image, [(h - ch) // 2, (w - cw) // 2, 0], [ch, cw, 3])
 
   def GetDataset(self):
-    """Batches, as `BaseInputGenerator.GetDataset`, dropping the records
-    whose image does not decode ('skip') before batching."""
+    """Batches, as `BaseInputGenerator.GetDataset`, with the corrupt records
+    counted and dropped ('skip') before batching."""
     p = self.params
     ds = self._DataSource()
     if p.num_samples and p.num_samples > 0:
@@ -278,31 +558,51 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
       )
     ds = ds.repeat(p.num_epochs).enumerate()
 
-    def Preprocess(index, example):
+    def Examine(index, ex):
+      where = NestedMap(file=ex.file, index=ex.index, offset=ex.offset)
+      return self._Parse(ex).flat_map(
+        lambda encoded, label, status: self._Decode(encoded, status).map(
+          lambda image, status: (index, where, image, label, status)
+        )
+      )
+
+    # Each record is parsed and decoded in one-element datasets of its own,
+    # whose `ignore_errors` turns a failure into a status; the deterministic
+    # interleave keeps the order.
+    ds = ds.interleave(
+      Examine,
+      cycle_length=max(4, os.cpu_count() or 1),  # Records decoded at once.
+      num_parallel_calls=tf.data.AUTOTUNE,
+      deterministic=True,
+    )
+
+    def Account(state, elem):
+      index, ex, image, label, status = elem
+      ex = NestedMap(
+        file=ex.file, index=ex.index, offset=ex.offset, status=status
+      )
+      state, keep = self._Account(state, ex)
+      return state, (index, image, label, keep)
+
+    ds = ds.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), Account)
+    ds = ds.filter(lambda index, image, label, keep: keep)
+
+    def Preprocess(index, image, label, keep):
+      del keep
       with py_utils.StepSeed(index):
-        return self._Preprocess(example)
+        return self._Preprocess(image, label)
 
     ds = ds.map(
       Preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
     )
-    ds = ds.filter(lambda ex: ex.ok)
-    ds = ds.map(lambda ex: NestedMap(image=ex.image, label=ex.label))
     ds = ds.batch(p.batch_size, drop_remainder=(p.remainder == 'drop'))
     if p.remainder == 'pad':
       ds = ds.map(self._Pad)
     ds = ds.map(self._PreprocessBatch)
     return ds.prefetch(tf.data.AUTOTUNE)
 
-  def _Preprocess(self, example):
+  def _Preprocess(self, image, label):
     p = self.params
-    encoded, label = self._Parse(example)
-    image, ok = tf.py_function(
-      self._Decode, [encoded, example.file, example.index], [tf.uint8, tf.bool]
-    )
-    image.set_shape([None, None, 3])
-    ok.set_shape([])
-    # A skipped image becomes a 1x1 black one, filtered out in batching.
-    image = tf.cond(ok, lambda: image, lambda: tf.zeros([1, 1, 3], tf.uint8))
     image = self._Crop(image)
     image = tf.image.resize(
       tf.cast(image, tf.float32), [p.image_size, p.image_size]
@@ -313,4 +613,4 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
       )
     image = tf.clip_by_value(image / 127.5 - 1.0, -1.0, 1.0)
     image = tf.ensure_shape(image, [p.image_size, p.image_size, 3])
-    return NestedMap(image=image, label=label, ok=ok)
+    return NestedMap(image=image, label=label)

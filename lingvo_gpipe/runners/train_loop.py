@@ -10,13 +10,22 @@ time, ETA); every `summary_interval_steps` the step's scalars (loss, metrics,
 learning_rate, grad_norm) and examples_per_sec and step_time go to
 TensorBoard. The loop stops at `max_steps`, when the input ends, or when a
 `StopRequest` is set (SIGINT/SIGTERM): it then saves a checkpoint and
-returns. A NaN or Inf loss (or weight) raises `NonFiniteError` naming the
-step, before anything is saved, so the last checkpoint stays the last good
-model.
+returns.
+
+Diverged weights are never kept as the last good model: a NaN or Inf loss
+raises `NonFiniteError` naming the step, before anything is saved, and if
+the latest checkpoint holds the weights that produced that loss (the step
+before), it is removed, so the pointer names the checkpoint before it.
+Weights are checked before every save too: a NaN or Inf, or a trainable
+weight beyond `max_weight_abs` (finite but diverged, e.g. 1e30 after a far
+too high learning rate), stops training without saving them.
 """
 
+import collections
 import math
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -67,18 +76,20 @@ class StopRequest:
     return self._event.wait(timeout)
 
   def InstallSignalHandlers(self, signums=(signal.SIGINT, signal.SIGTERM)):
-    """SIGINT/SIGTERM set the flag; a second one kills the process at once.
+    """SIGINT/SIGTERM set the flag; a second one ends the process at once.
 
+    The second signal is seen by a thread that reads the interpreter's
+    signal wake-up file, so it ends the process (status 128 + signal number,
+    after one log line) within a second even while the main thread is
+    blocked inside a TensorFlow call, where Python handlers cannot run.
     Must be called from the main thread.
     """
+    signums = tuple(signums)
 
     def Handler(signum, unused_frame):
       name = signal.Signals(signum).name
       if self.requested:
-        logging.warning('Second %s: exiting without saving.', name)
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
-        return
+        _ExitNow(signum)
       logging.info(
         '%s received: saving a checkpoint after this step, then exiting.', name
       )
@@ -86,43 +97,128 @@ class StopRequest:
 
     for signum in signums:
       signal.signal(signum, Handler)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def Watch():
+      count = 0
+      while True:
+        data = os.read(read_fd, 64)
+        if not data:
+          return
+        for signum in data:
+          if signum in signums:
+            count += 1
+            if count >= 2:
+              _ExitNow(signum)
+
+    threading.Thread(target=Watch, name='second_signal', daemon=True).start()
+
+
+def _ExitNow(signum):
+  """The second SIGINT/SIGTERM: one line, no save, no waiting."""
+  name = signal.Signals(signum).name
+  message = (
+    f'Second {name}: exiting now without saving; the last checkpoint '
+    'stays the one to resume from.'
+  )
+  logging.warning('%s', message)
+  logging.flush()
+  sys.stderr.write(f'ERROR: {message}\n')
+  sys.stderr.flush()
+  os._exit(128 + signum)  # pylint: disable=protected-access
 
 
 class StepWatchdog:
-  """Calls `on_timeout(step, seconds)` if one step runs longer than a bound.
+  """Calls `on_timeout(step, seconds, bound)` if one step runs past a bound.
 
   A TensorFlow step blocked on a worker that stopped answering (hung, or its
   host unreachable without a closed connection) cannot be interrupted from
   Python; the trainer's `on_timeout` names the workers and ends the process
-  (checkpoints are written atomically, so the last one stays good). The
-  first step (tracing, compilation) gets `first_step_factor` times the bound.
+  (checkpoints are written atomically, so the last one stays good).
+
+  With a fixed `timeout_s` every step gets that bound and the first step
+  (tracing, compilation) `first_step_factor` times it. With `timeout_s=None`
+  (auto) the bound follows the steps measured so far:
+  max(`min_timeout_s`, `median_factor` x the running median step time), and
+  the first step gets `first_step_timeout_s`. Either way a step slower than
+  `slow_factor` x the median (and over a second) is logged as slow, once
+  while it runs and once when it ends.
   """
 
-  def __init__(self, timeout_s, on_timeout, first_step_factor=4.0, poll_s=0.5):
-    self._timeout = float(timeout_s)
+  def __init__(
+    self,
+    timeout_s,
+    on_timeout,
+    first_step_factor=4.0,
+    poll_s=0.5,
+    min_timeout_s=60.0,
+    median_factor=10.0,
+    first_step_timeout_s=900.0,
+    slow_factor=3.0,
+  ):
+    self._timeout = None if timeout_s is None else float(timeout_s)
     self._on_timeout = on_timeout
     self._first_factor = float(first_step_factor)
     self._poll = poll_s
+    self._min_timeout = float(min_timeout_s)
+    self._median_factor = float(median_factor)
+    self._first_timeout = float(first_step_timeout_s)
+    self._slow_factor = float(slow_factor)
     self._lock = threading.Lock()
-    self._current = None  # (step, start time, bound)
+    self._current = None  # [step, start time, bound, reported slow]
     self._steps_done = 0
+    self._times = collections.deque(maxlen=101)
     self._done = threading.Event()
     self._thread = threading.Thread(
       target=self._Watch, name='step_watchdog', daemon=True
     )
     self._thread.start()
 
-  def StepStarted(self, step):
-    bound = self._timeout * (
-      self._first_factor if self._steps_done == 0 else 1.0
-    )
+  def Median(self):
+    """The median of the recent step times (None before the second step)."""
     with self._lock:
-      self._current = (step, time.time(), bound)
+      times = sorted(self._times)
+    return times[len(times) // 2] if times else None
+
+  def Bound(self):
+    """The bound of the next step, in seconds."""
+    if self._timeout is not None:
+      factor = self._first_factor if self._steps_done == 0 else 1.0
+      return self._timeout * factor
+    median = self.Median()
+    if median is None:
+      return self._first_timeout
+    return max(self._min_timeout, self._median_factor * median)
+
+  def StepStarted(self, step):
+    bound = self.Bound()
+    with self._lock:
+      self._current = [step, time.time(), bound, False]
 
   def StepFinished(self):
     with self._lock:
-      self._current = None
+      current, self._current = self._current, None
       self._steps_done += 1
+    if current is None:
+      return
+    step, start, bound, _ = current
+    elapsed = time.time() - start
+    median = self.Median()
+    if self._steps_done > 1:  # The first step (tracing) is not timed.
+      with self._lock:
+        self._times.append(elapsed)
+    if median and elapsed > max(1.0, self._slow_factor * median):
+      logging.warning(
+        'Slow step %d: %.1f s, %.0fx the median step time (%.3f s); the '
+        'step timeout is %.0f s.',
+        step,
+        elapsed,
+        elapsed / median,
+        median,
+        bound,
+      )
 
   def Stop(self):
     self._done.set()
@@ -132,14 +228,29 @@ class StepWatchdog:
     while not self._done.wait(self._poll):
       with self._lock:
         current = self._current
-      if current is None:
-        continue
-      step, start, bound = current
-      elapsed = time.time() - start
-      if elapsed > bound:
-        with self._lock:
-          self._current = None  # report once
-        self._on_timeout(step, elapsed)
+        if current is None:
+          continue
+        step, start, bound, reported = current
+        elapsed = time.time() - start
+        median = self._times and sorted(self._times)[len(self._times) // 2]
+        if (
+          not reported
+          and median
+          and elapsed > max(1.0, self._slow_factor * median, bound / 2)
+        ):
+          current[3] = True
+          logging.warning(
+            'Step %d has been running for %.0f s (the median step takes '
+            '%.3f s); the trainer gives up at %.0f s.',
+            step,
+            elapsed,
+            median,
+            bound,
+          )
+        if elapsed <= bound:
+          continue
+        self._current = None  # report once
+      self._on_timeout(step, elapsed, bound)
 
 
 class TrainResult:
@@ -212,6 +323,7 @@ class TrainLoop:
     batch_size=None,
     train_step_fn=None,
     watchdog=None,
+    max_weight_abs=1e6,
   ):
     """Constructor.
 
@@ -231,7 +343,10 @@ class TrainLoop:
       train_step_fn: replaces `task.TrainStep` (tests).
       watchdog: a StepWatchdog told when each step (and its checkpoint)
         starts and ends.
+      max_weight_abs: a save refuses trainable weights larger in absolute
+        value (diverged); 0 or None: only NaN/Inf are refused.
     """
+    self._max_weight_abs = max_weight_abs
     self._watchdog = watchdog
     self._task = task
     self._global_step = global_step
@@ -258,27 +373,56 @@ class TrainLoop:
   def stop(self):
     return self._stop
 
+  def _Latest(self):
+    last = self._ckpt.latest if self._ckpt is not None else None
+    return last or 'none (start afresh)'
+
   def _CheckFinite(self, step, scalars):
     loss = scalars.get('loss')
     if loss is not None and not math.isfinite(loss):
+      dropped = ''
+      # The loss of `step` was computed with the weights of step - 1.
+      if self._ckpt is not None and self._ckpt.last_saved_step == step - 1:
+        prefix = self._ckpt.latest
+        self._ckpt.Discard(prefix)
+        dropped = (
+          f' The checkpoint of step {step - 1} ({prefix}), whose weights '
+          'gave this loss, was removed.'
+        )
       raise NonFiniteError(
         f'The loss is {loss} at step {step}. Training stopped without '
-        'saving, so the last checkpoint is the last good model. Lower the '
-        'learning rate (e.g. --model_params_override="task.train.'
-        'learning_rate : ...") or add gradient clipping, then restart.'
+        f'saving.{dropped} The last good model is the last checkpoint: '
+        f'{self._Latest()}. Lower the learning rate (e.g. '
+        '--model_params_override="task.train.learning_rate : ...") or add '
+        'gradient clipping, then rerun to resume from it.'
       )
 
   def _CheckWeightsFinite(self, step):
-    bad = [
-      v.name
-      for v in self._Variables()
-      if v.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(v)))
-    ]
+    bad, big = [], []
+    for v in self._Variables():
+      if not v.dtype.is_floating:
+        continue
+      if not bool(tf.reduce_all(tf.math.is_finite(v))):
+        bad.append(v.name)
+      elif self._max_weight_abs and v.trainable:
+        peak = float(tf.reduce_max(tf.abs(v))) if v.shape.num_elements() else 0
+        if peak > self._max_weight_abs:
+          big.append((peak, v.name))
     if bad:
       raise NonFiniteError(
         f'NaN or Inf in {len(bad)} variables at step {step} (e.g. '
-        f'{bad[:3]}); not saving them, the last checkpoint is the last '
-        'good model.'
+        f'{bad[:3]}); not saving them. The last good model is the last '
+        f'checkpoint: {self._Latest()}.'
+      )
+    if big:
+      peak, name = max(big)
+      raise NonFiniteError(
+        f'The weights diverged at step {step}: |{name}| reaches {peak:.3g} '
+        f'(> --max_weight_abs={self._max_weight_abs:g}); not saving them. '
+        f'The last good model is the last checkpoint: {self._Latest()}. '
+        'Lower the learning rate or add gradient clipping, then rerun to '
+        'resume from it (or raise --max_weight_abs if such weights are '
+        'expected).'
       )
 
   def _Variables(self):

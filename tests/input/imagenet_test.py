@@ -1,5 +1,7 @@
 """ImageNetInput on tiny TFRecords written here (never downloaded)."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -96,7 +98,8 @@ def testTrainingBatchesAreAugmentedAndReproducible(files):
 def testEvalCentralCropAtAnyResolution(files):
   d, _, val = files
   p = imagenet.ImageNetInput.EvalParams(_Params(d, image_size=20), 'Dev')
-  assert p.file_pattern == str(d / 'validation-*') and not p.augment
+  assert p.use_eval_files and not p.augment
+  assert p.eval_file_pattern == str(d / 'validation-*')
   _, batches = _All(p)
   (b,) = batches
   assert b.image.shape == [4, 20, 20, 3]
@@ -129,16 +132,19 @@ def testMissingFeatureNamesTheFileAndFeature(tmp_path):
   p = _Params(
     tmp_path, file_pattern=bad, num_epochs=1, batch_size=1, shuffle=False
   )
-  with pytest.raises(
-    tf.errors.InvalidArgumentError,
-    match=r'lacks the feature .*image/class/label.*'
-    r'train-bad\] \[1\]',
-  ):
+  with pytest.raises(tf.errors.InvalidArgumentError) as e:
     _All(p)
+  msg = imagenet.ErrorMessage(e.value)
+  assert re.fullmatch(
+    r'ImageNetInput: .*train-bad \(record 1, byte offset \d+\) lacks the '
+    r'feature "image/class/label".*fix file_pattern or convert the data\.',
+    msg,
+  ), msg
   no_image = _Write(tmp_path / 'train-noimg', [_Example(None, 1)])
   with pytest.raises(
     tf.errors.InvalidArgumentError,
-    match='lacks the feature .*image/encoded.*train-noimg',
+    match='train-noimg .record 0, byte offset 0. lacks the feature '
+    r'\\?"image/encoded',
   ):
     _All(p.Copy().Set(file_pattern=no_image))
 
@@ -148,14 +154,15 @@ def testLabelOutOfRangeNamesTheFile(tmp_path):
   p = _Params(tmp_path, file_pattern=path, num_epochs=1, batch_size=1)
   with pytest.raises(
     tf.errors.InvalidArgumentError,
-    match=r'outside \[0, 5\).*\[6\].*train-labels',
+    match=r'train-labels \(record 0, byte offset 0\): label - label_offset '
+    r'= 6 is outside \[0, 5\)',
   ):
     _All(p)
   _, batches = _All(p.Copy().Set(num_classes=10))
   assert batches[0].label.numpy().tolist() == [6]
 
 
-def testCorruptImagesAreSkippedAndCountedOrFail(tmp_path):
+def testCorruptImagesAreSkippedAndLoggedOrFail(tmp_path, capfd):
   path = _Write(
     tmp_path / 'train-corrupt',
     [
@@ -168,21 +175,148 @@ def testCorruptImagesAreSkippedAndCountedOrFail(tmp_path):
   p = _Params(
     tmp_path, file_pattern=path, num_epochs=1, batch_size=1, shuffle=False
   )
-  gen, batches = _All(p)
+  capfd.readouterr()
+  _, batches = _All(p)
   assert [int(b.label[0]) for b in batches] == [0, 3]
-  assert gen.num_corrupt == 2
-  # Images decode in parallel, so the corrupt ones are recorded in any order.
-  assert sorted(gen.corrupt_records) == [(path, 1), (path, 2)]
+  err = capfd.readouterr().err
+  assert re.search(
+    r'skipping a corrupt record: .*train-corrupt \(record 1, byte offset '
+    r'\d+\): the image does not decode \(corrupt records so far: 1 of 2',
+    err,
+  ), err
+  assert 'record 2, byte offset' in err and 'so far: 2 of 3' in err
+  with pytest.raises(tf.errors.InvalidArgumentError) as e:
+    _All(p.Copy().Set(corrupt_records='error'))
+  assert re.fullmatch(
+    r'ImageNetInput: .*train-corrupt \(record 1, byte offset \d+\): the '
+    r'image does not decode\. Fix or remove the file, or skip corrupt '
+    r"records with input.corrupt_records : 'skip'\.",
+    imagenet.ErrorMessage(e.value),
+  )
+
+
+def _Damage(tmp_path, name, how):
+  good = [_Example(_Jpeg(8, 8, i), 1 + i % 5) for i in range(6)]
+  path = _Write(tmp_path / name, good)
+  data = bytearray(open(path, 'rb').read())
+  if how == 'truncate':
+    data = data[: len(data) * 2 // 3]
+  elif how == 'flip':
+    data[len(data) // 2] ^= 0xFF
+  else:  # garbage
+    data = bytearray(np.random.RandomState(0).bytes(3000))
+  with open(path, 'wb') as f:
+    f.write(bytes(data))
+  return path
+
+
+@pytest.mark.parametrize('how', ['truncate', 'flip', 'garbage'])
+def testDamagedFilesAreNamedWithTheOffset(tmp_path, how, capfd):
+  path = _Damage(tmp_path, 'train-damaged', how)
+  p = _Params(
+    tmp_path,
+    file_pattern=path,
+    num_epochs=1,
+    batch_size=1,
+    shuffle=False,
+    corrupt_records='error',
+  )
+  with pytest.raises(tf.errors.InvalidArgumentError) as e:
+    _All(p)
+  msg = imagenet.ErrorMessage(e.value)
+  want = (
+    'this file is not a TFRecord of tf.train.Example'
+    if how == 'garbage'
+    else 'the file is truncated or corrupt'
+  )
+  assert re.fullmatch(
+    r'ImageNetInput: .*train-damaged: damaged TFRecord data at byte offset '
+    r'\d+ \((after record \d+|before the first record); '
+    rf'{want}.*\)\. Fix or remove the file, or skip corrupt records with '
+    r"input.corrupt_records : 'skip'\.",
+    msg,
+  ), msg
+  # Skipped: the records before the damage are read.
+  _, batches = _All(p.Copy().Set(corrupt_records='skip'))
+  if how == 'garbage':
+    assert not batches
+  else:
+    assert 1 <= len(batches) < 6
+  assert 'skipping a corrupt record' in capfd.readouterr().err
+
+
+def testNotAnExampleIsNamed(tmp_path):
+  path = _Write(tmp_path / 'train-text', [b'\xff\xfe plain bytes'])
+  p = _Params(
+    tmp_path,
+    file_pattern=path,
+    num_epochs=1,
+    batch_size=1,
+    corrupt_records='error',
+  )
   with pytest.raises(
     tf.errors.InvalidArgumentError,
-    match=r'train-corrupt \(record 1\) does not decode',
+    match=r'train-text \(record 0, byte offset 0\) is not a tf.train.Example'
+    r' \(this file is not a TFRecord of tf.train.Example\)',
   ):
-    _All(p.Copy().Set(corrupt_images='fail'))
+    _All(p)
+
+
+def testSkippingIsBoundedAndLogsLittle(tmp_path, capfd):
+  path = _Write(
+    tmp_path / 'train-allbad',
+    [_Example(b'not an image %d' % i, 1) for i in range(10)],
+  )
+  p = _Params(
+    tmp_path,
+    file_pattern=path,
+    batch_size=2,
+    max_corrupt_records=3,
+    max_corrupt_fraction=0.5,
+    shuffle=False,
+  )  # num_epochs None: forever, as in training.
+  capfd.readouterr()
+  with pytest.raises(
+    tf.errors.InvalidArgumentError,
+    match=r'ImageNetInput: 4 of the 4 records read are corrupt, more than '
+    r'max_corrupt_records \(3\) and max_corrupt_fraction \(0\.5\); the last: '
+    r'.*train-allbad \(record 3, .*raise input.max_corrupt_fraction',
+  ):
+    _All(p)
+  err = capfd.readouterr().err
+  assert err.count('skipping a corrupt record') == 3
+  # Below the bound a few corrupt records are skipped over many epochs, and
+  # the log thins out: 20 lines, then one at each doubling.
+  ok = _Write(
+    tmp_path / 'train-mixed',
+    [_Example(_Jpeg(8, 8, 0), 1), _Example(b'bad', 1)],
+  )
+  p = _Params(tmp_path, file_pattern=ok, batch_size=1, num_epochs=100)
+  _, batches = _All(p.Set(max_corrupt_records=1000, shuffle=False))
+  assert len(batches) == 100
+  err = capfd.readouterr().err
+  assert err.count('skipping a corrupt record') == 20 + 2  # and at 32, 64
+  assert 'corrupt records so far: 64 of 128' in err
+
+
+def testIteratorIsCheckpointable(files, tmp_path):
+  d, _, _ = files
+  gen = _Params(d).Instantiate()
+  it = iter(gen.GetDataset())
+  next(it)
+  ckpt = tf.train.Checkpoint(iterator=it)
+  path = ckpt.write(str(tmp_path / 'ckpt'))
+  want = [next(it).label.numpy() for _ in range(3)]
+  ckpt.read(path).assert_consumed()
+  got = [next(it).label.numpy() for _ in range(3)]
+  np.testing.assert_array_equal(want, got)
 
 
 def testParamErrors(tmp_path):
-  with pytest.raises(ValueError, match="corrupt_images = 'drop'"):
-    _Params(tmp_path, corrupt_images='drop').Instantiate()
+  with pytest.raises(ValueError, match="corrupt_records = 'drop'"):
+    _Params(tmp_path, corrupt_records='drop').Instantiate()
+  with pytest.raises(ValueError, match='max_corrupt_fraction = 2'):
+    _Params(tmp_path, max_corrupt_fraction=2).Instantiate()
   with pytest.raises(ValueError, match='no file matches'):
     _All(_Params(tmp_path, file_pattern=str(tmp_path / 'none-*')))
   with pytest.raises(ValueError, match='file_pattern is empty'):

@@ -274,3 +274,33 @@ def testInterruptedSweepAndUnpointedNewerCheckpointsAreRemoved(tmp_path):
   assert checkpointer.LatestCheckpoint(str(tmp_path)).endswith('ckpt-3')
   checkpointer.Checkpointer(str(tmp_path), variables, max_to_keep=2)
   assert [s for s, _ in checkpointer.ListCheckpoints(str(tmp_path))] == [2, 3]
+
+
+def testDataAndIndexReachTheDiskBeforeThePointerMoves(tmp_path, monkeypatch):
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def Fsync(fd):
+    events.append(('fsync', os.readlink(f'/proc/self/fd/{fd}')))
+    return real_fsync(fd)
+
+  def Replace(src, dst):
+    events.append(('replace', str(dst)))
+    return real_replace(src, dst)
+
+  monkeypatch.setattr(os, 'fsync', Fsync)
+  monkeypatch.setattr(os, 'replace', Replace)
+  ckpt = checkpointer.Checkpointer(str(tmp_path), _Vars())
+  events.clear()
+  prefix = ckpt.Save(3)
+  pointer = ('replace', str(tmp_path / 'checkpoint'))
+  assert pointer in events, events
+  before = events[: events.index(pointer)]
+  synced = {path for kind, path in before if kind == 'fsync'}
+  data = [f for f in os.listdir(tmp_path) if f.startswith('ckpt-3.data-')]
+  assert data
+  for name in data + ['ckpt-3.index']:
+    assert str(tmp_path / name) in synced, (name, events)
+  # The directory (holding the new files' names) too, after the files.
+  fsyncs = [path for kind, path in before if kind == 'fsync']
+  assert fsyncs.index(str(tmp_path)) > fsyncs.index(prefix + '.index')

@@ -18,7 +18,8 @@ def testWatchdogReportsAStepPastItsBoundOnce():
   calls = []
   fired = threading.Event()
 
-  def OnTimeout(step, elapsed):
+  def OnTimeout(step, elapsed, bound):
+    del bound
     calls.append((step, elapsed))
     fired.set()
 
@@ -41,7 +42,7 @@ def testWatchdogReportsAStepPastItsBoundOnce():
 def testFirstStepGetsALongerBound():
   calls = []
   dog = train_loop.StepWatchdog(
-    0.1, lambda s, e: calls.append(s), first_step_factor=10.0, poll_s=0.02
+    0.1, lambda s, e, b: calls.append(s), first_step_factor=10.0, poll_s=0.02
   )
   try:
     dog.StepStarted(1)
@@ -84,7 +85,9 @@ def testTrainLoopInProcessNanHookAndStop(tmp_path):
     train_loop.NonFiniteError, match='loss is nan at step 6.*last good model'
   ):
     loop.Run()
-  assert trainer_process.Latest(tmp_path / 'train') == 5
+  # ckpt-5 held the weights that gave the NaN at step 6: removed.
+  assert trainer_process.Latest(tmp_path / 'train') == 4
+  assert not (tmp_path / 'train' / 'ckpt-5.index').exists()
   # A stop request ends the loop before the next step; nothing new to save.
   stop = train_loop.StopRequest()
   stop.Set('SIGTERM')
@@ -98,5 +101,32 @@ def testTrainLoopInProcessNanHookAndStop(tmp_path):
   result = train_loop.TrainLoop(
     model2.GetTask(), model2.global_step, it, ckpt2, max_steps=10, stop=stop
   ).Run()
-  assert (result.step, result.reason) == (5, 'SIGTERM')
-  assert result.checkpoint.endswith('ckpt-5')
+  assert (result.step, result.reason) == (4, 'SIGTERM')
+  assert result.checkpoint.endswith('ckpt-4')
+
+
+def testAutoBoundFollowsTheMedianStepTime():
+  calls = []
+  dog = train_loop.StepWatchdog(
+    None,
+    lambda s, e, b: calls.append((s, b)),
+    poll_s=0.02,
+    min_timeout_s=0.3,
+    median_factor=10.0,
+    first_step_timeout_s=5.0,
+  )
+  try:
+    assert dog.Bound() == 5.0  # Nothing measured: the first-step bound.
+    for step in range(1, 6):
+      dog.StepStarted(step)
+      time.sleep(0.01 if step > 1 else 0.1)
+      dog.StepFinished()
+    assert 0.005 < dog.Median() < 0.1
+    assert dog.Bound() == max(0.3, 10 * dog.Median())
+    dog.StepStarted(6)  # A stuck step ends within the bound.
+    deadline = time.time() + 5
+    while not calls and time.time() < deadline:
+      time.sleep(0.02)
+    assert calls and calls[0][0] == 6 and calls[0][1] < 1.1
+  finally:
+    dog.Stop()

@@ -4,9 +4,12 @@ data-parallel rows report the bytes the workers exchange."""
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.testing import trainer_process
 
@@ -69,6 +72,48 @@ def testLauncherServesATrainerAndStops(tmp_path):
     out, err = proc.communicate(timeout=60)
   assert proc.returncode == 0, err[-3000:]
   assert 'workers ready' in out and '--cluster_spec=worker=127.0.0.1:' in out
+  assert 'Cluster stopped.' in out
+
+
+@pytest.mark.slow
+def testADeadWorkerIsRestartedOnItsOwnPort(tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      str(ROOT / 'tools' / 'local_cluster.py'),
+      '--num_workers=2',
+      '--serve_seconds=300',
+    ],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    lines = []
+    while not any('lingvo_gpipe.trainer' in ln for ln in lines):
+      line = proc.stdout.readline()
+      assert line, proc.stderr.read()[-3000:]
+      lines.append(line)
+    pids = [
+      int(ln.split('pid ')[1].split(',')[0]) for ln in lines if 'pid' in ln
+    ]
+    spec = [ln for ln in lines if 'workers ready' in ln][0]
+    os.kill(pids[1], signal.SIGKILL)
+    restarted = proc.stdout.readline()
+    assert 'Worker 1 exited; restarting it on 127.0.0.1:' in restarted
+    assert restarted.split(' on ')[1].split()[0] in spec  # Its own port.
+    ready = proc.stdout.readline()
+    assert 'task 1: pid' in ready and 'the cluster spec is unchanged' in ready
+    new_pid = int(ready.split('pid ')[1].split()[0])
+    assert new_pid != pids[1]
+    os.kill(pids[0], 0)  # Worker 0 kept running.
+    os.kill(new_pid, 0)
+  finally:
+    proc.terminate()
+    out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 0, err[-3000:]
   assert 'Cluster stopped.' in out
 
 
