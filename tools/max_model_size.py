@@ -11,7 +11,9 @@ Configurations:
   naive-1     one device, no pipeline, no re-materialization;
   pipeline-1  one device, re-materialization, M micro-batches;
   pipeline-K  K devices, each its own TensorFlow server process, with
-              re-materialization and M = max(8, 4K) micro-batches.
+              re-materialization and M = max(8, 4K) micro-batches. The
+              layers are split so that the fullest device holds the least
+              (--balance_by=memory).
 
 Every device is a worker process (`lingvo_gpipe.runners.tf_server`) that
 counts its allocations and reports its own current and peak bytes
@@ -79,6 +81,7 @@ FAMILIES = {
   ),
 }
 DEFAULT_BUDGET_MB = {'transformer': 40, 'amoebanet': 64}
+BALANCE_BY = ('memory', 'params', 'flops', 'uniform')
 DEFAULT_CONFIGS = 'naive-1,pipeline-1,pipeline-2,pipeline-4,pipeline-8'
 
 
@@ -155,6 +158,9 @@ def _BuildModel(family, size, config, devices):
         dtype=tf.int32,
       )
       return (ids, ids), None  # the copy task: labels are the inputs
+
+    ids_spec = tf.TensorSpec([f['batch_size'], f['seq_len']], tf.int32)
+    input_shapes = [ids_spec, ids_spec]
   else:
     from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
 
@@ -181,6 +187,9 @@ def _BuildModel(family, size, config, devices):
       )
       return (images,), labels
 
+    s = f['image_size']
+    input_shapes = [[f['batch_size'], s, s, 3]]
+
   if config['pipeline']:
     layer = (
       gpipe.PipeliningLayer.Params()
@@ -191,7 +200,8 @@ def _BuildModel(family, size, config, devices):
         num_micro_batches=config['num_micro_batches'],
         devices=devices[:k],
         recompute='always',
-        balance_by='params',
+        balance_by=config.get('balance_by', 'memory'),
+        input_shapes=input_shapes,
       )
       .Instantiate()
     )
@@ -247,6 +257,7 @@ def RunTrial(spec):
     record = dict(
       family=family,
       config=config['name'],
+      balance_by=config.get('balance_by'),
       num_stages=k,
       num_micro_batches=config['num_micro_batches'],
       recompute=config['recompute'],
@@ -382,6 +393,7 @@ class Searcher:
   def Trial(self, family, config, size, steps=1):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, 'trial.json')
+      config = dict(config, balance_by=self.args.balance_by)
       spec = dict(
         family=family,
         config=config,
@@ -622,6 +634,13 @@ def main(argv=None):
   )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
   parser.add_argument(
+    '--balance_by',
+    default='memory',
+    help='How pipeline-K splits the layers into cells: memory (the '
+    "largest device's estimated bytes, the default), params, flops or "
+    'uniform.',
+  )
+  parser.add_argument(
     '--inter_op_threads',
     type=int,
     default=2,
@@ -658,6 +677,11 @@ def main(argv=None):
     configs = [
       ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
     ]
+    if args.balance_by not in BALANCE_BY:
+      raise UsageError(
+        f'Unknown --balance_by={args.balance_by!r}: valid ones are '
+        f'{", ".join(BALANCE_BY)}.'
+      )
     if not args.budget_mb:
       args.budget_mb = DEFAULT_BUDGET_MB[args.family]
     if args.budget_mb <= 0:
