@@ -632,6 +632,14 @@ def main(argv=None):
     help='Search no further than this size (0: no cap); '
     'a result at the cap is a lower bound.',
   )
+  parser.add_argument(
+    '--start_size',
+    type=int,
+    default=0,
+    help="Start the first configuration's search at this size instead "
+    'of at the smallest (0: the smallest first). A start that does not fit '
+    'is shrunk by --growth until one fits.',
+  )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
   parser.add_argument(
     '--balance_by',
@@ -745,7 +753,7 @@ def _SearchAll(searcher, args, configs):
   fam = FAMILIES[args.family]
   for config in configs:
     if prev is None:
-      guess = fam['start']
+      guess = args.start_size or fam['start']
     elif args.family == 'transformer':
       guess = (
         prev['size']
@@ -771,7 +779,10 @@ def _SearchAll(searcher, args, configs):
       flush=True,
     )
     best, fail = searcher.Search(
-      args.family, config, guess, check_smallest=prev is None
+      args.family,
+      config,
+      guess,
+      check_smallest=prev is None and not args.start_size,
     )
     if best is None:
       print(
