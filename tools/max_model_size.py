@@ -652,10 +652,7 @@ def main(argv=None):
     '--inter_op_threads',
     type=int,
     default=2,
-    help="Ops a worker runs at once. With 1, TensorFlow's "
-    'executor runs ready ops in an order that keeps more '
-    'alive (pipeline-1: 2.2x the activations of 2 '
-    'threads); see docs/capacity.md.',
+    help='Ops a worker runs at once (docs/capacity.md compares 1 and 2).',
   )
   parser.add_argument(
     '--intra_op_threads',
