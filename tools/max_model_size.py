@@ -232,13 +232,21 @@ def RunTrial(spec):
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 
   limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
-  with cluster.LocalCluster(
-    k,
-    memory_stats=True,
-    memory_limit_mb=limit,
-    intra_op_threads=spec.get('intra_op_threads', 0),
-    inter_op_threads=spec.get('inter_op_threads', 2),
-  ) as c:
+  on_gpu = spec.get('device', 'cpu') == 'gpu'
+  if on_gpu:
+    # K logical GPUs of one physical GPU, each capped at the limit; their
+    # allocators are separate, so get_memory_info is per device.
+    cluster.SplitGpu(k, memory_limit_mb=limit)
+    context = contextlib.nullcontext(None)
+  else:
+    context = cluster.LocalCluster(
+      k,
+      memory_stats=True,
+      memory_limit_mb=limit,
+      intra_op_threads=spec.get('intra_op_threads', 0),
+      inter_op_threads=spec.get('inter_op_threads', 2),
+    )
+  with context as c:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -251,9 +259,15 @@ def RunTrial(spec):
     tf.config.threading.set_intra_op_parallelism_threads(
       spec.get('intra_op_threads', 0)
     )
-    cluster.Connect(c.cluster_spec)
-    devices = c.devices
-    status = device_memory.StatusMap(devices, c.status_addresses)
+    if on_gpu:
+      devices = [
+        f'/job:localhost/replica:0/task:0/device:GPU:{i}' for i in range(k)
+      ]
+      status = {}
+    else:
+      cluster.Connect(c.cluster_spec)
+      devices = c.devices
+      status = device_memory.StatusMap(devices, c.status_addresses)
     record = dict(
       family=family,
       config=config['name'],
@@ -335,7 +349,8 @@ def RunTrial(spec):
       record['weight_bytes_per_device'] = [weights.get(d, 0) for d in devices]
       record['slot_bytes_per_device'] = [slots.get(d, 0) for d in devices]
       record['rss_peak_minus_baseline_per_device'] = [
-        details[d]['rss_peak'] - details[d]['rss_baseline'] for d in devices
+        details[d]['rss_peak'] - (details[d]['rss_baseline'] or 0)
+        for d in devices
       ]
       record['peak_activation_bytes'] = max(
         p - s
@@ -355,7 +370,7 @@ def RunTrial(spec):
       tf.errors.CancelledError,
       device_memory.MemoryStatsUnavailable,
     ) as e:
-      dead = [i for i, alive in enumerate(c.Alive()) if not alive]
+      dead = [] if c is None else [i for i, a in enumerate(c.Alive()) if not a]
       reason = (
         f'worker(s) {dead} died'
         if dead
@@ -403,6 +418,7 @@ class Searcher:
         out=out,
         intra_op_threads=self.args.intra_op_threads,
         inter_op_threads=self.args.inter_op_threads,
+        device=self.args.device,
       )
       cmd = [
         sys.executable,
@@ -640,6 +656,13 @@ def main(argv=None):
     'of at the smallest (0: the smallest first). A start that does not fit '
     'is shrunk by --growth until one fits.',
   )
+  parser.add_argument(
+    '--device',
+    default='cpu',
+    help='cpu: each device is a CPU worker process; gpu: K logical GPUs '
+    "of this host's first GPU, each capped at 2x the budget + 64 MiB, "
+    'read with get_memory_info.',
+  )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
   parser.add_argument(
     '--balance_by',
@@ -682,6 +705,15 @@ def main(argv=None):
     configs = [
       ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
     ]
+    if args.device not in ('cpu', 'gpu'):
+      raise UsageError(
+        f'Unknown --device={args.device!r}: valid ones are cpu and gpu.'
+      )
+    if args.device == 'gpu' and not _HasGpu():
+      raise UsageError(
+        '--device=gpu but TensorFlow finds no GPU on this host: run with '
+        '--device=cpu (worker processes), or on a host with a GPU.'
+      )
     if args.balance_by not in BALANCE_BY:
       raise UsageError(
         f'Unknown --balance_by={args.balance_by!r}: valid ones are '
@@ -806,6 +838,23 @@ def _SearchAll(searcher, args, configs):
   if args.json:
     _WriteJson(args.json, searcher.records, results)
   return 0
+
+
+def _HasGpu():
+  """Whether TensorFlow sees a GPU (asked in a child: this process stays
+  free of TensorFlow)."""
+  probe = (
+    'import tensorflow as tf, sys; '
+    "sys.exit(0 if tf.config.list_physical_devices('GPU') else 3)"
+  )
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  try:
+    rc = subprocess.run(
+      [sys.executable, '-c', probe], env=env, capture_output=True, timeout=300
+    ).returncode
+  except subprocess.TimeoutExpired:
+    return False
+  return rc == 0
 
 
 def _WriteJson(path, trials, results):

@@ -31,6 +31,16 @@ def testUnknownFamilyAndConfigListTheValidOnes():
   assert "'weights'" in out.stderr and 'memory, params' in out.stderr
 
 
+def testGpuWithoutAGpuIsOneClearMessage():
+  out = _Run('--device=gpu', '--configs=naive-1')
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert 'finds no GPU on this host' in out.stderr
+  assert '--device=cpu' in out.stderr
+  out = _Run('--device=tpu')
+  assert out.returncode == 2
+  assert 'cpu and gpu' in out.stderr
+
+
 def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
   out = _Run(
     '--family=transformer',
