@@ -11,7 +11,9 @@ Configurations:
   naive-1     one device, no pipeline, no re-materialization;
   pipeline-1  one device, re-materialization, M micro-batches;
   pipeline-K  K devices, each its own TensorFlow server process, with
-              re-materialization and M = max(8, 4K) micro-batches.
+              re-materialization and M = max(8, 4K) micro-batches. The
+              layers are split so that the fullest device holds the least
+              (--balance_by=memory).
 
 Every device is a worker process (`lingvo_gpipe.runners.tf_server`) that
 counts its allocations and reports its own current and peak bytes
@@ -79,6 +81,7 @@ FAMILIES = {
   ),
 }
 DEFAULT_BUDGET_MB = {'transformer': 40, 'amoebanet': 64}
+BALANCE_BY = ('memory', 'params', 'flops', 'uniform')
 DEFAULT_CONFIGS = 'naive-1,pipeline-1,pipeline-2,pipeline-4,pipeline-8'
 
 
@@ -155,6 +158,9 @@ def _BuildModel(family, size, config, devices):
         dtype=tf.int32,
       )
       return (ids, ids), None  # the copy task: labels are the inputs
+
+    ids_spec = tf.TensorSpec([f['batch_size'], f['seq_len']], tf.int32)
+    input_shapes = [ids_spec, ids_spec]
   else:
     from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
 
@@ -181,6 +187,9 @@ def _BuildModel(family, size, config, devices):
       )
       return (images,), labels
 
+    s = f['image_size']
+    input_shapes = [[f['batch_size'], s, s, 3]]
+
   if config['pipeline']:
     layer = (
       gpipe.PipeliningLayer.Params()
@@ -191,7 +200,8 @@ def _BuildModel(family, size, config, devices):
         num_micro_batches=config['num_micro_batches'],
         devices=devices[:k],
         recompute='always',
-        balance_by='params',
+        balance_by=config.get('balance_by', 'memory'),
+        input_shapes=input_shapes,
       )
       .Instantiate()
     )
@@ -222,13 +232,21 @@ def RunTrial(spec):
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 
   limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
-  with cluster.LocalCluster(
-    k,
-    memory_stats=True,
-    memory_limit_mb=limit,
-    intra_op_threads=spec.get('intra_op_threads', 0),
-    inter_op_threads=spec.get('inter_op_threads', 2),
-  ) as c:
+  on_gpu = spec.get('device', 'cpu') == 'gpu'
+  if on_gpu:
+    # K logical GPUs of one physical GPU, each capped at the limit; their
+    # allocators are separate, so get_memory_info is per device.
+    cluster.SplitGpu(k, memory_limit_mb=limit)
+    context = contextlib.nullcontext(None)
+  else:
+    context = cluster.LocalCluster(
+      k,
+      memory_stats=True,
+      memory_limit_mb=limit,
+      intra_op_threads=spec.get('intra_op_threads', 0),
+      inter_op_threads=spec.get('inter_op_threads', 2),
+    )
+  with context as c:
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
     from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
@@ -241,12 +259,19 @@ def RunTrial(spec):
     tf.config.threading.set_intra_op_parallelism_threads(
       spec.get('intra_op_threads', 0)
     )
-    cluster.Connect(c.cluster_spec)
-    devices = c.devices
-    status = device_memory.StatusMap(devices, c.status_addresses)
+    if on_gpu:
+      devices = [
+        f'/job:localhost/replica:0/task:0/device:GPU:{i}' for i in range(k)
+      ]
+      status = {}
+    else:
+      cluster.Connect(c.cluster_spec)
+      devices = c.devices
+      status = device_memory.StatusMap(devices, c.status_addresses)
     record = dict(
       family=family,
       config=config['name'],
+      balance_by=config.get('balance_by'),
       num_stages=k,
       num_micro_batches=config['num_micro_batches'],
       recompute=config['recompute'],
@@ -325,7 +350,8 @@ def RunTrial(spec):
       record['weight_bytes_per_device'] = [weights.get(d, 0) for d in devices]
       record['slot_bytes_per_device'] = [slots.get(d, 0) for d in devices]
       record['rss_peak_minus_baseline_per_device'] = [
-        details[d]['rss_peak'] - details[d]['rss_baseline'] for d in devices
+        details[d]['rss_peak'] - (details[d]['rss_baseline'] or 0)
+        for d in devices
       ]
       record['peak_activation_bytes'] = max(
         p - s
@@ -345,7 +371,7 @@ def RunTrial(spec):
       tf.errors.CancelledError,
       device_memory.MemoryStatsUnavailable,
     ) as e:
-      dead = [i for i, alive in enumerate(c.Alive()) if not alive]
+      dead = [] if c is None else [i for i, a in enumerate(c.Alive()) if not a]
       reason = (
         f'worker(s) {dead} died'
         if dead
@@ -383,6 +409,7 @@ class Searcher:
   def Trial(self, family, config, size, steps=1):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, 'trial.json')
+      config = dict(config, balance_by=self.args.balance_by)
       spec = dict(
         family=family,
         config=config,
@@ -392,6 +419,7 @@ class Searcher:
         out=out,
         intra_op_threads=self.args.intra_op_threads,
         inter_op_threads=self.args.inter_op_threads,
+        device=self.args.device,
       )
       cmd = [
         sys.executable,
@@ -621,15 +649,34 @@ def main(argv=None):
     help='Search no further than this size (0: no cap); '
     'a result at the cap is a lower bound.',
   )
+  parser.add_argument(
+    '--start_size',
+    type=int,
+    default=0,
+    help="Start the first configuration's search at this size instead "
+    'of at the smallest (0: the smallest first). A start that does not fit '
+    'is shrunk by --growth until one fits.',
+  )
+  parser.add_argument(
+    '--device',
+    default='cpu',
+    help='cpu: each device is a CPU worker process; gpu: K logical GPUs '
+    "of this host's first GPU, each capped at 2x the budget + 64 MiB, "
+    'read with get_memory_info.',
+  )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
+  parser.add_argument(
+    '--balance_by',
+    default='memory',
+    help='How pipeline-K splits the layers into cells: memory (the '
+    "largest device's estimated bytes, the default), params, flops or "
+    'uniform.',
+  )
   parser.add_argument(
     '--inter_op_threads',
     type=int,
     default=2,
-    help="Ops a worker runs at once. With 1, TensorFlow's "
-    'executor runs ready ops in an order that keeps more '
-    'alive (pipeline-1: 2.2x the activations of 2 '
-    'threads); see docs/capacity.md.',
+    help='Ops a worker runs at once (docs/capacity.md compares 1 and 2).',
   )
   parser.add_argument(
     '--intra_op_threads',
@@ -659,6 +706,20 @@ def main(argv=None):
     configs = [
       ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
     ]
+    if args.device not in ('cpu', 'gpu'):
+      raise UsageError(
+        f'Unknown --device={args.device!r}: valid ones are cpu and gpu.'
+      )
+    if args.device == 'gpu' and not _HasGpu():
+      raise UsageError(
+        '--device=gpu but TensorFlow finds no GPU on this host: run with '
+        '--device=cpu (worker processes), or on a host with a GPU.'
+      )
+    if args.balance_by not in BALANCE_BY:
+      raise UsageError(
+        f'Unknown --balance_by={args.balance_by!r}: valid ones are '
+        f'{", ".join(BALANCE_BY)}.'
+      )
     if not args.budget_mb:
       args.budget_mb = DEFAULT_BUDGET_MB[args.family]
     if args.budget_mb <= 0:
@@ -722,7 +783,7 @@ def _SearchAll(searcher, args, configs):
   fam = FAMILIES[args.family]
   for config in configs:
     if prev is None:
-      guess = fam['start']
+      guess = args.start_size or fam['start']
     elif args.family == 'transformer':
       guess = (
         prev['size']
@@ -748,7 +809,10 @@ def _SearchAll(searcher, args, configs):
       flush=True,
     )
     best, fail = searcher.Search(
-      args.family, config, guess, check_smallest=prev is None
+      args.family,
+      config,
+      guess,
+      check_smallest=prev is None and not args.start_size,
     )
     if best is None:
       print(
@@ -775,6 +839,23 @@ def _SearchAll(searcher, args, configs):
   if args.json:
     _WriteJson(args.json, searcher.records, results)
   return 0
+
+
+def _HasGpu():
+  """Whether TensorFlow sees a GPU (asked in a child: this process stays
+  free of TensorFlow)."""
+  probe = (
+    'import tensorflow as tf, sys; '
+    "sys.exit(0 if tf.config.list_physical_devices('GPU') else 3)"
+  )
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+  try:
+    rc = subprocess.run(
+      [sys.executable, '-c', probe], env=env, capture_output=True, timeout=300
+    ).returncode
+  except subprocess.TimeoutExpired:
+    return False
+  return rc == 0
 
 
 def _WriteJson(path, trials, results):

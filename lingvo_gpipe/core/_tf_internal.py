@@ -19,8 +19,8 @@ from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import ops as _ops
 
 # Whether the graph being built is compiled by XLA (tf.function(jit_compile=
-# True) enters an XLA context): the pipeline's scheduling ops (AccumulateNV2,
-# DeepCopy) have no XLA kernel, and XLA orders the computation itself.
+# True) enters an XLA context): the pipeline's scheduling op DeepCopy has
+# no XLA kernel, and XLA orders the computation itself.
 from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 __all__ = [

@@ -42,6 +42,8 @@ __all__ = [
   'CellReport',
   'CostsFromMeasurements',
   'MakeReport',
+  'MemoryCellBytes',
+  'MemorySplits',
   'PartitionReport',
   'SplitsToRanges',
   'UniformSplits',
@@ -550,3 +552,110 @@ def CostsFromMeasurements(times):
     else:
       result.append(_ValidateCost(t, f'times[{i}]'))
   return result
+
+
+def MemoryCellBytes(layer_bytes, input_bytes, splits):
+  """The estimated peak bytes of each cell's device.
+
+  Cell k, layers [a, b), holds `input_bytes[a] + sum(layer_bytes[a:b])`: what
+  its layers hold (weights, gradients, optimizer slots, live activations)
+  plus the input it stores for every micro-batch, which depends on where the
+  cell starts.
+
+  Args:
+    layer_bytes: per-layer bytes (finite, >= 0), one per layer.
+    input_bytes: per-layer bytes (finite, >= 0) a cell starting at that
+      layer stores, one per layer.
+    splits: K end indices (Lingvo convention) for `len(layer_bytes)` layers.
+
+  Returns:
+    A list of K floats.
+
+  Raises:
+    ValueError: if an argument is invalid.
+  """
+  layer_bytes, input_bytes = _ValidateMemory(layer_bytes, input_bytes)
+  splits = ValidateSplits(splits, len(layer_bytes))
+  return [
+    input_bytes[a] + math.fsum(layer_bytes[a:b])
+    for a, b in zip([0] + splits[:-1], splits)
+  ]
+
+
+def _ValidateMemory(layer_bytes, input_bytes):
+  layer_bytes = _ValidateCosts(layer_bytes, name='layer_bytes')
+  input_bytes = _ValidateCosts(input_bytes, name='input_bytes')
+  if len(input_bytes) != len(layer_bytes):
+    raise ValueError(
+      f'input_bytes has {len(input_bytes)} entries but layer_bytes has '
+      f'{len(layer_bytes)}: pass one entry per layer in both (input_bytes[i] '
+      'is what a cell starting at layer i stores).'
+    )
+  return layer_bytes, input_bytes
+
+
+def MemorySplits(layer_bytes, input_bytes, num_stages):
+  """Splits layers into cells so that the fullest device holds the least.
+
+  A pipeline fits when every device fits, so the split minimizes the largest
+  cell's `MemoryCellBytes` (exactly, by dynamic programming in O(K L^2)).
+  Among the splits with that smallest maximum (up to a relative 1e-9) it
+  picks the one with the smallest sum of squared cell bytes, and among
+  those the lexicographically smallest.
+
+  Unlike `BalancedSplits` a cell's bytes are not the sum of its layers': a
+  cell also stores its input for every micro-batch, and that input depends
+  on the layer the cell starts at (`input_bytes`).
+
+  Args:
+    layer_bytes: per-layer bytes (finite, >= 0) that a layer adds to its
+      cell's device, e.g. weight bytes x (1 + gradient + optimizer slots)
+      plus its activations for one micro-batch.
+    input_bytes: per-layer bytes (finite, >= 0) that a cell starting at that
+      layer stores: its input for all micro-batches.
+    num_stages: the number of cells K, 1 <= K <= L.
+
+  Returns:
+    The K end indices (Lingvo convention).
+
+  Raises:
+    ValueError: if a value is negative, not finite or not a number, the two
+      lists differ in length, or `num_stages` is not an int in [1, L].
+  """
+  layer_bytes, input_bytes = _ValidateMemory(layer_bytes, input_bytes)
+  n = len(layer_bytes)
+  num_stages = _ValidateNumStages(num_stages, n)
+  if num_stages == 1:
+    return [n]
+  if num_stages == n:
+    return list(range(1, n + 1))
+  scale = max(math.fsum(layer_bytes) + max(input_bytes), 1e-300)
+  prefix = np.zeros(n + 1, dtype=np.float64)
+  prefix[1:] = np.cumsum(np.asarray(layer_bytes, np.float64) / scale)
+  inputs = np.asarray(input_bytes, np.float64) / scale
+  idx = np.arange(n + 1)
+  # cost[i, j]: cell [i, j) (j > i), inf elsewhere.
+  cost = inputs[:, None] + prefix[None, :] - prefix[:n, None]
+  cost[idx[None, :] <= idx[:n, None]] = np.inf
+
+  # Pass 1: the smallest largest cell. worst[r, i]: layers [i, n) in r cells.
+  worst = np.full((num_stages + 1, n + 1), np.inf)
+  worst[1, :n] = cost[:, n]
+  for r in range(2, num_stages + 1):
+    worst[r, :n] = np.min(np.maximum(cost, worst[r - 1][None, :]), axis=1)
+  bound = worst[num_stages, 0] * (1 + 1e-9) + 1e-15
+
+  # Pass 2: the smallest sum of squares among cells within the bound.
+  sq = np.where(cost <= bound, np.square(cost), np.inf)
+  best = np.full((num_stages + 1, n + 1), np.inf)
+  best[1, :n] = sq[:, n]
+  for r in range(2, num_stages + 1):
+    best[r, :n] = np.min(sq + best[r - 1][None, :], axis=1)
+  splits, i = [], 0
+  for r in range(num_stages, 1, -1):
+    vals = sq[i] + best[r - 1]
+    target = best[r, i] + 1e-12
+    i = int(np.flatnonzero(vals <= target)[0])
+    splits.append(i)
+  splits.append(n)
+  return splits

@@ -7,8 +7,6 @@ that adds each micro-batch's gradient as soon as it is ready
 """
 
 import contextlib
-import os
-import secrets
 
 import tensorflow as tf
 
@@ -25,22 +23,21 @@ def SumGradients(parts):
   if len(parts) == 1:
     return parts[0]
   if tf.executing_eagerly() or _tf_internal.InXlaContext():
-    # XLA has no AccumulateNV2 kernel; it schedules the adds itself.
+    # XLA orders the computation itself.
     return tf.add_n(parts)
-  # Not a chain of adds: TensorFlow's graph optimizer rewrites that into one
-  # AddN, which keeps the gradients of all micro-batches alive at once.
-  # AccumulateNV2 adds each as soon as it is ready.
-  return tf.raw_ops.AccumulateNV2(
-    inputs=parts, shape=parts[0].shape, name=_ACCUMULATOR_NAME
-  )
-
-
-# AccumulateNV2 keeps its running sum in a temporary variable named after the
-# op, in a per-step container on the op's device. A step aborted by a lost
-# worker leaves that container behind on the surviving workers; a name unique
-# to this process keeps the next trainer process (same graph, same step ids)
-# from colliding with it.
-_ACCUMULATOR_NAME = f'AccumulateGrads_{os.getpid()}_{secrets.token_hex(4)}'
+  # A chain of adds, each adding one micro-batch's gradient as soon as it is
+  # ready (in place: the running sum's buffer is reused). TensorFlow's graph
+  # optimizer would rewrite a bare chain into one AddN, which waits for and
+  # keeps the gradients of all micro-batches at once; a Snapshot after each
+  # add (a no-op that passes its input's buffer on) keeps the adds apart.
+  # AccumulateNV2, which also adds as inputs arrive, is rewritten into a
+  # temporary variable initialized from zeros that constant folding turns
+  # into constants of every weight's shape, held for as long as the function
+  # lives: one more copy of the weights on every device.
+  total = parts[0]
+  for part in parts[1:]:
+    total = tf.raw_ops.Snapshot(input=tf.add(total, part))
+  return total
 
 
 def DeviceOf(structure):

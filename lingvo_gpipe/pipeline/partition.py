@@ -9,6 +9,14 @@ Costs come from one of:
             time on that device, timed and freed;
   'uniform' every layer costs 1.
 `balance.BalancedSplits` then minimizes the variance of the cell costs.
+
+  'memory'  each device's estimated peak bytes (`LayerMemory`): weights x
+            (1 + gradient + optimizer slots), the outputs of the cell's
+            layers for one micro-batch, internals included (what
+            re-materialization keeps live while the cell's backward pass
+            runs; `ActivationBytes`), and the cell's input
+            stored for every micro-batch. `balance.MemorySplits` minimizes
+            the largest device's bytes, which is what limits capacity.
 """
 
 import time
@@ -24,7 +32,9 @@ from lingvo_gpipe.pipeline import balance
 
 __all__ = [
   'LayerMetas',
+  'ActivationBytes',
   'LayerCosts',
+  'LayerMemory',
   'ComputeSplits',
   'FormatShapes',
   'PartitionSequentialLayers',
@@ -32,7 +42,11 @@ __all__ = [
   'Report',
 ]
 
-BALANCE_BY = ('flops', 'params', 'time', 'uniform')
+BALANCE_BY = ('flops', 'params', 'time', 'uniform', 'memory')
+
+# Bytes held per weight byte: the weight, its gradient (accumulator) and
+# Adam's two slots.
+DEFAULT_STATE_COPIES = 4
 
 
 def _Named(p, i):
@@ -102,8 +116,147 @@ def MeasureLayerTimes(
   return balance.CostsFromMeasurements(times)
 
 
+def _Bytes(shapes):
+  """Bytes of a (nested) structure of shapes (float32 unless a spec says)."""
+  specs = tf.nest.flatten(meta.ToSpec(shapes))
+  total = 0
+  for s in specs:
+    n = tf.TensorShape(s.shape).num_elements()
+    if n is None:
+      raise ValueError(
+        f'balance_by="memory" needs fully known input shapes, got {s.shape}: '
+        'give the batch size too, e.g. input_shapes=[[32, 1024]].'
+      )
+    total += n * s.dtype.size
+  return total
+
+
+# Ops whose outputs are no activations: inputs, weights, constants, shapes.
+_NOT_ACTIVATIONS = frozenset(
+  [
+    'Placeholder',
+    'ReadVariableOp',
+    'Const',
+    'Shape',
+    'ShapeN',
+    'Size',
+    'Rank',
+    'NoOp',
+    'Reshape',
+    'Identity',
+    'ExpandDims',
+    'Squeeze',
+  ]
+)
+
+
+def ActivationBytes(p, *input_specs):
+  """Bytes of the tensors one forward pass of the layer computes.
+
+  The layer is built abstractly (no weights allocated) and its FProp traced;
+  the bytes of every floating output of every op are summed, except inputs,
+  weights, constants and views (reshapes, identities). This is what the
+  backward pass of a re-materialized cell can keep live, counting internals
+  that the layer's output shapes do not show (an AmoebaNet cell's branches,
+  a Transformer's attention probabilities and FFN hidden layer).
+
+  Args:
+    p: the layer's Params.
+    *input_specs: its inputs: tf.TensorSpecs (dtype matters, e.g. int32 token
+      ids) or shapes (float32), NestedMaps allowed.
+
+  Returns:
+    (bytes, output specs): an int and a tuple of the outputs' TensorSpecs,
+    the next layer's `input_specs`.
+  """
+  p = p.Copy()
+  if not p.name:
+    p.name = 'memory'
+  layer = p.cls.AbstractInstance(p)
+  theta_spec = layer.vars.Transform(lambda v: v.ToSpec())
+  specs = [meta.ToSpec(a) for a in input_specs]
+
+  def Fn(theta, *inputs):
+    return layer.FProp(theta, *inputs)
+
+  concrete = tf.function(Fn, autograph=False).get_concrete_function(
+    theta_spec, *specs
+  )
+  total = 0
+  for op in concrete.graph.get_operations():
+    if op.type in _NOT_ACTIVATIONS:
+      continue
+    for out in op.outputs:
+      if out.dtype.is_floating:
+        total += int(out.shape.num_elements() or 0) * out.dtype.size
+  outs = py_utils.AsTuple(concrete.structured_outputs)
+  out_specs = tf.nest.map_structure(
+    lambda t: tf.TensorSpec(t.shape, t.dtype), outs
+  )
+  return total, tuple(out_specs)
+
+
+def LayerMemory(
+  layer_params,
+  input_specs,
+  num_micro_batches=1,
+  state_copies=DEFAULT_STATE_COPIES,
+):
+  """Per-layer bytes for `balance.MemorySplits`.
+
+  Args:
+    layer_params: the layers' Params.
+    input_specs: the whole mini-batch's inputs, one per FProp argument of the
+      first layer: tf.TensorSpecs, or shapes (float32).
+    num_micro_batches: M; a layer's live activations are those of one
+      micro-batch (`ActivationBytes`), i.e. 1/M of the mini-batch's.
+    state_copies: bytes held per weight byte (weight, gradient, optimizer
+      slots; Adam: 4).
+
+  Returns:
+    (layer_bytes, input_bytes): layer_bytes[i] = weight bytes x
+    `state_copies` + `ActivationBytes` / M; input_bytes[i] = the bytes of
+    layer i's inputs for the whole mini-batch (all M micro-batches), which a
+    cell starting at layer i stores.
+  """
+  if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+    raise ValueError(
+      f'num_micro_batches={num_micro_batches!r} must be a positive int.'
+    )
+  if state_copies < 0:
+    raise ValueError(
+      f'state_copies={state_copies!r} must be >= 0: bytes held per weight '
+      'byte (weight + gradient + optimizer slots; Adam: 4).'
+    )
+  specs = tuple(meta.ToSpec(s) for s in input_specs)
+  # Names the first layer that cannot take its input.
+  metas = LayerMetas(layer_params, *(meta.ToShape(s) for s in specs))
+  layer_bytes, input_bytes = [], []
+  for i, p in enumerate(layer_params):
+    p = _Named(p, i)
+    dtype = tf.as_dtype(getattr(p, 'dtype', None) or tf.float32)
+    weights = base_layer.CountParams(p) * dtype.size
+    try:
+      activations, out_specs = ActivationBytes(p, *specs)
+    except (TypeError, ValueError):
+      # FProp cannot run on these specs (e.g. ids given as float32 shapes):
+      # count the outputs FPropMeta names.
+      out_specs = tuple(meta.ToSpec(s) for s in metas[i][2])
+      activations = _Bytes(out_specs)
+    layer_bytes.append(
+      float(weights * state_copies + activations / num_micro_batches)
+    )
+    input_bytes.append(float(_Bytes(specs)))
+    specs = out_specs
+  return layer_bytes, input_bytes
+
+
 def LayerCosts(layer_params, balance_by, input_shapes=None, device=None):
-  """Cost of each layer for `balance_by` in BALANCE_BY."""
+  """Cost of each layer for `balance_by` in BALANCE_BY.
+
+  For 'memory' it is `LayerMemory`'s layer_bytes at M=1 (without the stored
+  cell inputs, which are not a per-layer sum).
+  """
   if balance_by not in BALANCE_BY:
     raise ValueError(f'balance_by={balance_by!r}; use one of {BALANCE_BY}.')
   if balance_by == 'uniform':
@@ -120,7 +273,10 @@ def LayerCosts(layer_params, balance_by, input_shapes=None, device=None):
       'balance by "params" or "uniform".'
     )
   if balance_by == 'flops':
-    return [float(m[0]) for m in LayerMetas(layer_params, *input_shapes)]
+    shapes = [meta.ToShape(s) for s in input_shapes]
+    return [float(m[0]) for m in LayerMetas(layer_params, *shapes)]
+  if balance_by == 'memory':
+    return LayerMemory(layer_params, input_shapes)[0]
   return MeasureLayerTimes(layer_params, input_shapes, device)
 
 
@@ -131,8 +287,14 @@ def ComputeSplits(
   balance_by='flops',
   input_shapes=None,
   device=None,
+  num_micro_batches=1,
+  state_copies=DEFAULT_STATE_COPIES,
 ):
-  """End indices of the cells (Lingvo's convention: last == num layers)."""
+  """End indices of the cells (Lingvo's convention: last == num layers).
+
+  `num_micro_batches` and `state_copies` matter only to
+  balance_by='memory' (see `LayerMemory`).
+  """
   n = len(layer_params)
   if not n:
     raise ValueError('The pipeline has no layers; give at least one layer.')
@@ -152,6 +314,17 @@ def ComputeSplits(
       f'num_stages={num_stages} is more than the {n} layers; use at most '
       f'{n} stages or split the model into more layers.'
     )
+  if balance_by == 'memory':
+    if input_shapes is None:
+      raise ValueError(
+        'balance_by="memory" needs the input shapes of the whole mini-batch:'
+        ' set PipeliningLayer.Params().input_shapes (e.g. [[batch, dim]]), '
+        'or balance by "params" or "uniform".'
+      )
+    layer_bytes, input_bytes = LayerMemory(
+      layer_params, input_shapes, num_micro_batches, state_copies
+    )
+    return balance.MemorySplits(layer_bytes, input_bytes, num_stages)
   costs = LayerCosts(layer_params, balance_by, input_shapes, device)
   return balance.BalancedSplits(costs, num_stages)
 

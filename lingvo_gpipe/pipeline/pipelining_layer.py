@@ -59,6 +59,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
@@ -110,14 +111,24 @@ class PipeliningLayer(base_layer.BaseLayer):
       'balance_by',
       'auto',
       'How `layers` are balanced: flops | params | time | uniform | '
-      'auto (flops if input_shapes is set, else params).',
+      'memory | auto (flops if input_shapes is set, else params). '
+      "memory minimizes the largest device's estimated bytes (weights x "
+      "memory_state_copies, one micro-batch's activations, the stored "
+      'cell inputs); it needs input_shapes of the whole mini-batch.',
+    )
+    p.Define(
+      'memory_state_copies',
+      4,
+      "balance_by='memory': bytes held per weight byte (weight, gradient, "
+      'optimizer slots; Adam: 4, SGD: 2).',
     )
     p.Define(
       'input_shapes',
       None,
       'Shapes of the inputs (list, one per FProp argument; NestedMaps '
-      'allowed), e.g. [[batch, 1024]]. Enables build-time shape checks '
-      'and balancing by flops or time.',
+      'allowed), e.g. [[batch, 1024]], or tf.TensorSpecs where the dtype '
+      'is not float32 (token ids). Enables build-time shape checks '
+      'and balancing by flops, time or memory.',
     )
     p.Define(
       'num_micro_batches',
@@ -336,8 +347,22 @@ class PipeliningLayer(base_layer.BaseLayer):
     if by == 'auto':
       by = 'flops' if p.input_shapes is not None else 'params'
     shapes = p.input_shapes
+    num_micro_batches = p.num_micro_batches
+    if by == 'memory' and p.micro_batch_size and shapes:
+      batch = tf.nest.flatten(meta.ToShape(tuple(shapes)))[0].as_list()[
+        p.batch_dim
+      ]
+      if batch:
+        num_micro_batches = max(1, batch // p.micro_batch_size)
     return partition.ComputeSplits(
-      layers, num_stages, p.splits, by, shapes, device=(p.devices or [None])[0]
+      layers,
+      num_stages,
+      p.splits,
+      by,
+      shapes,
+      device=(p.devices or [None])[0],
+      num_micro_batches=num_micro_batches,
+      state_copies=p.memory_state_copies,
     )
 
   def _SetDevices(self, num_stages):
@@ -359,7 +384,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     shapes = self.params.input_shapes
     if shapes is None:
       return
-    shapes = tuple(shapes)
+    shapes = tuple(meta.ToShape(s) for s in shapes)
     for k, cell in enumerate(cells):
       names = ', '.join(c.name for c in cell)
       try:

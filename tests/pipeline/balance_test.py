@@ -528,3 +528,63 @@ def testReportClassesLiveInBalanceReport():
   # Names used only by tests are private.
   assert 'CellCosts' not in balance.__all__
   assert 'RangesToSplits' not in balance.__all__
+
+
+# ---------------------------------------------------------------------------
+# MemorySplits: the fullest device holds the least.
+# ---------------------------------------------------------------------------
+
+
+def testMemorySplitsWithoutStoredInputsBalancesLayers():
+  assert balance.MemorySplits([4, 4, 4, 4], [0, 0, 0, 0], 2) == [2, 4]
+  assert balance.MemorySplits([4, 4, 4, 4], [0, 0, 0, 0], 1) == [4]
+  assert balance.MemorySplits([4, 4, 4, 4], [0, 0, 0, 0], 4) == [1, 2, 3, 4]
+
+
+def testMemorySplitsCountsTheInputACellStores():
+  # Splitting after layer 2 would store 6 bytes on the second device
+  # (max(8, 14) = 14); after layer 1: max(4, 13); after layer 3: max(12, 4).
+  layer_bytes, input_bytes = [4, 4, 4, 4], [0, 1, 6, 0]
+  assert balance.BalancedSplits(layer_bytes, 2) == [2, 4]
+  assert balance.MemorySplits(layer_bytes, input_bytes, 2) == [3, 4]
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, [3, 4]) == [12, 4]
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, [2, 4]) == [8, 14]
+
+
+def testMemorySplitsAmoebaNetLikeModel():
+  # Balancing the layer sums alone gives [3, 6] (24 and 18), but a cell
+  # starting at layer 3 stores a large input (12): 25 and 30. Starting the
+  # second cell at layer 2 (input 2) gives 18 and 27.
+  layer_bytes = [9, 8, 7, 6, 6, 6]
+  input_bytes = [1, 10, 2, 12, 3, 3]
+  assert balance.BalancedSplits(layer_bytes, 2) == [3, 6]
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, [3, 6]) == [25, 30]
+  splits = balance.MemorySplits(layer_bytes, input_bytes, 2)
+  assert splits == [2, 6]
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, splits) == [18, 27]
+
+
+@pytest.mark.parametrize('seed', range(30))
+def testMemorySplitsIsOptimalByBruteForce(seed):
+  rng = random.Random(seed)
+  n = rng.randint(1, 7)
+  k = rng.randint(1, n)
+  layer_bytes = [rng.randint(0, 9) for _ in range(n)]
+  input_bytes = [rng.randint(0, 9) for _ in range(n)]
+  got = balance.MemorySplits(layer_bytes, input_bytes, k)
+  _AssertValidSplits(got, n, k)
+
+  def Key(splits):
+    cells = balance.MemoryCellBytes(layer_bytes, input_bytes, splits)
+    return (max(cells), sum(c * c for c in cells), splits)
+
+  assert Key(got) == min(Key(s) for s in _AllSplits(n, k))
+
+
+def testMemorySplitsErrors():
+  with pytest.raises(ValueError, match='input_bytes has 2 entries but'):
+    balance.MemorySplits([1, 2, 3], [0, 0], 2)
+  with pytest.raises(ValueError, match=r'input_bytes\[1\]=-1.0 is negative'):
+    balance.MemorySplits([1, 2], [0, -1], 2)
+  with pytest.raises(ValueError, match='num_stages=3 but only 2 layers'):
+    balance.MemorySplits([1, 2], [0, 0], 3)

@@ -1,9 +1,12 @@
 """Unit tests for lingvo_gpipe.pipeline.partition on tiny projections."""
 
 import pytest
+import tensorflow as tf
 
+from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.layers import linears
 from lingvo_gpipe.layers import sequential
+from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import partition
 
 
@@ -79,3 +82,83 @@ def testReportOfASplit():
   assert r.num_layers == 4 and r.num_stages == 2 and r.splits == [1, 4]
   assert r.total_cost == 620.0 and r.max_cost == 320.0
   assert r.total_params == 620
+
+
+# Few weights and wide outputs first, a stored wide input at layer 1.
+_MEMORY_LAYERS = [
+  _Proj(4, 64, 'l0'),
+  _Proj(64, 4, 'l1'),
+  _Proj(4, 32, 'l2'),
+  _Proj(32, 32, 'l3'),
+]
+
+
+def testActivationBytesCountsEveryForwardTensor():
+  # MatMul, bias add and ReLU outputs: 3 x [8, 64] floats.
+  num_bytes, out_specs = partition.ActivationBytes(_Proj(4, 64), [8, 4])
+  assert num_bytes == 3 * 8 * 64 * 4
+  assert [s.shape.as_list() for s in out_specs] == [[8, 64]]
+
+
+def testLayerMemoryKnownSizes():
+  layer_bytes, input_bytes = partition.LayerMemory(
+    _MEMORY_LAYERS, [[64, 4]], num_micro_batches=1, state_copies=4
+  )
+  # weights x 4 bytes x 4 copies + 3 forward tensors of [64, out] floats.
+  assert layer_bytes == [
+    320 * 16 + 3 * 64 * 64 * 4,
+    260 * 16 + 3 * 64 * 4 * 4,
+    160 * 16 + 3 * 64 * 32 * 4,
+    1056 * 16 + 3 * 64 * 32 * 4,
+  ]
+  # A cell starting at layer i stores layer i's input, [64, in] floats.
+  assert input_bytes == [64 * 4 * 4, 64 * 64 * 4, 64 * 4 * 4, 64 * 32 * 4]
+  # M micro-batches: one micro-batch's activations are live at a time.
+  halves, _ = partition.LayerMemory(
+    _MEMORY_LAYERS, [[64, 4]], num_micro_batches=2, state_copies=0
+  )
+  assert halves == [3 * 32 * 64 * 4, 3 * 32 * 4 * 4] + [3 * 32 * 32 * 4] * 2
+
+
+def testBalanceByMemoryPicksTheSplitWithTheSmallestFullestDevice():
+  # By parameters, [l0, l1, l2] | [l3] (1056 weights alone); in bytes that
+  # cell holds 89,664 against 49,664. By memory, [l0, l1] | [l2, l3]:
+  # 62,528 and 69,632 (the second cell also stores l2's input).
+  assert partition.ComputeSplits(_MEMORY_LAYERS, 2, balance_by='params') == [
+    3,
+    4,
+  ]
+  splits = partition.ComputeSplits(
+    _MEMORY_LAYERS, 2, balance_by='memory', input_shapes=[[64, 4]]
+  )
+  assert splits == [2, 4]
+  layer_bytes, input_bytes = partition.LayerMemory(_MEMORY_LAYERS, [[64, 4]])
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, [3, 4]) == [
+    89664,
+    49664,
+  ]
+  assert balance.MemoryCellBytes(layer_bytes, input_bytes, splits) == [
+    62528,
+    69632,
+  ]
+  with pytest.raises(ValueError, match='needs the input shapes'):
+    partition.ComputeSplits(_MEMORY_LAYERS, 2, balance_by='memory')
+
+
+def testPipeliningLayerBalancesByMemory():
+  layer = (
+    gpipe.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=_MEMORY_LAYERS,
+      num_stages=2,
+      num_micro_batches=1,
+      devices=['/device:CPU:0', '/device:CPU:1'],
+      balance_by='memory',
+      input_shapes=[[64, 4]],
+    )
+    .Instantiate()
+  )
+  assert layer.splits == [2, 4]
+  out = layer(tf.ones([64, 4]))
+  assert out.shape.as_list() == [64, 32]

@@ -26,6 +26,19 @@ def testUnknownFamilyAndConfigListTheValidOnes():
   out = _Run('--configs=naive-1,pipe-2')
   assert out.returncode == 2
   assert "'pipe-2'" in out.stderr and 'pipeline-K' in out.stderr
+  out = _Run('--balance_by=weights')
+  assert out.returncode == 2
+  assert "'weights'" in out.stderr and 'memory, params' in out.stderr
+
+
+def testGpuWithoutAGpuIsOneClearMessage():
+  out = _Run('--device=gpu', '--configs=naive-1')
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert 'finds no GPU on this host' in out.stderr
+  assert '--device=cpu' in out.stderr
+  out = _Run('--device=tpu')
+  assert out.returncode == 2
+  assert 'cpu and gpu' in out.stderr
 
 
 def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
@@ -73,6 +86,7 @@ def testTinySearchRunsEverySizeItReports(tmp_path):
     ):
       assert key in r, key
   p2 = largest['pipeline-2']
+  assert p2['balance_by'] == 'memory'
   assert p2['num_micro_batches'] == 8 and len(p2['peak_bytes_per_device']) == 2
   # Each device holds its own cell: both report memory of their own.
   assert min(p2['peak_bytes_per_device']) > 0
