@@ -4,7 +4,8 @@
                    summary_dir=logdir + '/train')
   result = loop.Run()   # -> TrainResult(step, reason)
 
-Each step runs `task.TrainStep(batch)` inside one `tf.function`. Every
+Each step runs `task.TrainStep(batch)` inside one `tf.function` (under a
+tf.distribute strategy: in every replica, through `strategy.run`). Every
 `log_interval_steps` a progress line is logged (step, loss, examples/s, step
 time, ETA); every `summary_interval_steps` the step's scalars (loss, metrics,
 learning_rate, grad_norm) and examples_per_sec and step_time go to
@@ -25,6 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from tensorflow.core.framework import summary_pb2
+
+from lingvo_gpipe.core import distribute
 
 __all__ = [
   'StopRequest',
@@ -212,6 +215,7 @@ class TrainLoop:
     batch_size=None,
     train_step_fn=None,
     watchdog=None,
+    strategy=None,
   ):
     """Constructor.
 
@@ -231,6 +235,10 @@ class TrainLoop:
       train_step_fn: replaces `task.TrainStep` (tests).
       watchdog: a StepWatchdog told when each step (and its checkpoint)
         starts and ends.
+      strategy: a tf.distribute strategy, or None: each replica runs the
+        step (`strategy.run`) on its share of the batch (`iterator` gives
+        per-replica batches, see `distribute.DistributeDataset`), and the
+        outputs are averaged over the replicas.
     """
     self._watchdog = watchdog
     self._task = task
@@ -246,6 +254,8 @@ class TrainLoop:
       tf.summary.create_file_writer(summary_dir) if summary_dir else None
     )
     fn = train_step_fn or task.TrainStep
+    if strategy is not None:
+      fn = distribute.ReplicatedStep(strategy, fn)
     self._increments = None  # Whether TrainStep increments the step itself.
     # No autograph: layers use Python control flow on static values only,
     # and tracing then needs no source code (which may change on disk).

@@ -76,15 +76,26 @@ def testMirroredReplicasMakeTheUpdateOfTheWholeBatch():
     np.testing.assert_array_equal(copies[0], copies[1])
 
 
-def testMultiCellPipelineUnderMirroredStrategyIsRefused():
+def testMultiCellPipelineRunsOnEachMirroredReplicasDevice():
   strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
   p = _Params(2)
   p.task.network.num_stages = 2
   p.task.network.devices = None
   with strategy.scope():
+    model = p.Instantiate()
+  text = model.GetTask().network.PlacementText()
+  assert "cell 1 on each MirroredStrategy replica's device" in text
+
+
+def testReplicatedPipelineUnderMirroredStrategyIsRefused():
+  strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+  p = _Params(2)
+  p.task.network.num_replicas = 2
+  p.task.network.devices = None
+  with strategy.scope():
     with pytest.raises(
       ValueError,
-      match=r'2 cells x 1 replicas but is built '
-      r'under MirroredStrategy.*--worker_replicas',
+      match=r'has 2 replicas but is built under MirroredStrategy.*'
+      r'num_replicas=1',
     ):
       p.Instantiate()
