@@ -602,6 +602,18 @@ def main(argv=None):
   parser.add_argument('--seq_len', type=int, default=64)
   parser.add_argument('--batch_size', type=int, default=64)
   parser.add_argument(
+    '--amoebanet_filters',
+    type=int,
+    default=16,
+    help='--model=amoebanet: filters of the first cells (and the stem).',
+  )
+  parser.add_argument(
+    '--image_size',
+    type=int,
+    default=32,
+    help='--model=amoebanet: input height and width.',
+  )
+  parser.add_argument(
     '--steps',
     type=int,
     default=5,
