@@ -582,9 +582,9 @@ def _RunTrainer(p, logdir, stop):
   with _BUILD_LOCK, (strategy or tf.distribute.get_strategy()).scope():
     model = p.Instantiate()
   text = PlacementText(model)
-  if strategy is not None:
+  if strategy is not None:  # Its replicas and devices replace the cluster's.
     text = distribute.Describe(strategy) + '\n' + text
-  if _CLUSTER is not None:
+  elif _CLUSTER is not None:
     text = _CLUSTER.Describe() + '\n' + text
   logging.info('Placement:\n%s', text)
   task = model.GetTask()

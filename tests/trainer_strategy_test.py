@@ -74,6 +74,22 @@ def testMirroredReplicasMatchTheWholeBatchWithResume(tmp_path):
   assert glob.glob(str(mirrored / 'train' / 'events.out.tfevents.*'))
 
 
+@pytest.mark.slow
+def testMirroredTwoCellsPerReplicaWithCompiledCells(tmp_path):
+  r = _Train(
+    tmp_path,
+    2,
+    '--strategy=mirrored',
+    '--worker_split_size=2',
+    '--model_params_override=task.network.jit_compile:True',
+  )
+  assert 'MirroredStrategy: 2 replicas' in r.stderr  # All devices: 2.
+  placement = (tmp_path / 'placement.txt').read_text()
+  assert 'XLA-compiled cells' in placement
+  assert "cell 1 on each MirroredStrategy replica's device" in placement
+  assert checkpointer.LatestCheckpoint(str(tmp_path / 'train')).endswith('-2')
+
+
 def testTpuWithoutATpuFailsWithinSeconds(tmp_path, monkeypatch):
   for var in ('TPU_NAME', 'KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS', 'TPU_CONFIG'):
     monkeypatch.delenv(var, raising=False)
