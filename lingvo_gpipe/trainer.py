@@ -9,6 +9,13 @@ Lingvo's flags, one process:
       --run_locally=cpu --num_cpu_devices=2 --worker_split_size=2 \
       --job=trainer,evaler_dev --max_steps=200
 
+Under a tf.distribute strategy (as in Lingvo): --tpu=NAME runs the train loop
+under TPUStrategy with --worker_split_size=K cores (pipeline stages) per
+replica; --strategy=mirrored under MirroredStrategy over this host's GPUs or
+virtual CPU devices, one device per replica. Each replica runs the step on
+its share of the batch (strategy.run, distribute_datasets_from_function);
+checkpoints and summaries are as without a strategy.
+
 Devices: --worker_split_size=K stages per pipeline, --worker_replicas=R
 data-parallel copies of it, on R*K devices of this host (--num_cpu_devices /
 --num_gpu_devices split the CPU / a GPU into virtual devices) or of remote
@@ -76,6 +83,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import cluster
+from lingvo_gpipe.core import distribute
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.pipeline import pipelining_layer
@@ -154,6 +162,23 @@ flags.DEFINE_integer(
   'replica runs 1/R of the batch and the gradients are '
   'summed.',
   lower_bound=1,
+)
+flags.DEFINE_enum(
+  'strategy',
+  None,
+  ['mirrored'],
+  'Run the train loop under a tf.distribute strategy: mirrored = '
+  "MirroredStrategy over this host's GPUs (else its virtual CPU devices), "
+  'one device per replica, --worker_replicas of them (default: all); each '
+  "replica runs the whole step, its pipelines' cells on its device.",
+)
+flags.DEFINE_string(
+  'tpu',
+  None,
+  'Run the train loop under TPUStrategy on this TPU: "" or "local" (this '
+  'TPU VM, or the one TPU_NAME names), a Cloud TPU name, or '
+  '"grpc://<ip>:8470"; --worker_split_size=K cores (pipeline stages) per '
+  'replica, --worker_replicas of them (default: all that fit).',
 )
 flags.DEFINE_integer(
   'num_cpu_devices',
@@ -302,6 +327,37 @@ def _FlagCluster():
 
 # The cluster of this process, set by main() before anything is built.
 _CLUSTER = None
+# The tf.distribute strategy of the trainer (--strategy, --tpu), or None.
+_STRATEGY = None
+
+
+def CreateStrategy(
+  strategy=None, tpu=None, worker_split_size=None, worker_replicas=None
+):
+  """The trainer's tf.distribute strategy (see `distribute.CreateStrategy`),
+  or None; flag mistakes and a missing TPU raise UserError."""
+  try:
+    return distribute.CreateStrategy(
+      strategy, tpu, worker_split_size or 1, worker_replicas
+    )
+  except (RuntimeError, ValueError) as e:
+    raise UserError(str(e)) from e
+
+
+def _FlagStrategy():
+  if FLAGS.strategy and FLAGS.tpu is not None:
+    return CreateStrategy(FLAGS.strategy, FLAGS.tpu)  # Raises.
+  if FLAGS.strategy is None and FLAGS.tpu is None:
+    return None
+  replicas = FLAGS.worker_replicas if FLAGS['worker_replicas'].present else None
+  if FLAGS.cluster_spec:
+    raise UserError(
+      '--cluster_spec with --strategy/--tpu: the strategy runs on this '
+      "host's devices (or the TPU); drop --cluster_spec."
+    )
+  return CreateStrategy(
+    FLAGS.strategy, FLAGS.tpu, FLAGS.worker_split_size, replicas
+  )
 
 
 # -- Params --------------------------------------------------------------------
@@ -441,8 +497,14 @@ def BuildParams(
   max_to_keep=None,
   worker_replicas=1,
   devices=None,
+  under_strategy=False,
 ):
-  """The model Params for `dataset` with every override applied."""
+  """The model Params for `dataset` with every override applied.
+
+  With `under_strategy` (the model is built under a tf.distribute strategy,
+  whose replicas are the data parallelism), `worker_split_size` sets the
+  cells of every pipeline and their devices are left to the strategy.
+  """
   if not model:
     raise UserError(
       '--model is required, e.g. --model=image.digits.MlpDigitsTiny.'
@@ -468,7 +530,9 @@ def BuildParams(
     p.random_seed = seed
     if 'random_seed' in p.task:
       p.task.random_seed = seed
-  if worker_split_size or (worker_replicas or 1) > 1 or devices:
+  if under_strategy:
+    _ApplyStrategySplit(p, worker_split_size)
+  elif worker_split_size or (worker_replicas or 1) > 1 or devices:
     ApplyWorkerSplit(p, worker_split_size, devices, worker_replicas or 1)
   _FillAutoBatch(p)
   return p
@@ -496,7 +560,26 @@ def _FillAutoBatch(p):
     lp.input_shapes = shapes
 
 
-def _FlagParams(dataset='Train'):
+def _ApplyStrategySplit(p, num_stages):
+  """K cells per pipeline, one replica each, no devices (the strategy's)."""
+  for _, lp in PipelineLayers(p):
+    if num_stages and lp.cell_tpl and len(lp.cell_tpl) != num_stages:
+      raise UserError(
+        f'--worker_split_size={num_stages}: a pipeline has '
+        f'{len(lp.cell_tpl)} fixed cells (cell_tpl); give it a flat '
+        '`layers` list to let the library re-split it.'
+      )
+    if num_stages and not lp.cell_tpl:
+      lp.num_stages = num_stages
+      if isinstance(lp.splits, int) or (
+        lp.splits is not None and len(lp.splits) != num_stages
+      ):
+        lp.splits = None
+    lp.num_replicas = 1
+    lp.devices = None
+
+
+def _FlagParams(dataset='Train', under_strategy=False):
   devices = None
   if _CLUSTER is not None and _CLUSTER.is_remote:
     devices = _CLUSTER.Devices()
@@ -509,8 +592,10 @@ def _FlagParams(dataset='Train'):
     FLAGS.max_steps,
     FLAGS.seed,
     FLAGS.saver_max_to_keep,
-    FLAGS.worker_replicas,
+    # Evalers run without the strategy: one pipeline replica.
+    FLAGS.worker_replicas if _STRATEGY is None else 1,
     devices,
+    under_strategy,
   )
 
 
@@ -580,15 +665,28 @@ def _RunTrainer(p, logdir, stop):
     rules = checkpointer.ParseRestoreMap(FLAGS.restore_map)
   except ValueError as e:
     raise UserError(str(e)) from e
-  with _BUILD_LOCK:
+  strategy = _STRATEGY
+  with _BUILD_LOCK, (strategy or tf.distribute.get_strategy()).scope():
     model = p.Instantiate()
   text = PlacementText(model)
-  if _CLUSTER is not None:
+  if strategy is not None:  # Its replicas and devices replace the cluster's.
+    text = distribute.Describe(strategy) + '\n' + text
+  elif _CLUSTER is not None:
     text = _CLUSTER.Describe() + '\n' + text
   logging.info('Placement:\n%s', text)
   task = model.GetTask()
   tp = p.task.train
-  iterator = iter(task.input_generator.GetDataset())
+  batch_size = iterator = None
+  if strategy is None:
+    iterator = iter(task.input_generator.GetDataset())
+  else:
+    batch_size = task.input_generator.GlobalBatchSize()
+    try:
+      distribute.CheckBatchSize(strategy, batch_size)
+    except ValueError as e:
+      raise UserError(
+        f'{"--tpu" if FLAGS.tpu is not None else "--strategy"}: {e}'
+      ) from e
   ckpt = checkpointer.Checkpointer(
     train_dir,
     model.VariablesByName(),
@@ -610,6 +708,17 @@ def _RunTrainer(p, logdir, stop):
         f'--restore_from={FLAGS.restore_from} restored no '
         f'variable:\n{report}\nFix --restore_map.'
       )
+  if strategy is not None:
+    # A distributed iterator cannot be checkpointed: the input resumes at
+    # the batch after the global step's (the input is deterministic).
+    dataset = distribute.DistributeDataset(
+      strategy,
+      task.input_generator.GetDataset,
+      batch_size,
+      skip_batches=int(model.global_step.numpy()),
+    )
+    with strategy.scope():
+      iterator = iter(dataset)
   # Written once the logdir is known to be this model's (not clobbering the
   # params.txt of another model whose checkpoint was refused).
   with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
@@ -629,6 +738,8 @@ def _RunTrainer(p, logdir, stop):
     stop=stop,
     watchdog=watchdog,
     max_weight_abs=FLAGS.max_weight_abs,
+    batch_size=batch_size,
+    strategy=strategy,
   )
   try:
     return loop.Run()
@@ -792,7 +903,8 @@ def _Sync():
   jobs = ParseJobs(FLAGS.job)
   stop = train_loop.StopRequest()
   stop.InstallSignalHandlers()
-  train_p = _FlagParams('Train')  # Validates flags before any thread starts.
+  # Validates flags before any thread starts.
+  train_p = _FlagParams('Train', under_strategy=_STRATEGY is not None)
   has_trainer = any(kind == 'trainer' for kind, _ in jobs)
   # Evalers next to a trainer stop after it: they evaluate the last
   # checkpoint it wrote, then return.
@@ -851,8 +963,9 @@ def _Export():
 
 
 def _Main(unused_argv):
-  global _CLUSTER
+  global _CLUSTER, _STRATEGY
   _CLUSTER = _FlagCluster()
+  _STRATEGY = _FlagStrategy()
   if FLAGS.mode == 'inspect_params':
     print(_FlagParams('Train').ToText(), end='')
   elif FLAGS.mode == 'inspect_model':

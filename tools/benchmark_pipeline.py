@@ -13,6 +13,10 @@ distributed runtime; the plain baseline runs on one such process.
 --mode=in_process (virtual CPU devices, one thread each) reports overhead and
 memory (`tf.config.experimental.get_memory_info`).
 
+--jit_compile=1 compiles each cell with XLA (PipeliningLayer.jit_compile;
+the plain model's forward likewise); --jit_compile=both gives rows with and
+without it, each normalized to the plain model and K=2, M=1 of its own kind.
+
 Configurations (per model): the plain model without the pipeline (stages 0),
 K=1 M=1, K=1 M=8 with recompute, K=2 with M in {1, 2, 4, 8, 16}, and R=2
 data-parallel replicas of K=1 (one per worker, the same global batch). Beside
@@ -162,8 +166,16 @@ class Bench:
     devices,
     tracer=None,
     num_replicas=1,
+    jit_compile=False,
   ):
-    self.key = (model_name, num_stages, num_mb, recompute, num_replicas)
+    self.key = (
+      model_name,
+      num_stages,
+      num_mb,
+      recompute,
+      num_replicas,
+      jit_compile,
+    )
     layer_params, self.input_shape = MODELS[model_name](args)
     self.devices = devices[: max(1, num_stages) * num_replicas]
     if num_stages == 0:
@@ -187,6 +199,7 @@ class Bench:
           input_shapes=[self.input_shape],
           recompute='always' if recompute else 'never',
           strict_order=bool(args.strict_order),
+          jit_compile=jit_compile,
         )
         .Instantiate()
       )
@@ -203,13 +216,17 @@ class Bench:
     # The plain model runs entirely on the first device; the pipeline places
     # its cells itself. Nothing may run on the driving process.
     plain_scope = first if num_stages == 0 else None
+    forward = self.layer
+    if num_stages == 0 and jit_compile:
+      # The plain model's forward (and its gradient) as one XLA computation.
+      forward = tf.function(lambda x: self.layer(x), jit_compile=True)
 
     def Step():
       with tf.device(first):
         x = tf.random.stateless_normal(shape, [1, 2])
       with tf.GradientTape() as tape:
         with tf.device(plain_scope):
-          y = self.layer(x)
+          y = forward(x)
         with tf.device(last):
           loss = tf.reduce_mean(tf.square(y))
       with tf.device(last):  # the loss gradient next to the loss
@@ -377,6 +394,7 @@ def Table(records):
     'num_stages',
     'num_micro_batches',
     'recompute',
+    'jit_compile',
     'batch_size',
     'step_time_s',
     'examples_per_s',
@@ -428,8 +446,14 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
     ]
     if args.configs:
       configs = ParseConfigs(args.configs)
+    jits = {'0': [False], '1': [True], 'both': [False, True]}[
+      str(args.jit_compile)
+    ]
     benches = [
-      Bench(model_name, args, k, m, r, devices, num_replicas=reps)
+      Bench(
+        model_name, args, k, m, r, devices, num_replicas=reps, jit_compile=j
+      )
+      for j in jits
       for k, m, r, reps in configs
     ]
     for b in benches:  # compile and warm up
@@ -446,7 +470,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
           after = sockets.Snapshot()
           sent[b.key].append((after[0] - before[0], after[1] - before[1]))
     batch = benches[0].input_shape[0]
-    plain = None
+    plain = {}
     for b in benches:
       k, m, reps = b.key[1], b.key[2], b.key[4]
       t = statistics.median(times[b.key])
@@ -457,6 +481,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
         num_stages=k,
         num_micro_batches=m,
         recompute=b.key[3],
+        jit_compile=b.key[5],
         batch_size=batch,
         step_time_s=t,
         step_times_s=times[b.key],
@@ -475,7 +500,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
       if model_name == 'transformer':
         rec['tokens_per_s'] = batch * args.seq_len / t
       if k == 0:
-        plain = rec
+        plain[b.key[5]] = rec
       if args.mode == 'in_process':
         rec['peak_bytes'], rec['activation_bytes'] = MeasureMemory(b)
         note = device_memory.SharedAllocatorNote(b.devices)
@@ -487,19 +512,22 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
         )
         rec['memory_note'] = "per device: each worker process's allocator"
       records.append(rec)
-    k2m1 = [
-      r
-      for r in records
-      if r['model'] == model_name
-      and r['num_stages'] == 2
-      and r['num_micro_batches'] == 1
-      and r['replicas'] == 1
-    ]
+    # Each row against the plain model and K=2, M=1 of its own jit_compile.
     for r in records:
       if r['model'] != model_name:
         continue
-      if plain:
-        r['speedup_vs_plain'] = r['examples_per_s'] / plain['examples_per_s']
+      base = plain.get(r['jit_compile'])
+      if base:
+        r['speedup_vs_plain'] = r['examples_per_s'] / base['examples_per_s']
+      k2m1 = [
+        x
+        for x in records
+        if x['model'] == model_name
+        and x['num_stages'] == 2
+        and x['num_micro_batches'] == 1
+        and x['replicas'] == 1
+        and x['jit_compile'] == r['jit_compile']
+      ]
       if k2m1:
         r['normalized_to_k2m1'] = (
           r['examples_per_s'] / k2m1[0]['examples_per_s']
@@ -515,7 +543,14 @@ def RunTrace(args, devices):
   k = min(args.trace_stages, len(devices))
   tracer = schedule.ScheduleTracer()
   bench = Bench(
-    model_name, args, k, args.trace_micro_batches, True, devices, tracer=tracer
+    model_name,
+    args,
+    k,
+    args.trace_micro_batches,
+    True,
+    devices,
+    tracer=tracer,
+    jit_compile=args.jit_compile == '1',
   )
   for _ in range(args.warmup + 1):
     _, (_, stamps) = bench.Run()
@@ -567,6 +602,18 @@ def main(argv=None):
   parser.add_argument('--seq_len', type=int, default=64)
   parser.add_argument('--batch_size', type=int, default=64)
   parser.add_argument(
+    '--amoebanet_filters',
+    type=int,
+    default=16,
+    help='--model=amoebanet: filters of the first cells (and the stem).',
+  )
+  parser.add_argument(
+    '--image_size',
+    type=int,
+    default=32,
+    help='--model=amoebanet: input height and width.',
+  )
+  parser.add_argument(
     '--steps',
     type=int,
     default=5,
@@ -604,6 +651,14 @@ def main(argv=None):
     help='multi_process: each worker counts its allocations '
     "(TensorFlow's BFC allocator) and reports its own peak "
     'bytes per step (peak_bytes per device).',
+  )
+  parser.add_argument(
+    '--jit_compile',
+    default='0',
+    choices=['0', '1', 'both'],
+    help='PipeliningLayer.jit_compile (XLA-compiled cells; the plain '
+    "model's forward and backward compiled likewise): 0, 1, or both (every "
+    'configuration twice, rows with and without).',
   )
   parser.add_argument(
     '--no_benchmark', action='store_true', help='Only write the trace.'

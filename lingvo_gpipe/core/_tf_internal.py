@@ -6,6 +6,8 @@ TensorFlow upgrade removes or changes it. Nothing else in the library
 imports `tensorflow.python`.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 # The gradient-tape recording API that tf.custom_gradient is built on. The
@@ -32,6 +34,7 @@ __all__ = [
   'TPUDeviceAssignment',
   'TPUDevices',
   'InXlaContext',
+  'RecordingOn',
 ]
 
 
@@ -45,6 +48,21 @@ def VariableWatcher():
   (`.watched_variables()`); the pipeline uses it to reject layers that read
   variables directly instead of through theta."""
   return _record.VariableWatcher()
+
+
+@contextlib.contextmanager
+def RecordingOn():
+  """Gradient tapes record inside, even where `tf.init_scope` stopped them:
+  the XLA check of a compiled pipeline cell traces its backward function
+  (which computes gradients with a tape) from inside `tf.init_scope`."""
+  stopped = _record.pywrap_tfe.TFE_Py_TapeSetIsStopped()
+  if stopped:
+    _record.pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+  try:
+    yield
+  finally:
+    if stopped:
+      _record.pywrap_tfe.TFE_Py_TapeSetStopOnThread()
 
 
 def RecordOperation(op_type, outputs, inputs, backward_fn):

@@ -418,25 +418,29 @@ class AmoebaNetTask(classifier.ClassifierTask):
 
 
 def BenchmarkCells(args):
-  """A small AmoebaNet-D for tools/benchmark_pipeline.py --model=amoebanet.
+  """An AmoebaNet-D for tools/benchmark_pipeline.py --model=amoebanet.
 
-  2 normal cells per stack (num_cells 6), 16 filters, 32x32x3 inputs with
-  the CIFAR stem, 10-class logits from the last layer.
+  2 normal cells per stack (num_cells 6), the CIFAR stem, 10-class logits
+  from the last layer; by default 16 filters and 32x32x3 inputs (a small
+  model), `--amoebanet_filters` and `--image_size` make it larger.
 
   Args:
-    args: the benchmark's flags; uses `args.batch_size`.
+    args: the benchmark's flags; uses `args.batch_size` and, where given,
+      `args.amoebanet_filters` and `args.image_size`.
 
   Returns:
     (list of layer Params, input shape [batch, 32, 32, 3]).
   """
+  filters = int(getattr(args, 'amoebanet_filters', None) or 16)
+  size = int(getattr(args, 'image_size', None) or 32)
   net = (
     AmoebaNet.Params()
     .Set(
       num_cells=6,
-      num_filters=16,
-      image_size=32,
+      num_filters=filters,
+      image_size=size,
       stem_type='cifar',
-      stem_filters=16,
+      stem_filters=filters,
       num_classes=10,
       head_logits=True,
     )

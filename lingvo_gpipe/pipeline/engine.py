@@ -92,6 +92,9 @@ class PipelineEngine:
     strict_order: run each device's work items in schedule order.
     name: the pipeline's name in error messages.
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
+    recompute_fprop: like `cell_fprop`, used for the re-materialization in
+      the backward pass (e.g. a function whose gradient recomputes the cell
+      and back-propagates in one compiled call); None: `cell_fprop`.
   """
 
   def __init__(
@@ -104,6 +107,7 @@ class PipelineEngine:
     strict_order=True,
     name='pipeline',
     schedule=schedule_lib.FillDrain,
+    recompute_fprop=None,
   ):
     if recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
@@ -117,6 +121,7 @@ class PipelineEngine:
     self._strict_order = strict_order
     self._name = name
     self._schedule = schedule
+    self._recompute_fprop = recompute_fprop or cell_fprop
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
@@ -133,11 +138,11 @@ class PipelineEngine:
   def _Place(self, structure, k):
     return self._placement.Place(structure, k)
 
-  def _RunCell(self, k, theta_k, args, seed, collect=True):
+  def _RunCell(self, k, theta_k, args, seed, collect=True, fprop=None):
     """Runs cell k; returns (outputs tuple, [(layer, stats)])."""
     collector = py_utils.UpdateCollector()
     with py_utils.StepSeed(seed), collector:
-      out = self._cell_fprop(k, theta_k, args)
+      out = (fprop or self._cell_fprop)(k, theta_k, args)
     return out, (collector.updates if collect else [])
 
   def _Recomputes(self, k, m, num_micro_batches):
@@ -369,7 +374,9 @@ class PipelineEngine:
       tape = tf.GradientTape(watch_accessed_variables=False)
       with tape:
         tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
-        y, _ = self._RunCell(k, theta_k, x, seed_m, collect=False)
+        y, _ = self._RunCell(
+          k, theta_k, x, seed_m, collect=False, fprop=self._recompute_fprop
+        )
     flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
     pairs = [
       (a, b) for a, b in zip(flat_y, flat_dy) if _IsFloat(a) and b is not None

@@ -64,6 +64,7 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import engine
+from lingvo_gpipe.pipeline import jit_cell
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -186,6 +187,16 @@ class PipeliningLayer(base_layer.BaseLayer):
       'feeds the next cell as early as possible.',
     )
     p.Define(
+      'jit_compile',
+      False,
+      "Compile each cell with XLA: a cell's forward pass on one "
+      'micro-batch runs as one XLA computation on its device, and so do '
+      'its re-materialization and backward pass together (see '
+      '`jit_cell.py`). Removes the per-op overhead of small micro-batches '
+      'on CPU and GPU; a layer XLA cannot compile is reported when the '
+      'pipeline is first traced.',
+    )
+    p.Define(
       'state_dtype',
       None,
       'Lingvo compatibility; only None: activations keep the dtype '
@@ -271,6 +282,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         ]
       self.CreateChildren('body', layers, devices=per_layer)
     self._num_stages = num_stages
+    self._jit_cells = None
+    if p.jit_compile:
+      self._jit_cells = jit_cell.JitCells(
+        self._CellFProp, self.CellLayers, self.path
+      )
 
   # -- Construction helpers ----------------------------------------------------
 
@@ -463,6 +479,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     lines = [
       f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
       f'recompute={p.recompute}'
+      + (', XLA-compiled cells' if p.jit_compile else '')
     ]
     if self.num_replicas > 1:
       lines[0] += (
@@ -490,11 +507,16 @@ class PipeliningLayer(base_layer.BaseLayer):
     a, b = self._ranges[k]
     return theta.body[a:b]
 
-  def _CellFProp(self, k, theta_k, args):
+  def _CellFProp(self, k, theta_k, args, mark=None):
+    """Runs cell k; `mark(layer)`, if given, is called before each layer."""
     if self._ranges is None:
+      if mark is not None:
+        mark(self.cell[k])
       return py_utils.AsTuple(self.cell[k].FProp(theta_k, *args))
     a, _ = self._ranges[k]
     for i, th in enumerate(theta_k):
+      if mark is not None:
+        mark(self.body[a + i])
       args = py_utils.AsTuple(self.body[a + i].FProp(th, *args))
     return args
 
@@ -508,8 +530,9 @@ class PipeliningLayer(base_layer.BaseLayer):
   def engine(self):
     """The `engine.PipelineEngine` that builds this pipeline's schedule."""
     p = self.params
+    jit = self._jit_cells
     return engine.PipelineEngine(
-      self._CellFProp,
+      jit.FProp if jit else self._CellFProp,
       self._placement,
       self.num_stages,
       batch_dim=p.batch_dim,
@@ -517,6 +540,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       strict_order=p.strict_order,
       name=self.path,
       schedule=self._schedule,
+      recompute_fprop=jit.RecomputeFProp if jit else None,
     )
 
   def FProp(self, theta, *args):

@@ -122,7 +122,8 @@ class StagePlacement:
       k runs on each replica's logical core k: nothing is placed with
       tf.device, tensors are pinned with `Place` during a call;
     * another tf.distribute strategy (one device per replica): the strategy
-      places everything; only K = 1, R = 1 pipelines make sense there.
+      places everything, all K cells on the replica's device; R must be 1
+      (the strategy's replicas are the data parallelism).
   Abstract builds (counting, tracing) place nothing.
   """
 
@@ -141,14 +142,13 @@ class StagePlacement:
       return
     if tf.distribute.has_strategy():
       name = type(tf.distribute.get_strategy()).__name__
-      if num_stages > 1 or num_replicas > 1:
+      if num_replicas > 1:
         raise ValueError(
-          f'Pipeline {path!r} has {num_stages} cells x {num_replicas} '
-          f'replicas but is built under {name}, whose replicas are one '
-          'device each. Use num_stages=1 there, or no strategy and '
-          'num_replicas (trainer flag --worker_replicas) for data '
-          'parallelism of multi-device pipelines (on TPUs: a TPUStrategy '
-          'with K cores per replica).'
+          f'Pipeline {path!r} has {num_replicas} replicas but is built '
+          f'under {name}, whose replicas are the data parallelism. Set '
+          'num_replicas=1 there (trainer: --worker_replicas gives the '
+          "strategy's replicas), or use no strategy and num_replicas for "
+          'data parallelism of multi-device pipelines.'
         )
       self.strategy_name = name
       return

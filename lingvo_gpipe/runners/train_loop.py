@@ -1,10 +1,14 @@
 """The training loop: steps, progress lines, summaries, checkpoints, stops.
 
+Over 500 lines: the loop, its stop request, its step watchdog and its
+guards against diverged weights share the loop's state.
+
   loop = TrainLoop(task, global_step, iterator, checkpointer, max_steps=1000,
                    summary_dir=logdir + '/train')
   result = loop.Run()   # -> TrainResult(step, reason)
 
-Each step runs `task.TrainStep(batch)` inside one `tf.function`. Every
+Each step runs `task.TrainStep(batch)` inside one `tf.function` (under a
+tf.distribute strategy: in every replica, through `strategy.run`). Every
 `log_interval_steps` a progress line is logged (step, loss, examples/s, step
 time, ETA); every `summary_interval_steps` the step's scalars (loss, metrics,
 learning_rate, grad_norm) and examples_per_sec and step_time go to
@@ -34,6 +38,8 @@ import numpy as np
 import tensorflow as tf
 
 from tensorflow.core.framework import summary_pb2
+
+from lingvo_gpipe.core import distribute
 
 __all__ = [
   'StopRequest',
@@ -324,6 +330,7 @@ class TrainLoop:
     train_step_fn=None,
     watchdog=None,
     max_weight_abs=1e6,
+    strategy=None,
   ):
     """Constructor.
 
@@ -345,6 +352,10 @@ class TrainLoop:
         starts and ends.
       max_weight_abs: a save refuses trainable weights larger in absolute
         value (diverged); 0 or None: only NaN/Inf are refused.
+      strategy: a tf.distribute strategy, or None: each replica runs the
+        step (`strategy.run`) on its share of the batch (`iterator` gives
+        per-replica batches, see `distribute.DistributeDataset`), and the
+        outputs are averaged over the replicas.
     """
     self._max_weight_abs = max_weight_abs
     self._watchdog = watchdog
@@ -361,6 +372,8 @@ class TrainLoop:
       tf.summary.create_file_writer(summary_dir) if summary_dir else None
     )
     fn = train_step_fn or task.TrainStep
+    if strategy is not None:
+      fn = distribute.ReplicatedStep(strategy, fn)
     self._increments = None  # Whether TrainStep increments the step itself.
     # No autograph: layers use Python control flow on static values only,
     # and tracing then needs no source code (which may change on disk).

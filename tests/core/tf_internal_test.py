@@ -90,3 +90,15 @@ def testInXlaContext():
   tf.function(F)(tf.constant(1.0))
   assert seen == [True, False]
   assert not _tf_internal.InXlaContext()
+
+
+def testRecordingOnUndoesInitScope():
+  x = tf.constant(2.0)
+  with tf.GradientTape(persistent=True) as tape:
+    tape.watch(x)
+    with tf.init_scope():
+      stopped = x * x
+      with _tf_internal.RecordingOn():
+        recorded = x * x
+  assert tape.gradient(stopped, x) is None
+  assert float(tape.gradient(recorded, x)) == 4.0

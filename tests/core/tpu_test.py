@@ -268,7 +268,7 @@ _TPU_ENV = ('TPU_NAME', 'KUBE_GOOGLE_CLOUD_TPU_ENDPOINTS', 'TPU_CONFIG')
 def _NoTPUEnv(monkeypatch):
   for var in _TPU_ENV:
     monkeypatch.delenv(var, raising=False)
-  if tpu._HasLocalTPU():  # pylint: disable=protected-access
+  if tpu.HasLocalTPU():
     pytest.skip('This machine has a TPU.')
   return monkeypatch
 

@@ -84,5 +84,8 @@ def testStagePlacementAbstractAndUnderAStrategy():
   with strategy.scope():
     one = placement.StagePlacement(None, 1, 1, 'p')
     assert one.Describe(0) == "each OneDeviceStrategy replica's device"
-    with pytest.raises(ValueError, match="'p' has 2 cells x 1 replicas"):
-      placement.StagePlacement(None, 2, 1, 'p')
+    # K cells all run on the replica's device.
+    two = placement.StagePlacement(None, 2, 1, 'p')
+    assert two.Describe(1) == "each OneDeviceStrategy replica's device"
+    with pytest.raises(ValueError, match="'p' has 2 replicas but is built"):
+      placement.StagePlacement(None, 1, 2, 'p')

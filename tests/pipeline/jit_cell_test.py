@@ -1,0 +1,158 @@
+"""XLA-compiled cells (`jit_compile=True`): still the sequential model.
+
+The pipeline with compiled cells gives the outputs and gradients of the plain
+sequential stack for K=1, 2 and M=1, 2, 4, every recompute policy, dropout
+(the same masks: the seed crosses into the compiled function) and batch norm
+(the statistics leave it and update the moving averages once per step). The
+compiled functions are really there: XLA calls with _XlaMustCompile in the
+step's graph. A layer XLA cannot compile is named in a clear error.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.layers import dropout
+from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.pipeline import pipelining_layer
+from tests.testing import pipeline_layers as plt
+
+DEVICES = plt.DEVICES
+
+
+def _Pipe(layers, k, m, policy='always', jit=True, devices=None):
+  return (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=k,
+      num_micro_batches=m,
+      devices=devices or DEVICES[:k],
+      recompute=policy,
+      jit_compile=jit,
+    )
+    .Instantiate()
+  )
+
+
+@pytest.mark.parametrize('k', [1, 2])
+@pytest.mark.parametrize('m', [1, 2, 4])
+def testTransparencyWithCompiledCells(plt_reference, k, m):
+  ref, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = plt_reference
+  pipe = _Pipe(plt.DenseLayers(), k, m)
+  for name, v in pipe.VariablesByName().items():
+    np.testing.assert_array_equal(v.numpy(), ref.VariablesByName()[name])
+  out, loss, grads, in_grads = plt.LossAndGrads(pipe, (x,), w)
+  plt.AssertClose(out, ref_out)
+  plt.AssertClose(loss, ref_loss)
+  assert sorted(grads) == sorted(ref_grads)
+  for name in grads:
+    assert plt.MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
+  plt.AssertClose(in_grads, ref_in_grads)
+  assert 'XLA-compiled cells' in pipe.PlacementText()
+
+
+@pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
+def testRecomputePoliciesWithCompiledCells(plt_reference, policy):
+  _, x, w, (ref_out, _, ref_grads, ref_in_grads) = plt_reference
+  pipe = _Pipe(plt.DenseLayers(), 2, 4, policy)
+  out, _, grads, in_grads = plt.LossAndGrads(pipe, (x,), w)
+  plt.AssertClose(out, ref_out)
+  for name in grads:
+    assert plt.MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
+  plt.AssertClose(in_grads, ref_in_grads)
+
+
+@pytest.fixture(name='plt_reference', scope='module')
+def _Reference():
+  x, w = plt.Inputs()  # pylint: disable=protected-access
+  ref = plt.Stack.Params().Set(name='pipe', layers=plt.DenseLayers())
+  ref = ref.Instantiate()
+  return ref, x, w, plt.LossAndGrads(ref, (x,), w)
+
+
+def _Step(pipe, x, w, jit_compile=False):
+  variables = pipe.trainable_variables
+  # Not a constant: XLA would fold random ops of a constant seed with
+  # TensorFlow's kernels, whose bits differ from XLA's own.
+  seed = tf.Variable(3, dtype=tf.int64)
+
+  def Step():
+    with py_utils.StepSeed(seed.read_value()):
+      with py_utils.UpdateCollector() as updates:
+        with tf.GradientTape() as tape:
+          out = pipe(x)
+          loss = tf.reduce_sum(out * w)
+        grads = tape.gradient(loss, variables)
+      updates.Apply()
+    return out, grads
+
+  return tf.function(Step, autograph=False, jit_compile=jit_compile)
+
+
+def _DropoutBnLayers():
+  return [
+    plt.Dense.Params().Set(name='fc_0', input_dim=6, output_dim=6),
+    dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.7),
+    normalizations.BatchNormLayer.Params().Set(name='bn', dim=6),
+    plt.Dense.Params().Set(name='fc_1', input_dim=6, output_dim=6),
+  ]
+
+
+@pytest.mark.parametrize('k', [1, 2])
+@pytest.mark.parametrize('policy', ['always', 'never'])
+def testDropoutAndBatchNormMatchTheCompiledStep(k, policy):
+  """Compiled cells == the same pipeline in one compiled step (XLA's random
+  bits differ from TensorFlow's kernels', so both sides use XLA's)."""
+  x, w = plt.Inputs()  # pylint: disable=protected-access
+  results = []
+  for jit_cells in (False, True):
+    # One device: XLA compiles a whole step only on one.
+    pipe = _Pipe(_DropoutBnLayers(), k, 2, policy, jit_cells, DEVICES[:1] * k)
+    step = _Step(pipe, x, w, jit_compile=not jit_cells)
+    out, grads = step()
+    moving = {
+      n: v.numpy() for n, v in pipe.VariablesByName().items() if 'moving' in n
+    }
+    results.append((out, grads, moving))
+    if jit_cells:
+      graph = step.get_concrete_function().graph.as_graph_def()
+      compiled = [
+        f.signature.name
+        for f in graph.library.function
+        if f.attr['_XlaMustCompile'].b
+      ]
+      assert compiled, 'no XLA-compiled function in the step'
+  (out0, g0, m0), (out1, g1, m1) = results
+  plt.AssertClose(out1, out0)
+  for a, b in zip(g1, g0):
+    plt.AssertClose(a, b)
+  assert sorted(m0) == sorted(m1) and m0
+  for name in m0:
+    np.testing.assert_allclose(m1[name], m0[name], rtol=1e-5, atol=1e-6)
+  assert any(
+    not np.allclose(v, 0) and not np.allclose(v, 1) for v in m0.values()
+  )
+
+
+class _NoXla(base_layer.BaseLayer):
+  """A layer with an op XLA has no kernel for (DeepCopy)."""
+
+  def FProp(self, theta, x):
+    del theta
+    return tf.raw_ops.DeepCopy(x=x) * 2.0
+
+
+def testLayerXlaCannotCompileIsNamed():
+  x, w = plt.Inputs()  # pylint: disable=protected-access
+  layers = plt.DenseLayers(2) + [_NoXla.Params().Set(name='no_xla')]
+  pipe = _Pipe(layers, 2, 2)
+  with pytest.raises(
+    ValueError,
+    match=r"Pipeline 'pipe' has jit_compile=True but XLA cannot compile "
+    r"cell 1: layer 'pipe/no_xla' uses DeepCopy.*jit_compile=False",
+  ):
+    plt.LossAndGrads(pipe, (x,), w)
