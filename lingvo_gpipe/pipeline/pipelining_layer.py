@@ -244,7 +244,13 @@ class PipeliningLayer(base_layer.BaseLayer):
       by = 'flops' if p.input_shapes is not None else 'params'
     shapes = p.input_shapes
     return partition.ComputeSplits(
-      layers, num_stages, p.splits, by, shapes, device=(p.devices or [None])[0]
+      layers,
+      num_stages,
+      p.splits,
+      by,
+      shapes,
+      device=(p.devices or [None])[0],
+      name=p.name,
     )
 
   def _SetDevices(self, num_stages):
