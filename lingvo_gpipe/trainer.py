@@ -65,6 +65,7 @@ __all__ = [
   'PlacementText',
   'InspectModel',
   'UserError',
+  'OneLine',
 ]
 
 FLAGS = flags.FLAGS
@@ -229,6 +230,49 @@ flags.DEFINE_string(
 
 class UserError(Exception):
   """A mistake in the flags or the model; reported in one line, exit 1."""
+
+
+# The exceptions that building a model or tracing its step raise for a
+# mistake in the model (a bad Params value, cells that do not fit together).
+_BUILD_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+def OneLine(error):
+  """The message of `error` without the frames that tf.function adds to
+  errors raised while tracing ("in user code: File ...")."""
+  text = str(error).strip()
+  if 'in user code:' in text:
+    marker = f'{type(error).__name__}: '
+    if marker in text:
+      text = text[text.rindex(marker) + len(marker) :].strip()
+  return ' '.join(text.split('\n')).strip() or type(error).__name__
+
+
+def _BuildError(what, error):
+  """A UserError for `error` raised while `what`; the traceback is logged
+  at verbosity 1 (--v=1)."""
+  logging.vlog(1, 'Traceback of the error while %s:', what, exc_info=error)
+  return UserError(f'{OneLine(error)} (while {what})')
+
+
+def _CheckBatchSizes(model, iterator):
+  """Checks, before the first step, that each pipeline's replicas and
+  micro-batches divide the training batch (when its size is static)."""
+  leaves = [
+    s
+    for s in tf.nest.flatten(iterator.element_spec)
+    if isinstance(s, tf.TensorSpec) and s.shape.rank
+  ]
+  if not leaves or leaves[0].shape[0] is None:
+    return
+  batch = int(leaves[0].shape[0])
+  for pipe in _Pipelines(model):
+    if pipe.params.batch_dim != 0:
+      continue
+    try:
+      pipe.CheckBatch(batch)
+    except ValueError as e:
+      raise UserError(str(e)) from e
 
 
 # -- Devices -------------------------------------------------------------------
@@ -494,7 +538,10 @@ def _RunTrainer(p, logdir, stop):
   except ValueError as e:
     raise UserError(str(e)) from e
   with _BUILD_LOCK:
-    model = p.Instantiate()
+    try:
+      model = p.Instantiate()
+    except _BUILD_ERRORS as e:
+      raise _BuildError('building the model', e) from e
   text = PlacementText(model)
   if _CLUSTER is not None:
     text = _CLUSTER.Describe() + '\n' + text
@@ -502,6 +549,7 @@ def _RunTrainer(p, logdir, stop):
   task = model.GetTask()
   tp = p.task.train
   iterator = iter(task.input_generator.GetDataset())
+  _CheckBatchSizes(model, iterator)
   ckpt = checkpointer.Checkpointer(
     train_dir,
     model.VariablesByName(),
@@ -547,6 +595,8 @@ def _RunTrainer(p, logdir, stop):
   except tf.errors.OpError as e:
     _RaiseIfWorkerLost(e, train_dir)
     raise
+  except _BUILD_ERRORS as e:
+    raise _BuildError('building or running the training step', e) from e
   except checkpointer.CheckpointError as e:
     # A save that failed because a worker died names the worker, not the
     # disk.
@@ -654,6 +704,12 @@ def _RunEvaler(kind, dataset, logdir, stop, errors):
       PlacementText(ev.model),
     )
     ev.Run(stop=stop)
+  except _BUILD_ERRORS as e:
+    errors.append(
+      _BuildError(f'building or running {kind}_{dataset.lower()}', e)
+    )
+  except UserError as e:
+    errors.append(e)
   except Exception as e:  # pylint: disable=broad-except
     logging.exception('%s_%s failed.', kind, dataset.lower())
     errors.append(e)
@@ -762,7 +818,8 @@ def _Run(argv):
     checkpointer.CheckpointError,
     train_loop.NonFiniteError,
   ) as e:
-    logging.error('%s', e)
+    # Printed once (not also as a log line), on stderr.
+    logging.flush()
     sys.exit(f'ERROR: {e}')
 
 

@@ -219,6 +219,40 @@ def testBadOverrideNamesTheKey(tmp_path):
   assert 'Traceback' not in res.stderr
 
 
+@pytest.mark.parametrize(
+  'override,expected',
+  [
+    (
+      'task.network.num_micro_batches : 5',
+      "ERROR: Pipeline 'digits/network': num_micro_batches=5 does not "
+      'divide the batch size 64',
+    ),
+    (
+      # Without input_shapes the first batch's shapes are checked.
+      'task.network.input_shapes : None; task.network.layers[2].input_dim : 16',
+      "ERROR: Pipeline 'digits/network' cell 1 (fc1) cannot take the output "
+      'of cell 0 (flatten, fc0), of shapes [64, 64]: its first layer fc1 '
+      '(ProjectionLayer) says: ',
+    ),
+  ],
+)
+def testModelErrorsAreOneLinePrintedOnce(tmp_path, override, expected):
+  res = _Run(
+    f'--logdir={tmp_path}',
+    '--max_steps=2',
+    f'--model_params_override={override}',
+  )
+  assert res.returncode == 1
+  assert 'Traceback' not in res.stderr
+  errors = [
+    ln
+    for ln in res.stderr.splitlines()
+    if 'num_micro_batches=5' in ln or ('cannot take' in ln)
+  ]
+  assert len(errors) == 1, res.stderr[-3000:]
+  assert errors[0].startswith(expected), errors[0]
+
+
 def testParamsOverridesInProcess(tmp_path):
   override_file = tmp_path / 'override.txt'
   override_file.write_text(
