@@ -346,12 +346,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     if self._input_checked or self.params.input_shapes is not None:
       return
     self._input_checked = True
-    # Float32 tensors as TensorShapes (what FPropMeta formulas expect),
+    # Floating tensors as TensorShapes (what FPropMeta formulas expect),
     # others as TensorSpecs (token ids stay ints).
     shapes = tf.nest.map_structure(
       lambda t: (
         tf.TensorShape(t.shape)
-        if t.dtype == tf.float32
+        if t.dtype.is_floating
         else tf.TensorSpec(t.shape, t.dtype)
       ),
       list(args),
