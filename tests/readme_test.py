@@ -18,11 +18,12 @@ def _Readme():
     return f.read()
 
 
-def testExampleRuns(tmp_path):
+@pytest.mark.parametrize('index', [0, 1])
+def testExampleRuns(tmp_path, index):
   blocks = re.findall(r'```python\n(.*?)```', _Readme(), re.S)
-  assert blocks, 'README has no python example'
+  assert len(blocks) == 2, 'README has not the custom-layer and Keras examples'
   script = tmp_path / 'example.py'
-  script.write_text(blocks[0])
+  script.write_text(blocks[index])
   out = subprocess.run(
     [sys.executable, str(script)],
     cwd=ROOT,
