@@ -66,6 +66,7 @@ __all__ = [
   'InspectModel',
   'UserError',
   'OneLine',
+  'LogdirOverrides',
 ]
 
 FLAGS = flags.FLAGS
@@ -183,8 +184,11 @@ flags.DEFINE_float(
   'eval_timeout',
   0.0,
   'Evaler: exit after this many seconds without a new '
-  'checkpoint; 0: wait for the final step.',
+  'checkpoint; 0: wait for the final step (a standalone evaler also '
+  'exits once the trainer has exited and its last checkpoint is '
+  'evaluated).',
 )
+flags.DEFINE_alias('eval_timeout_s', 'eval_timeout')
 flags.DEFINE_integer(
   'eval_max_batches', None, 'Evaler: at most this many batches per evaluation.'
 )
@@ -421,13 +425,23 @@ def BuildParams(
   max_to_keep=None,
   worker_replicas=1,
   devices=None,
+  logdir_params=None,
 ):
-  """The model Params for `dataset` with every override applied."""
+  """The model Params for `dataset` with every override applied.
+
+  `logdir_params`, the text of a logdir's params.txt, is applied first: the
+  fields where it differs from the registered Train Params (the overrides
+  the model was trained with), except inputs and placement.
+  """
   if not model:
     raise UserError(
       '--model is required, e.g. --model=image.digits.MlpDigitsTiny.'
     )
   p = _GetParams(model, dataset)
+  if logdir_params:
+    text = LogdirOverrides(_GetParams(model, 'Train'), logdir_params)
+    if text:
+      _ApplyText(p, text, "the logdir's params.txt")
   if file_override:
     try:
       with open(file_override) as f:
@@ -453,7 +467,47 @@ def BuildParams(
   return p
 
 
-def _FlagParams(dataset='Train'):
+# Params fields that a logdir's params.txt does not carry over to an evaler:
+# its input (the training data) and the placement (the evaler's own flags).
+_NOT_FROM_LOGDIR = ('input', 'devices', 'num_stages', 'splits', 'num_replicas')
+
+
+def LogdirOverrides(train_params, params_text):
+  """The "a.b : value" lines of `params_text` (a params.txt) that differ
+  from `train_params`, the model's registered Train Params: the overrides it
+  was trained with, less inputs and placement (`_NOT_FROM_LOGDIR`)."""
+
+  def Lines(text):
+    out = {}
+    for line in text.splitlines():
+      key, sep, _ = line.partition(' : ')
+      if sep:
+        out[key.strip()] = line
+    return out
+
+  registered = Lines(train_params.ToText())
+  lines = []
+  for key, line in Lines(params_text).items():
+    parts = key.split('.')
+    if any(
+      part.split('[')[0] in _NOT_FROM_LOGDIR for part in parts
+    ) or key.endswith('.cls'):
+      continue
+    if registered.get(key) != line:
+      lines.append(line)
+  return '\n'.join(lines)
+
+
+def _LogdirParams():
+  """The text of <logdir>/params.txt, or None."""
+  path = os.path.join(FLAGS.logdir or '', 'params.txt')
+  if not FLAGS.logdir or not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path) as f:
+    return f.read()
+
+
+def _FlagParams(dataset='Train', from_logdir=False):
   devices = None
   if _CLUSTER is not None and _CLUSTER.is_remote:
     devices = _CLUSTER.Devices()
@@ -468,6 +522,7 @@ def _FlagParams(dataset='Train'):
     FLAGS.saver_max_to_keep,
     FLAGS.worker_replicas,
     devices,
+    logdir_params=_LogdirParams() if from_logdir else None,
   )
 
 
@@ -577,6 +632,7 @@ def _RunTrainer(p, logdir, stop):
     f.write(p.ToText())
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
+  evaler.WriteTrainerState(train_dir, running=True)
   watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
     task,
@@ -606,6 +662,9 @@ def _RunTrainer(p, logdir, stop):
   finally:
     if watchdog is not None:
       watchdog.Stop()
+    evaler.WriteTrainerState(
+      train_dir, running=False, step=int(model.global_step.numpy())
+    )
 
 
 def _StepTimeout():
@@ -684,18 +743,24 @@ def _RaiseIfWorkerLost(error, train_dir):
   ) from error
 
 
-def _RunEvaler(kind, dataset, logdir, stop, errors):
-  """Runs an evaler/decoder job; exceptions go to `errors`."""
+def _RunEvaler(kind, dataset, logdir, stop, errors, standalone=False):
+  """Runs an evaler/decoder job; exceptions go to `errors`.
+
+  A standalone one (no trainer in this process) builds the model with the
+  overrides of the logdir's params.txt and ends once the trainer has exited
+  and its last checkpoint is evaluated.
+  """
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
     with _BUILD_LOCK:
       ev = cls(
-        _FlagParams(dataset),
+        _FlagParams(dataset, from_logdir=standalone),
         logdir,
         dataset=dataset,
         interval_seconds=FLAGS.eval_interval_seconds,
         timeout_seconds=FLAGS.eval_timeout,
         max_batches=FLAGS.eval_max_batches,
+        until_trainer_exits=standalone,
       )
     logging.info(
       '%s_%s pipeline placement:\n%s',
@@ -754,7 +819,7 @@ def _Sync():
       t = threading.Thread(
         target=_RunEvaler,
         name=f'{kind}_{dataset.lower()}',
-        args=(kind, dataset, FLAGS.logdir, eval_stop, errors),
+        args=(kind, dataset, FLAGS.logdir, eval_stop, errors, not has_trainer),
         daemon=True,
       )
       threads.append(t)

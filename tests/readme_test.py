@@ -65,7 +65,8 @@ def testMainJobModelIsRegistered():
 # Flags appended to a README command (matched by the first key it contains)
 # so that it runs small: later flags override earlier ones.
 _SMALL = [
-  ('--job=evaler_dev', ['--max_steps=3', '--eval_max_batches=1']),
+  # No --max_steps: the evaler takes it from the logdir's params.txt.
+  ('--job=evaler_dev', ['--eval_max_batches=1']),
   ('--mode=inspect', []),
   ('lingvo_gpipe.trainer', ['--max_steps=3', '--eval_max_batches=1']),
   ('local_cluster.py', ['--serve_seconds=300']),
@@ -89,6 +90,13 @@ _SMALL = [
   ('accelerator_check.py', []),
   ('eval_bleu.py', ['--max_batches=1', '--beam_size=1']),
 ]
+
+# What a command's output must show.
+_EXPECT = {
+  # The trainer's in-process evaler evaluated the last checkpoint already.
+  '--job=evaler_dev': 'evaluated before',
+  '--mode=inspect_model': 'cell 1 on',
+}
 
 # The README's commands in groups that run in order in one directory; the
 # fast groups run by default, the others with `pytest -m slow`.
@@ -196,6 +204,9 @@ def _RunGroup(name, tmp_path):
         timeout=600,
       )
       assert out.returncode == 0, (command, out.stderr[-3000:])
+      for key, expected in _EXPECT.items():
+        if key in command:
+          assert expected in out.stderr + out.stdout, (command, expected)
   finally:
     if server is not None:
       server.kill()

@@ -253,6 +253,27 @@ def testModelErrorsAreOneLinePrintedOnce(tmp_path, override, expected):
   assert errors[0].startswith(expected), errors[0]
 
 
+def testLogdirOverridesAreTheTrainingOverrides():
+  train = model_registry.GetParams(MODEL, 'Train')
+  trained = train.Copy()
+  trained.task.train.max_steps = 7
+  trained.task.network.num_micro_batches = 2
+  trained.task.network.devices = ['/device:CPU:0', '/device:CPU:1']
+  trained.task.network.num_stages = 2
+  trained.input.batch_size = 32
+  text = trainer.LogdirOverrides(train, trained.ToText())
+  assert sorted(text.splitlines()) == [
+    'task.network.num_micro_batches : 2',
+    'task.train.max_steps : 7',
+  ]
+  p = trainer.BuildParams(MODEL, 'Dev', logdir_params=trained.ToText())
+  assert p.task.train.max_steps == 7 and p.task.network.devices is None
+  assert (
+    p.input.batch_size
+    == model_registry.GetParams(MODEL, 'Dev').input.batch_size
+  )
+
+
 def testParamsOverridesInProcess(tmp_path):
   override_file = tmp_path / 'override.txt'
   override_file.write_text(
