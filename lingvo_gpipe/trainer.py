@@ -43,6 +43,13 @@ import threading
 from absl import app
 from absl import flags
 from absl import logging
+
+# TensorFlow's C++ INFO lines (the CPU-feature banner, "Sharding callback
+# duration" at every checkpoint) are noise in the trainer's log; warnings and
+# errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+
+# pylint: disable=g-import-not-at-top
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
@@ -54,6 +61,7 @@ from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
 from lingvo_gpipe.runners import train_loop
+# pylint: enable=g-import-not-at-top
 
 __all__ = [
   'main',
@@ -599,7 +607,8 @@ def _RunTrainer(p, logdir, stop):
       raise _BuildError('building the model', e) from e
   text = PlacementText(model)
   if _CLUSTER is not None:
-    text = _CLUSTER.Describe() + '\n' + text
+    stages = max((pipe.num_stages for pipe in _Pipelines(model)), default=1)
+    text = _CLUSTER.Describe(num_stages=stages) + '\n' + text
   logging.info('Placement:\n%s', text)
   task = model.GetTask()
   tp = p.task.train

@@ -96,7 +96,12 @@ _EXPECT = {
   # The trainer's in-process evaler evaluated the last checkpoint already.
   '--job=evaler_dev': 'evaluated before',
   '--mode=inspect_model': 'cell 1 on',
+  # The model's pipeline has 2 cells.
+  '--job=trainer,evaler_dev': 'Cluster: this host; 1 replica(s) x 2 stage(s).',
 }
+
+# What no command's output may show: noise and tracebacks.
+_NEVER = ['Traceback', 'Sharding callback duration', 'flops_registry']
 
 # The README's commands in groups that run in order in one directory; the
 # fast groups run by default, the others with `pytest -m slow`.
@@ -169,7 +174,10 @@ def _Small(command, tmp_path, spec=None):
 
 
 def _Env():
-  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
+  """The environment of a user's shell: no TF_CPP_MIN_LOG_LEVEL of ours."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)
+  return env
 
 
 def _RunGroup(name, tmp_path):
@@ -204,6 +212,8 @@ def _RunGroup(name, tmp_path):
         timeout=600,
       )
       assert out.returncode == 0, (command, out.stderr[-3000:])
+      for unwanted in _NEVER:
+        assert unwanted not in out.stderr + out.stdout, (command, unwanted)
       for key, expected in _EXPECT.items():
         if key in command:
           assert expected in out.stderr + out.stdout, (command, expected)
