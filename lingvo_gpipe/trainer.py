@@ -79,6 +79,13 @@ import traceback
 from absl import app
 from absl import flags
 from absl import logging
+
+# TensorFlow's C++ INFO lines (the CPU-feature banner, "Sharding callback
+# duration" at every checkpoint) are noise in the trainer's log; warnings and
+# errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+
+# pylint: disable=g-import-not-at-top
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
@@ -92,6 +99,7 @@ from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
 from lingvo_gpipe.runners import train_loop
+# pylint: enable=g-import-not-at-top
 
 __all__ = [
   'main',
@@ -103,6 +111,8 @@ __all__ = [
   'PlacementText',
   'InspectModel',
   'UserError',
+  'OneLine',
+  'LogdirOverrides',
 ]
 
 FLAGS = flags.FLAGS
@@ -244,8 +254,11 @@ flags.DEFINE_float(
   'eval_timeout',
   0.0,
   'Evaler: exit after this many seconds without a new '
-  'checkpoint; 0: wait for the final step.',
+  'checkpoint; 0: wait for the final step (a standalone evaler also '
+  'exits once the trainer has exited and its last checkpoint is '
+  'evaluated).',
 )
+flags.DEFINE_alias('eval_timeout_s', 'eval_timeout')
 flags.DEFINE_integer(
   'eval_max_batches', None, 'Evaler: at most this many batches per evaluation.'
 )
@@ -291,6 +304,49 @@ flags.DEFINE_string(
 
 class UserError(Exception):
   """A mistake in the flags or the model; reported in one line, exit 1."""
+
+
+# The exceptions that building a model or tracing its step raise for a
+# mistake in the model (a bad Params value, cells that do not fit together).
+_BUILD_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+def _TracingMessage(error):
+  """The message of `error` without the frames that tf.function adds to
+  errors raised while tracing ("in user code: File ...")."""
+  text = str(error).strip()
+  if 'in user code:' in text:
+    marker = f'{type(error).__name__}: '
+    if marker in text:
+      text = text[text.rindex(marker) + len(marker) :].strip()
+  return ' '.join(text.split('\n')).strip() or type(error).__name__
+
+
+def _BuildError(what, error):
+  """A UserError for `error` raised while `what`; the traceback is logged
+  at verbosity 1 (--v=1)."""
+  logging.vlog(1, 'Traceback of the error while %s:', what, exc_info=error)
+  return UserError(f'{_TracingMessage(error)} (while {what})')
+
+
+def _CheckBatchSizes(model, iterator):
+  """Checks, before the first step, that each pipeline's replicas and
+  micro-batches divide the training batch (when its size is static)."""
+  leaves = [
+    s
+    for s in tf.nest.flatten(iterator.element_spec)
+    if isinstance(s, tf.TensorSpec) and s.shape.rank
+  ]
+  if not leaves or leaves[0].shape[0] is None:
+    return
+  batch = int(leaves[0].shape[0])
+  for pipe in _Pipelines(model):
+    if pipe.params.batch_dim != 0:
+      continue
+    try:
+      pipe.CheckBatch(batch)
+    except ValueError as e:
+      raise UserError(str(e)) from e
 
 
 # -- Devices -------------------------------------------------------------------
@@ -498,18 +554,26 @@ def BuildParams(
   worker_replicas=1,
   devices=None,
   under_strategy=False,
+  logdir_params=None,
 ):
   """The model Params for `dataset` with every override applied.
 
   With `under_strategy` (the model is built under a tf.distribute strategy,
   whose replicas are the data parallelism), `worker_split_size` sets the
   cells of every pipeline and their devices are left to the strategy.
+  `logdir_params`, the text of a logdir's params.txt, is applied first: the
+  fields where it differs from the registered Train Params (the overrides
+  the model was trained with), except inputs and placement.
   """
   if not model:
     raise UserError(
       '--model is required, e.g. --model=image.digits.MlpDigitsTiny.'
     )
   p = _GetParams(model, dataset)
+  if logdir_params:
+    text = LogdirOverrides(_GetParams(model, 'Train'), logdir_params)
+    if text:
+      _ApplyText(p, text, "the logdir's params.txt")
   if file_override:
     try:
       with open(file_override) as f:
@@ -579,7 +643,47 @@ def _ApplyStrategySplit(p, num_stages):
     lp.devices = None
 
 
-def _FlagParams(dataset='Train', under_strategy=False):
+# Params fields that a logdir's params.txt does not carry over to an evaler:
+# its input (the training data) and the placement (the evaler's own flags).
+_NOT_FROM_LOGDIR = ('input', 'devices', 'num_stages', 'splits', 'num_replicas')
+
+
+def LogdirOverrides(train_params, params_text):
+  """The "a.b : value" lines of `params_text` (a params.txt) that differ
+  from `train_params`, the model's registered Train Params: the overrides it
+  was trained with, less inputs and placement (`_NOT_FROM_LOGDIR`)."""
+
+  def Lines(text):
+    out = {}
+    for line in text.splitlines():
+      key, sep, _ = line.partition(' : ')
+      if sep:
+        out[key.strip()] = line
+    return out
+
+  registered = Lines(train_params.ToText())
+  lines = []
+  for key, line in Lines(params_text).items():
+    parts = key.split('.')
+    if any(
+      part.split('[')[0] in _NOT_FROM_LOGDIR for part in parts
+    ) or key.endswith('.cls'):
+      continue
+    if registered.get(key) != line:
+      lines.append(line)
+  return '\n'.join(lines)
+
+
+def _LogdirParams():
+  """The text of <logdir>/params.txt, or None."""
+  path = os.path.join(FLAGS.logdir or '', 'params.txt')
+  if not FLAGS.logdir or not tf.io.gfile.exists(path):
+    return None
+  with tf.io.gfile.GFile(path) as f:
+    return f.read()
+
+
+def _FlagParams(dataset='Train', under_strategy=False, from_logdir=False):
   devices = None
   if _CLUSTER is not None and _CLUSTER.is_remote:
     devices = _CLUSTER.Devices()
@@ -596,6 +700,7 @@ def _FlagParams(dataset='Train', under_strategy=False):
     FLAGS.worker_replicas if _STRATEGY is None else 1,
     devices,
     under_strategy,
+    logdir_params=_LogdirParams() if from_logdir else None,
   )
 
 
@@ -667,18 +772,23 @@ def _RunTrainer(p, logdir, stop):
     raise UserError(str(e)) from e
   strategy = _STRATEGY
   with _BUILD_LOCK, (strategy or tf.distribute.get_strategy()).scope():
-    model = p.Instantiate()
+    try:
+      model = p.Instantiate()
+    except _BUILD_ERRORS as e:
+      raise _BuildError('building the model', e) from e
   text = PlacementText(model)
   if strategy is not None:  # Its replicas and devices replace the cluster's.
     text = distribute.Describe(strategy) + '\n' + text
   elif _CLUSTER is not None:
-    text = _CLUSTER.Describe() + '\n' + text
+    stages = max((pipe.num_stages for pipe in _Pipelines(model)), default=1)
+    text = _CLUSTER.Describe(num_stages=stages) + '\n' + text
   logging.info('Placement:\n%s', text)
   task = model.GetTask()
   tp = p.task.train
   batch_size = iterator = None
   if strategy is None:
     iterator = iter(task.input_generator.GetDataset())
+    _CheckBatchSizes(model, iterator)
   else:
     batch_size = task.input_generator.GlobalBatchSize()
     try:
@@ -725,6 +835,7 @@ def _RunTrainer(p, logdir, stop):
     f.write(p.ToText())
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
+  evaler.WriteTrainerState(train_dir, running=True)
   watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
     task,
@@ -746,6 +857,8 @@ def _RunTrainer(p, logdir, stop):
   except tf.errors.OpError as e:
     _RaiseIfWorkerLost(e, train_dir)
     raise
+  except _BUILD_ERRORS as e:
+    raise _BuildError('building or running the training step', e) from e
   except checkpointer.CheckpointError as e:
     # A save that failed because a worker died names the worker, not the
     # disk.
@@ -755,6 +868,9 @@ def _RunTrainer(p, logdir, stop):
   finally:
     if watchdog is not None:
       watchdog.Stop()
+    evaler.WriteTrainerState(
+      train_dir, running=False, step=int(model.global_step.numpy())
+    )
 
 
 def _StepTimeout():
@@ -846,19 +962,27 @@ def _RaiseIfWorkerLost(error, train_dir):
   ) from error
 
 
-def _RunEvaler(kind, dataset, logdir, stop, errors, trainer_stop=None):
+def _RunEvaler(
+  kind, dataset, logdir, stop, errors, trainer_stop=None, standalone=False
+):
   """Runs an evaler/decoder job; exceptions go to `errors` and stop the
-  trainer (`trainer_stop`), which saves and exits."""
+  trainer (`trainer_stop`), which saves and exits.
+
+  A standalone one (no trainer in this process) builds the model with the
+  overrides of the logdir's params.txt and ends once the trainer has exited
+  and its last checkpoint is evaluated.
+  """
   try:
     cls = evaler.Decoder if kind == 'decoder' else evaler.Evaler
     with _BUILD_LOCK:
       ev = cls(
-        _FlagParams(dataset),
+        _FlagParams(dataset, from_logdir=standalone),
         logdir,
         dataset=dataset,
         interval_seconds=FLAGS.eval_interval_seconds,
         timeout_seconds=FLAGS.eval_timeout,
         max_batches=FLAGS.eval_max_batches,
+        until_trainer_exits=standalone,
       )
     logging.info(
       '%s_%s pipeline placement:\n%s',
@@ -867,6 +991,12 @@ def _RunEvaler(kind, dataset, logdir, stop, errors, trainer_stop=None):
       PlacementText(ev.model),
     )
     ev.Run(stop=stop)
+  except _BUILD_ERRORS as e:
+    errors.append(
+      _BuildError(f'building or running {kind}_{dataset.lower()}', e)
+    )
+  except UserError as e:
+    errors.append(e)
   except Exception as e:  # pylint: disable=broad-except
     job = f'{kind}_{dataset.lower()}'
     logging.error('%s failed: %s', job, OneLine(e, logdir))
@@ -922,6 +1052,7 @@ def _Sync():
           eval_stop,
           errors,
           stop if has_trainer else None,
+          not has_trainer,
         ),
         daemon=True,
       )
@@ -1025,8 +1156,7 @@ def OneLine(error, logdir=None):
 def _Exit(status, message=None):
   """Reports `message` in one line and ends the process without running
   interpreter shutdown (which can block in TensorFlow's destructors)."""
-  if message:
-    logging.error('%s', message)
+  if message:  # Printed once, not also as a log line.
     sys.stderr.write(f'ERROR: {message}\n')
   logging.flush()
   sys.stdout.flush()

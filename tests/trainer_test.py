@@ -138,6 +138,63 @@ def testBadOverrideNamesTheKey(tmp_path):
   assert 'Traceback' not in res.stderr
 
 
+@pytest.mark.parametrize(
+  'override,expected',
+  [
+    (
+      'task.network.num_micro_batches : 5',
+      "ERROR: Pipeline 'digits/network': num_micro_batches=5 does not "
+      'divide the batch size 64',
+    ),
+    (
+      # Without input_shapes the first batch's shapes are checked.
+      'task.network.input_shapes : None; task.network.layers[2].input_dim : 16',
+      "ERROR: Pipeline 'digits/network' cell 1 (fc1) cannot take the output "
+      'of cell 0 (flatten, fc0), of shapes [64, 64]: its first layer fc1 '
+      '(ProjectionLayer) says: ',
+    ),
+  ],
+)
+def testModelErrorsAreOneLinePrintedOnce(tmp_path, override, expected):
+  res = trainer_process.Run(
+    f'--logdir={tmp_path}',
+    '--max_steps=2',
+    f'--model_params_override={override}',
+  )
+  assert res.returncode == 1
+  assert 'Traceback' not in res.stderr
+  errors = [
+    ln
+    for ln in res.stderr.splitlines()
+    if 'num_micro_batches=5' in ln or ('cannot take' in ln)
+  ]
+  assert len(errors) == 1, res.stderr[-3000:]
+  assert errors[0].startswith(expected), errors[0]
+
+
+def testLogdirOverridesAreTheTrainingOverrides():
+  train = model_registry.GetParams(trainer_process.MODEL, 'Train')
+  trained = train.Copy()
+  trained.task.train.max_steps = 7
+  trained.task.network.num_micro_batches = 2
+  trained.task.network.devices = ['/device:CPU:0', '/device:CPU:1']
+  trained.task.network.num_stages = 2
+  trained.input.batch_size = 32
+  text = trainer.LogdirOverrides(train, trained.ToText())
+  assert sorted(text.splitlines()) == [
+    'task.network.num_micro_batches : 2',
+    'task.train.max_steps : 7',
+  ]
+  p = trainer.BuildParams(
+    trainer_process.MODEL, 'Dev', logdir_params=trained.ToText()
+  )
+  assert p.task.train.max_steps == 7 and p.task.network.devices is None
+  assert (
+    p.input.batch_size
+    == model_registry.GetParams(trainer_process.MODEL, 'Dev').input.batch_size
+  )
+
+
 def testParamsOverridesInProcess(tmp_path):
   override_file = tmp_path / 'override.txt'
   override_file.write_text(

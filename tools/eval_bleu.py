@@ -4,6 +4,9 @@ r"""Prints the BLEU per language of a trained multilingual model.
       --logdir=/tmp/mt [--dataset=Test] [--beam_size=4] [--max_batches=N] \
       [--num_cpu_devices=2] [--show=5]
 
+Without --num_cpu_devices (and without a GPU) the CPU is split into as many
+devices as the model's pipelines need.
+
 Restores the latest checkpoint of <logdir>/train (or --checkpoint), decodes
 the dataset with the model's beam search (--beam_size=1: greedy) and prints
 sacrebleu's BLEU for each source language, their average and the corpus
@@ -16,6 +19,29 @@ import os
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+
+def DevicesNeeded(model, dataset='Test', overrides=None):
+  """The devices the pipelines of registered `model` are placed on: the
+  largest num_stages x num_replicas of its PipeliningLayers (1 if none)."""
+  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import model_registry
+  from lingvo_gpipe import trainer
+
+  p = model_registry.GetParams(model, dataset)
+  if overrides:
+    p.FromText(overrides)
+  needed = 1
+  for _, lp in trainer.PipelineLayers(p):
+    stages = (
+      len(lp.cell_tpl)
+      or lp.num_stages
+      or (len(lp.devices) // max(1, lp.num_replicas) if lp.devices else 1)
+    )
+    needed = max(needed, stages * max(1, lp.num_replicas))
+  return needed
 
 
 def main(argv=None):
@@ -37,7 +63,8 @@ def main(argv=None):
     '--num_cpu_devices',
     type=int,
     default=None,
-    help='Split the CPU into N devices (as in training).',
+    help='Split the CPU into N devices (as in training); default: as many '
+    "as the model's pipelines need (on a machine without GPUs).",
   )
   parser.add_argument(
     '--model_params_override',
@@ -52,15 +79,22 @@ def main(argv=None):
 
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 
-  if args.num_cpu_devices:
-    cluster.SplitCpu(args.num_cpu_devices)
-  from lingvo_gpipe.runners import evaler  # pylint: disable=g-import-not-at-top
-
   overrides = (
     args.model_params_override.replace(';', '\n')
     if args.model_params_override
     else None
   )
+  num_cpu_devices = args.num_cpu_devices
+  if num_cpu_devices is None and not tf.config.list_physical_devices('GPU'):
+    try:
+      num_cpu_devices = DevicesNeeded(args.model, args.dataset, overrides)
+    except (ValueError, KeyError, AttributeError) as e:
+      print(f'ERROR: {e}', file=sys.stderr)
+      return 1
+  if num_cpu_devices and num_cpu_devices > 1:
+    cluster.SplitCpu(num_cpu_devices)
+  from lingvo_gpipe.runners import evaler  # pylint: disable=g-import-not-at-top
+
   try:
     step, report = evaler.EvaluateBleuCheckpoint(
       args.model,

@@ -3,6 +3,9 @@ r"""Sizes up a registered model without allocating a single weight.
   python tools/inspect_model.py --model=image.amoebanet.AmoebaNetD72x512
   python tools/inspect_model.py --model=image.digits.MlpDigitsTiny \
       --json=/tmp/mlp.json
+  python tools/inspect_model.py --model=image.digits.MlpDigitsTiny \
+      --worker_split_size=3 \
+      --model_params_override='task.network.balance_by : params'
 
 Prints the total number of parameters, the pipeline's cells with their
 parameters, cost (FPropMeta flops per example, or parameters when the
@@ -38,7 +41,7 @@ from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import pipelining_layer
 # pylint: enable=g-import-not-at-top
 
-__all__ = ['FindPipelines', 'Inspect', 'main']
+__all__ = ['ApplyOverrides', 'FindPipelines', 'Inspect', 'main']
 
 
 def FindPipelines(p):
@@ -174,9 +177,43 @@ def _InspectPipeline(key, pp, optimizer):
   }
 
 
-def Inspect(model_key, dataset='Train'):
-  """A dict describing `model_key` (see the module docstring)."""
+def ApplyOverrides(p, overrides=None, worker_split_size=None):
+  """Applies "a.b : value" lines (a list or ";"-separated) and a number of
+  stages K to every flat-`layers` pipeline of model Params `p`, in place, as
+  the trainer's --model_params_override and --worker_split_size do (no
+  devices needed)."""
+  if isinstance(overrides, str):
+    overrides = [overrides]
+  lines = []
+  for chunk in overrides or []:
+    lines.extend(chunk.replace(';', '\n').split('\n'))
+  text = '\n'.join(lines)
+  if text.strip():
+    p.FromText(text)
+  if worker_split_size:
+    for key, pp in FindPipelines(p):
+      if pp.cell_tpl:
+        if len(pp.cell_tpl) != worker_split_size:
+          raise ValueError(
+            f'--worker_split_size={worker_split_size}: the pipeline at '
+            f'{key} has {len(pp.cell_tpl)} fixed cells (cell_tpl); give it '
+            'a flat `layers` list to let the library re-split it.'
+          )
+        continue
+      pp.num_stages = worker_split_size
+      pp.devices = None
+      if isinstance(pp.splits, int) or (
+        pp.splits is not None and len(pp.splits) != worker_split_size
+      ):
+        pp.splits = None
+  return p
+
+
+def Inspect(model_key, dataset='Train', overrides=None, worker_split_size=None):
+  """A dict describing `model_key` (see the module docstring), after
+  `ApplyOverrides(p, overrides, worker_split_size)`."""
   p = model_registry.GetParams(model_key, dataset)
+  ApplyOverrides(p, overrides, worker_split_size)
   optimizer = _Optimizer(p)
   total = _Stats(_Variables(p), optimizer)
   pipelines = [_InspectPipeline(k, pp, optimizer) for k, pp in FindPipelines(p)]
@@ -280,12 +317,36 @@ def main(argv=None):
     default='Train',
     help="Which dataset's model Params (default Train).",
   )
+  parser.add_argument(
+    '--model_params_override',
+    action='append',
+    default=[],
+    help='"a.b.c : value" lines applied to the model Params, as for the '
+    'trainer (repeat the flag or separate lines with ";"), e.g. '
+    '"task.network.balance_by : params".',
+  )
+  parser.add_argument(
+    '--worker_split_size',
+    type=int,
+    default=None,
+    help='Preview the split into this many cells (as the trainer flag).',
+  )
   parser.add_argument('--json', default='', help='Also write the report here.')
   args = parser.parse_args(argv)
+  if args.worker_split_size is not None and args.worker_split_size < 1:
+    parser.error(f'--worker_split_size={args.worker_split_size} must be >= 1.')
   try:
-    info = Inspect(args.model, args.dataset)
+    info = Inspect(
+      args.model,
+      args.dataset,
+      args.model_params_override,
+      args.worker_split_size,
+    )
   except KeyError as e:
     print(f'ERROR: {e.args[0] if e.args else e}', file=sys.stderr)
+    return 1
+  except (AttributeError, ValueError) as e:
+    print(f'ERROR: {e}', file=sys.stderr)
     return 1
   print(Text(info))
   if args.json:

@@ -25,6 +25,10 @@ from tensorflow.python.framework import ops as _ops
 # no XLA kernel, and XLA orders the computation itself.
 from tensorflow.python.ops import control_flow_util as _control_flow_util
 
+# Silences the deprecation notice that TensorFlow's own flop statistics
+# print (they call a TF1 shape helper) every time a new graph is counted.
+from tensorflow.python.util import deprecation as _deprecation
+
 __all__ = [
   'CouldPossiblyRecord',
   'VariableWatcher',
@@ -77,7 +81,8 @@ def OpFlops(graph, node_def):
   Raises ValueError or TypeError where the op has no statistic function or
   its shapes are unknown.
   """
-  return _ops.get_stats_for_node_def(graph, node_def, 'flops').value
+  with _deprecation.silence():
+    return _ops.get_stats_for_node_def(graph, node_def, 'flops').value
 
 
 def RunIndependently(op):

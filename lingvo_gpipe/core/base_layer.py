@@ -456,9 +456,12 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     `args` are shapes (`tf.TensorShape`, lists, `tf.TensorSpec`) or NestedMaps
     of them. Layers override this with a formula; this default builds the
     layer abstractly (no weights) and traces `FProp` into a graph, counting
-    flops with TensorFlow's per-op statistics.
+    flops with TensorFlow's per-op statistics. Deferred updates (batch-norm
+    statistics) of the traced FProp are collected and dropped, not handed to
+    a caller's collector.
     """
-    return meta.TraceFPropMeta(p, *args)
+    with py_utils.UpdateCollector():
+      return meta.TraceFPropMeta(p, *args)
 
   @classmethod
   def AbstractInstance(cls, p):

@@ -44,6 +44,7 @@ __all__ = [
   'WorkerDevices',
   'StageDevices',
   'WaitForAddress',
+  'WaitForWorkers',
   'ParseClusterSpec',
   'ClusterSpecFromTfConfig',
   'UnreachableWorkers',
@@ -278,6 +279,62 @@ def WaitForAddress(address, timeout_s):
       time.sleep(0.1)
 
 
+def WaitForWorkers(spec, timeout_s, skip=None, report_every_s=5.0):
+  """Blocks until every task of `spec` (but `skip`, a (job, index)) accepts
+  TCP connections, logging every `report_every_s` seconds which are still
+  missing; raises TimeoutError naming them after `timeout_s`."""
+  pending = [
+    (job, i, address)
+    for job, addresses in spec.items()
+    for i, address in enumerate(addresses)
+    if (job, i) != skip
+  ]
+  total = len(pending)
+  start = time.time()
+  next_report = start + report_every_s
+  errors = {}
+  while pending:
+    still = []
+    for job, i, address in pending:
+      host, port = address.rsplit(':', 1)
+      try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+          pass
+      except OSError as e:
+        errors[(job, i)] = e
+        still.append((job, i, address))
+    pending = still
+    if not pending:
+      return
+    now = time.time()
+    if now - start > timeout_s:
+      job, i, address = pending[0]
+      others = ''
+      if len(pending) > 1:
+        others = (
+          ' Also unreachable: '
+          + ', '.join(f'{j}:{k} ({a})' for j, k, a in pending[1:])
+          + '.'
+        )
+      raise TimeoutError(
+        f'{job}:{i}: Worker at {address} is not reachable after '
+        f'{timeout_s:.0f} s ({errors[(job, i)]}).{others} Check that its '
+        'tf_server process runs and that the address in the cluster spec is '
+        'right.'
+      )
+    if now >= next_report:
+      logging.info(
+        'Waiting for %d of %d workers (%.0f s of %.0f s): %s',
+        len(pending),
+        total,
+        now - start,
+        timeout_s,
+        ', '.join(f'{j}:{k} ({a})' for j, k, a in pending),
+      )
+      next_report = now + report_every_s
+    time.sleep(0.2)
+
+
 def WorkerDevices(num_tasks, job='worker', device='CPU'):
   return [
     f'/job:{job}/replica:0/task:{i}/device:{device}:0' for i in range(num_tasks)
@@ -458,14 +515,7 @@ def Connect(cluster_spec, job_name=None, task_index=None, timeout_s=30):
     if isinstance(cluster_spec, tf.train.ClusterSpec)
     else dict(cluster_spec)
   )
-  for job, addresses in spec.items():
-    for i, address in enumerate(addresses):
-      if job == job_name and i == task_index:
-        continue
-      try:
-        WaitForAddress(address, timeout_s)
-      except TimeoutError as e:
-        raise TimeoutError(f'{job}:{i}: {e}') from e
+  WaitForWorkers(spec, timeout_s, skip=(job_name, task_index))
   kwargs = {}
   if job_name is not None:
     kwargs = dict(job_name=job_name, task_index=task_index)
@@ -638,7 +688,9 @@ class Cluster:
       return []
     return SilentWorkers(self.spec, timeout_s)
 
-  def Describe(self):
+  def Describe(self, num_stages=None):
+    """One line of the cluster's shape, then its devices. `num_stages`: the
+    stages of the model's pipeline (default: worker_split_size, or 1)."""
     p = self.params
     where = (
       f'remote job {p.worker_job!r} of {self.spec}'
@@ -647,7 +699,7 @@ class Cluster:
     )
     lines = [
       f'Cluster: {where}; {p.worker_replicas} replica(s) x '
-      f'{self.NumStages()} stage(s).'
+      f'{num_stages or self.NumStages()} stage(s).'
     ]
     try:
       devices = self.Devices()

@@ -176,12 +176,34 @@ def GraphFlops(graph):
   return total
 
 
-def TraceFPropMeta(p, *args):
+def _Concrete(spec, size):
+  """`spec` with every unknown dim set to `size` (a rank-unknown spec kept)."""
+  shape = tf.TensorShape(spec.shape)
+  if shape.rank is None:
+    return spec
+  dims = [size if d is None else d for d in shape.as_list()]
+  return tf.TensorSpec(dims, spec.dtype)
+
+
+def _HasUnknownDims(specs):
+  return any(
+    s.shape.rank is not None and None in s.shape.as_list()
+    for s in tf.nest.flatten(specs)
+  )
+
+
+def TraceFPropMeta(p, *args, unknown_dim_size=1):
   """FPropMeta by tracing `FProp` of an abstractly built layer.
+
+  TensorFlow counts no flops for an op whose shapes are not fully known, so
+  an input with unknown dims (e.g. the batch of `[None, 8, 8, 1]`) is traced
+  a second time with those dims set to `unknown_dim_size`: the flops are then
+  those of that many examples, while `out_shapes` keep the unknown dims.
 
   Args:
     p: layer Params.
     *args: input shapes or specs (NestedMaps allowed).
+    unknown_dim_size: the size that unknown dims get for counting flops.
 
   Returns:
     NestedMap(flops, out_shapes): out_shapes is a tuple of the outputs'
@@ -197,13 +219,22 @@ def TraceFPropMeta(p, *args):
   def Fn(theta, *inputs):
     return layer.FProp(theta, *inputs)
 
-  concrete = tf.function(Fn, autograph=False).get_concrete_function(
-    theta_spec, *specs
-  )
+  def Trace(input_specs):
+    return tf.function(Fn, autograph=False).get_concrete_function(
+      theta_spec, *input_specs
+    )
+
+  concrete = Trace(specs)
   outs = concrete.structured_outputs
   if not isinstance(outs, tuple):
     outs = (outs,)
   shapes = tf.nest.map_structure(
     lambda t: tf.TensorShape(t.shape) if t is not None else None, outs
   )
-  return NestedMap(flops=GraphFlops(concrete.graph), out_shapes=tuple(shapes))
+  graph = concrete.graph
+  if _HasUnknownDims(specs):
+    known = tf.nest.map_structure(
+      lambda s: _Concrete(s, unknown_dim_size), specs
+    )
+    graph = Trace(known).graph
+  return NestedMap(flops=GraphFlops(graph), out_shapes=tuple(shapes))

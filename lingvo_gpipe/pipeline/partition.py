@@ -21,6 +21,7 @@ Costs come from one of:
 
 import time
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -40,6 +41,7 @@ __all__ = [
   'PartitionSequentialLayers',
   'MeasureLayerTimes',
   'Report',
+  'BalanceWarnings',
 ]
 
 BALANCE_BY = ('flops', 'params', 'time', 'uniform', 'memory')
@@ -47,6 +49,10 @@ BALANCE_BY = ('flops', 'params', 'time', 'uniform', 'memory')
 # Bytes held per weight byte: the weight, its gradient (accumulator) and
 # Adam's two slots.
 DEFAULT_STATE_COPIES = 4
+
+# A partition whose most expensive cell costs more than this times the mean
+# cell cost is reported (the pipeline runs at the pace of that cell).
+MAX_QUIET_IMBALANCE = 1.5
 
 
 def _Named(p, i):
@@ -289,11 +295,15 @@ def ComputeSplits(
   device=None,
   num_micro_batches=1,
   state_copies=DEFAULT_STATE_COPIES,
+  name=None,
 ):
   """End indices of the cells (Lingvo's convention: last == num layers).
 
   `num_micro_batches` and `state_copies` matter only to
-  balance_by='memory' (see `LayerMemory`).
+  balance_by='memory' (see `LayerMemory`). When the split is balanced by
+  estimated costs, `BalanceWarnings` are logged: layers with weights whose
+  cost estimate is zero, and an imbalance above `MAX_QUIET_IMBALANCE`.
+  `name` (the pipeline's) is named in them.
   """
   n = len(layer_params)
   if not n:
@@ -326,7 +336,74 @@ def ComputeSplits(
     )
     return balance.MemorySplits(layer_bytes, input_bytes, num_stages)
   costs = LayerCosts(layer_params, balance_by, input_shapes, device)
-  return balance.BalancedSplits(costs, num_stages)
+  splits = balance.BalancedSplits(costs, num_stages)
+  if balance_by != 'uniform':
+    for warning in BalanceWarnings(
+      layer_params, costs, splits, balance_by, name
+    ):
+      logging.warning('%s', warning)
+  return splits
+
+
+def _ShortNames(names):
+  if len(names) <= 3:
+    return ', '.join(names)
+  return f'{names[0]} .. {names[-1]} ({len(names)} layers)'
+
+
+def BalanceWarnings(layer_params, costs, splits, balance_by, name=None):
+  """What is suspect about a partition balanced by estimated costs.
+
+  Args:
+    layer_params: the layers' Params.
+    costs: their costs, as `LayerCosts(layer_params, balance_by, ...)`.
+    splits: the cells' end indices.
+    balance_by: how `costs` were estimated (named in the warnings).
+    name: the pipeline's name, or None.
+
+  Returns:
+    A list of one-paragraph warnings (empty if nothing is suspect):
+    layers with weights whose cost is zero (their cost is unknown, e.g. a
+    custom layer whose ops TensorFlow counts no flops for), and a largest
+    cell that costs more than `MAX_QUIET_IMBALANCE` times the mean.
+  """
+  who = f'Pipeline {name!r}' if name else 'Pipeline'
+  fix = (
+    'give these layers an FPropMeta (see docs/add_a_model.md), balance by '
+    "'time' (measured) or 'params', or set `splits` explicitly"
+  )
+  out = []
+  names = [_Named(p, i).name for i, p in enumerate(layer_params)]
+  if balance_by in ('flops', 'time'):
+    unknown = [
+      f'{names[i]} ({layer_params[i].cls.__name__})'
+      for i, c in enumerate(costs)
+      if c == 0 and base_layer.CountParams(_Named(layer_params[i], i)) > 0
+    ]
+    if unknown:
+      out.append(
+        f'{who} balanced by {balance_by!r}: the estimated cost of '
+        f'{", ".join(unknown)} is 0 although they have weights, so their '
+        f'cost is unknown and the cells may be unbalanced; {fix}.'
+      )
+  if len(splits) > 1:
+    report = balance.MakeReport(costs, splits, names=names)
+    if report.imbalance > MAX_QUIET_IMBALANCE:
+      cells = '; '.join(
+        f'cell {c.index}: {_ShortNames(c.names)} {100 * c.share:.0f}%'
+        for c in report.cells
+      )
+      bound = (
+        ' (a single layer costs that much: split it finer)'
+        if report.ideal_max_cost / report.mean_cost > MAX_QUIET_IMBALANCE
+        else ''
+      )
+      out.append(
+        f'{who} balanced by {balance_by!r} is unbalanced: its largest cell '
+        f'costs {report.imbalance:.2f}x the mean{bound} ({cells}). If the '
+        f'estimates are wrong, {fix}.'
+      )
+  return out
 
 
 def PartitionSequentialLayers(params, num_partitions, *shapes):

@@ -287,6 +287,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._jit_cells = jit_cell.JitCells(
         self._CellFProp, self.CellLayers, self.path
       )
+    self._input_checked = False
 
   # -- Construction helpers ----------------------------------------------------
 
@@ -379,6 +380,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       device=(p.devices or [None])[0],
       num_micro_batches=num_micro_batches,
       state_copies=p.memory_state_copies,
+      name=self.path,
     )
 
   def _SetDevices(self, num_stages):
@@ -395,30 +397,103 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _DeviceList(self):
     return list(self._devices) if self._devices else None
 
-  def _CheckCellShapes(self, cells):
-    """Feeds `input_shapes` through the cells' FPropMeta, naming bad cells."""
-    shapes = self.params.input_shapes
+  def _CheckCellShapes(self, cells, shapes=None, source=None):
+    """Feeds input shapes through the layers' FPropMeta, cell by cell.
+
+    Args:
+      cells: per cell, the list of its layers' Params.
+      shapes: the pipeline's input shapes; None: `input_shapes` (nothing to
+        check if that is None too).
+      source: where `shapes` come from, for the message.
+
+    Raises:
+      ValueError: naming the pipeline, the cell and the layer that cannot
+        take its input, and what it gets.
+    """
     if shapes is None:
-      return
+      shapes = self.params.input_shapes
+      source = 'input_shapes'
+      if shapes is None:
+        return
     shapes = tuple(meta.ToShape(s) for s in shapes)
     for k, cell in enumerate(cells):
-      names = ', '.join(c.name for c in cell)
-      try:
-        metas = sequential.LayerMetas(cell, *shapes)
-      except ValueError as e:
-        if k == 0:
+      for j, lp in enumerate(cell):
+        try:
+          m = lp.cls.FPropMeta(lp, *shapes)
+        except (ValueError, TypeError) as e:
           raise ValueError(
-            f'Pipeline cell 0 ({names}) cannot take the pipeline input: {e}'
+            self._ShapeError(cells, k, j, shapes, source, e)
           ) from e
-        prev = ', '.join(c.name for c in cells[k - 1])
-        raise ValueError(
-          f'Pipeline cell {k} ({names}) cannot take the output of cell '
-          f'{k - 1} ({prev}), of shapes '
-          f'{sequential.FormatShapes(shapes)}: {e}. Make '
-          f'the first layer of cell {k} accept what the last layer of cell '
-          f'{k - 1} returns.'
-        ) from e
-      shapes = tuple(metas[-1][2])
+        shapes = py_utils.AsTuple(m.out_shapes)
+
+  def _ShapeError(self, cells, k, j, shapes, source, error):
+    """The message of `_CheckCellShapes` for layer j of cell k."""
+
+    def Names(cell):
+      return ', '.join(c.name for c in cell)
+
+    lp = cells[k][j]
+    layer = f'{lp.name} ({lp.cls.__name__})'
+    reason = str(error).strip().rstrip('.')
+    got = tf.nest.map_structure(
+      lambda s: s.shape.as_list() if s.shape.rank is not None else '?',
+      [meta.ToSpec(x) for x in shapes],
+    )
+    got = got[0] if len(got) == 1 else got
+    head = f'Pipeline {self.path!r} cell {k} ({Names(cells[k])})'
+    if j == 0 and k == 0:
+      return (
+        f'{head} cannot take the pipeline input, of shapes {got} '
+        f'({source}): its first layer {layer} says: {reason}. Make '
+        f'{lp.name} accept the input'
+        + (', or fix input_shapes.' if source == 'input_shapes' else '.')
+      )
+    if j == 0:
+      last = cells[k - 1][-1].name
+      return (
+        f'{head} cannot take the output of cell {k - 1} '
+        f'({Names(cells[k - 1])}), of shapes {got}: its first layer '
+        f'{layer} says: {reason}. Make {lp.name} accept what {last}, the '
+        f'last layer of cell {k - 1}, returns.'
+      )
+    prev = cells[k][j - 1].name
+    return (
+      f'{head}: layer {layer} cannot take the output of {prev}, of shapes '
+      f'{got}: {reason}. Make {lp.name} accept what {prev} returns.'
+    )
+
+  def _CellParams(self):
+    """Per cell, the list of its layers' Params."""
+    if self._ranges is None:
+      return [[c.params] for c in self.cell]
+    return [[lyr.params for lyr in self.body[a:b]] for a, b in self._ranges]
+
+  def _CheckFirstInput(self, args):
+    """Without `input_shapes`, checks the cells on the first input's shapes
+    (once), so that a mismatch names its cell and layer."""
+    if self._input_checked or self.params.input_shapes is not None:
+      return
+    self._input_checked = True
+    # Floating tensors as TensorShapes (what FPropMeta formulas expect),
+    # others as TensorSpecs (token ids stay ints).
+    shapes = tf.nest.map_structure(
+      lambda t: (
+        tf.TensorShape(t.shape)
+        if t.dtype.is_floating
+        else tf.TensorSpec(t.shape, t.dtype)
+      ),
+      list(args),
+    )
+    with tf.init_scope():
+      self._CheckCellShapes(self._CellParams(), shapes, 'the first batch')
+
+  def CheckBatch(self, batch_size):
+    """Raises a ValueError naming this pipeline unless its R and M (or
+    micro_batch_size) divide `batch_size`; returns (R, M)."""
+    try:
+      return self._NumSplits(batch_size)
+    except ValueError as e:
+      raise ValueError(f'Pipeline {self.path!r}: {e}') from e
 
   # -- Introspection -----------------------------------------------------------
 
@@ -571,6 +646,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       The last cell's outputs for the whole mini-batch.
     """
     p = self.params
+    self._CheckFirstInput(args)
     batch = microbatch.BatchSize(args, p.batch_dim)
     if self.do_eval:
       try:
@@ -580,7 +656,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       if batch is None:
         num_rep, num_mb = 1, 1
     else:
-      num_rep, num_mb = self._NumSplits(batch)
+      num_rep, num_mb = self.CheckBatch(batch)
     thetas = [[None] * self.num_stages for _ in range(num_rep)]
     for k in range(self.num_stages):
       with self._Device(k):

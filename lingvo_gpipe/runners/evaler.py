@@ -26,6 +26,7 @@ the outputs of each checkpoint to `<logdir>/decoder_<dataset>/`.
 import io
 import json
 import os
+import socket
 import time
 
 from absl import logging
@@ -39,6 +40,9 @@ from lingvo_gpipe.runners import checkpointer as ckpt_lib
 from lingvo_gpipe.runners import train_loop
 
 __all__ = [
+  'TRAINER_STATE_FILE',
+  'TrainerRunning',
+  'WriteTrainerState',
   'Evaler',
   'Decoder',
   'EvalDir',
@@ -48,6 +52,47 @@ __all__ = [
 ]
 
 RESULTS_FILE = 'metrics.jsonl'
+
+# Written by the trainer into its train directory: whether it runs (and its
+# process), so that a standalone evaler knows when no checkpoint will come.
+TRAINER_STATE_FILE = 'trainer_state.json'
+
+
+def WriteTrainerState(train_dir, running, step=None):
+  """Records in `<train_dir>/trainer_state.json` that the trainer of this
+  process runs (`running`) or has stopped (at `step`)."""
+  state = {
+    'running': bool(running),
+    'pid': os.getpid(),
+    'host': socket.gethostname(),
+    'step': step,
+    'wall_time': time.time(),
+  }
+  tf.io.gfile.makedirs(train_dir)
+  with tf.io.gfile.GFile(os.path.join(train_dir, TRAINER_STATE_FILE), 'w') as f:
+    f.write(json.dumps(state, sort_keys=True) + '\n')
+
+
+def TrainerRunning(train_dir):
+  """Whether a trainer still writes checkpoints to `train_dir`: its state
+  file says it runs and, on this host, its process is alive. False without
+  a state file (a logdir whose trainer is gone, or copied)."""
+  path = os.path.join(train_dir, TRAINER_STATE_FILE)
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      state = json.loads(f.read())
+  except (tf.errors.NotFoundError, ValueError):
+    return False
+  if not state.get('running'):
+    return False
+  if state.get('host') == socket.gethostname() and state.get('pid'):
+    try:
+      os.kill(int(state['pid']), 0)
+    except ProcessLookupError:
+      return False  # Killed without writing its state.
+    except PermissionError:
+      pass
+  return True
 
 
 def EvalDir(logdir, dataset, kind='eval'):
@@ -89,6 +134,7 @@ class Evaler:
     train_dir=None,
     model=None,
     max_batches=None,
+    until_trainer_exits=False,
   ):
     """Constructor.
 
@@ -106,6 +152,9 @@ class Evaler:
       model: an already built model (default: built from `params`).
       max_batches: stop a pass after this many batches (the input must
         otherwise be finite: num_epochs=1).
+      until_trainer_exits: `Run` also returns once the trainer has exited
+        (`TrainerRunning` is False) and its last checkpoint is evaluated,
+        e.g. after training to fewer steps than max_steps.
     """
     self._params = params
     self._dataset = dataset.lower()
@@ -117,6 +166,7 @@ class Evaler:
     self._interval = float(interval_seconds)
     self._timeout = float(timeout_seconds or 0)
     self._max_batches = max_batches
+    self._until_trainer_exits = until_trainer_exits
     self._model = model if model is not None else params.Instantiate()
     self._task = self._model.GetTask()
     input_p = self._task.input_generator.params
@@ -279,9 +329,23 @@ class Evaler:
           continue
         last_new = time.time()
       if step is not None and self._max_steps and step >= self._max_steps:
-        return records
+        return self._Done(records)
       if stopping:
-        return records
+        return self._Done(records)
+      if (
+        self._until_trainer_exits
+        and step in self._done
+        and not TrainerRunning(self._train_dir)
+        and ckpt_lib.LatestCheckpoint(self._train_dir) == prefix
+      ):
+        logging.info(
+          '%s %s: the trainer has exited and its last checkpoint (step %d) '
+          'is evaluated; exiting.',
+          self.KIND.capitalize(),
+          self._dataset,
+          step,
+        )
+        return self._Done(records)
       if self._timeout and time.time() - last_new > self._timeout:
         logging.warning(
           '%s %s: no new checkpoint in %s for %.0f s; exiting.',
@@ -290,8 +354,28 @@ class Evaler:
           self._train_dir,
           self._timeout,
         )
-        return records
+        return self._Done(records)
       self._Wait(stop)
+
+  def _Done(self, records):
+    """`records`; when this run evaluated nothing, logs the latest results
+    already recorded (a restarted evaler has something to show)."""
+    if not records:
+      done = [r for r in ReadResults(self._eval_dir) if 'metrics' in r]
+      if done:
+        last = max(done, key=lambda r: r['step'])
+        shown = '  '.join(
+          f'{k} {v:.6g}' for k, v in sorted(last['metrics'].items())
+        )
+        logging.info(
+          '%s %s at step %d (evaluated before, %s): %s',
+          self.KIND.capitalize(),
+          self._dataset,
+          last['step'],
+          os.path.join(self._eval_dir, RESULTS_FILE),
+          shown,
+        )
+    return records
 
 
 class Decoder(Evaler):

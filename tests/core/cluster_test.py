@@ -1,7 +1,9 @@
 """The cluster module: specs, TF_CONFIG, devices of stages and replicas."""
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -164,3 +166,27 @@ def testLocalWorkersDieWithTheProcessThatStartedThem():
   else:
     os.kill(pid, 9)
     raise AssertionError(f'worker {pid} outlived the process that started it')
+
+
+def testWaitForWorkersNamesTheMissingOnesAndReportsProgress(caplog):
+  ports = cluster.FreePorts(2)
+  spec = {'worker': [f'127.0.0.1:{p}' for p in ports]}
+  with caplog.at_level(logging.INFO):
+    with pytest.raises(TimeoutError) as e:
+      cluster.WaitForWorkers(spec, timeout_s=1.0, report_every_s=0.3)
+  assert str(e.value).startswith(
+    f'worker:0: Worker at 127.0.0.1:{ports[0]} is not reachable after 1 s'
+  )
+  assert f'Also unreachable: worker:1 (127.0.0.1:{ports[1]})' in str(e.value)
+  text = '\n'.join(r.getMessage() for r in caplog.records)
+  assert 'Waiting for 2 of 2 workers' in text
+  # A listening worker, and the skipped one, are not waited for.
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    s.listen()
+    port = s.getsockname()[1]
+    cluster.WaitForWorkers(
+      {'worker': [f'127.0.0.1:{port}', f'127.0.0.1:{ports[1]}']},
+      timeout_s=1.0,
+      skip=('worker', 1),
+    )

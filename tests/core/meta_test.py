@@ -180,6 +180,20 @@ def testTraceFPropMetaWithoutNameAndPartialShapes():
   assert out.out_shapes[0].y.as_list() == [None, 3]
 
 
+def testTraceFPropMetaCountsFlopsOfAnUnknownBatch():
+  # A batch of None, as in `input_shapes=[[None, 8, 8, 1]]`: the flops are
+  # those of one example (TensorFlow counts none for unknown shapes), the
+  # output shapes keep the unknown batch.
+  p = _MapLayer.Params().Set(input_dim=4, output_dim=3)
+  out = meta.TraceFPropMeta(p, NestedMap(x=[None, 4], paddings=[None]))
+  assert out.flops == 2 * 1 * 4 * 3
+  assert out.out_shapes[0].y.as_list() == [None, 3]
+  out = meta.TraceFPropMeta(
+    p, NestedMap(x=[None, 4], paddings=[None]), unknown_dim_size=8
+  )
+  assert out.flops == 2 * 8 * 4 * 3
+
+
 def testTraceFPropMetaMultipleOutputsNoWeights():
   out = meta.TraceFPropMeta(_TwoOutputs.Params(), [2, 3], tf.TensorSpec([3, 5]))
   assert out.out_shapes == (tf.TensorShape([2, 5]), tf.TensorShape([2]))

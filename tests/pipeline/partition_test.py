@@ -1,10 +1,15 @@
 """Unit tests for lingvo_gpipe.pipeline.partition on tiny projections."""
 
+import logging
+
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import linears
+from lingvo_gpipe.layers import reshape
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import partition
@@ -162,3 +167,76 @@ def testPipeliningLayerBalancesByMemory():
   assert layer.splits == [2, 4]
   out = layer(tf.ones([64, 4]))
   assert out.shape.as_list() == [64, 32]
+
+
+class _ResMlp(base_layer.BaseLayer):
+  """x + relu(x w1) w2, without an FPropMeta of its own (traced)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 64, 'Input and output width.')
+    p.Define('einsum', False, 'Use tf.einsum, whose flops TF does not count.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    d = self.params.dim
+    self.CreateVariable('w1', py_utils.WeightParams([d, 4 * d]))
+    self.CreateVariable('w2', py_utils.WeightParams([4 * d, d]))
+
+  def FProp(self, theta, x):
+    if self.params.einsum:
+      # No elementwise op either: TensorFlow counts no flop at all.
+      h = tf.einsum('bi,ij->bj', x, theta.w1)
+      return tf.einsum('bj,ji->bi', h, theta.w2)
+    return x + tf.matmul(tf.nn.relu(tf.matmul(x, theta.w1)), theta.w2)
+
+
+def _ResMlpDigits(**kwargs):
+  return [reshape.FlattenLayer.Params().Set(name='flatten')] + [
+    _ResMlp.Params().Set(name=f'res{i}', **kwargs) for i in range(2)
+  ]
+
+
+def testCustomLayerWithUnknownBatchIsCountedAndBalanced(caplog):
+  # The batch of the input shapes is unknown, as in params/image/digits.py.
+  layers = _ResMlpDigits()
+  costs = partition.LayerCosts(layers, 'flops', [[None, 8, 8, 1]])
+  assert costs[0] == 0 and costs[1] > 0 and costs[1] == costs[2]
+  with caplog.at_level(logging.WARNING):
+    splits = partition.ComputeSplits(
+      layers, 2, None, 'flops', [[None, 8, 8, 1]], name='net'
+    )
+  assert splits == [2, 3]
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def testZeroCostLayersWithWeightsAreWarnedAbout(caplog):
+  layers = _ResMlpDigits(einsum=True)
+  with caplog.at_level(logging.WARNING):
+    splits = partition.ComputeSplits(
+      layers, 2, None, 'flops', [[None, 8, 8, 1]], name='net'
+    )
+  assert splits == [2, 3]  # All costs 0: uniform.
+  text = '\n'.join(r.getMessage() for r in caplog.records)
+  assert "Pipeline 'net' balanced by 'flops'" in text
+  assert 'res0 (_ResMlp), res1 (_ResMlp) is 0 although they have weights' in (
+    text
+  )
+  assert 'FPropMeta' in text and "'time'" in text
+
+
+def testImbalanceIsWarnedAbout():
+  layers = [_Proj(4, 256, name='big'), _Proj(256, 4, name='big2')] + [
+    _Proj(4, 4, name=f's{i}') for i in range(2)
+  ]
+  costs = partition.LayerCosts(layers, 'params')
+  warnings = partition.BalanceWarnings(
+    layers, costs, [2, 4], 'params', name='net'
+  )
+  assert len(warnings) == 1
+  assert "Pipeline 'net' balanced by 'params' is unbalanced" in warnings[0]
+  assert 'costs 1.97x the mean' in warnings[0]
+  assert 'cell 0: big, big2 98%; cell 1: s0, s1 2%' in warnings[0]
+  assert partition.BalanceWarnings(layers, costs, [1, 4], 'params') == []

@@ -311,8 +311,10 @@ def testBadInputErrors():
   bad[2] = Dense.Params().Set(name='fc_2', input_dim=5, output_dim=6)
   with pytest.raises(
     ValueError,
-    match=r'cell 1 \(fc_2, fc_3\) cannot take '
-    r'the output of cell 0 \(fc_0, fc_1\)',
+    match=r"Pipeline 'p' cell 1 \(fc_2, fc_3\) cannot take "
+    r'the output of cell 0 \(fc_0, fc_1\), of shapes \[8, 6\]: its first '
+    r'layer fc_2 \(Dense\) says: .*\. Make fc_2 accept what fc_1, the last '
+    r'layer of cell 0, returns\.$',
   ):
     P().Set(
       name='p',
@@ -321,6 +323,68 @@ def testBadInputErrors():
       devices=DEVICES[:2],
       input_shapes=[[8, 6]],
     ).Instantiate()
+
+
+def testShapeErrorsNameTheCellAndLayer():
+  P = pipelining_layer.PipeliningLayer.Params
+  bad = DenseLayers(4)
+  bad[0] = Dense.Params().Set(name='fc_0', input_dim=5, output_dim=6)
+  with pytest.raises(ValueError) as e:
+    P().Set(
+      name='p', layers=bad, splits=[2, 4], input_shapes=[[8, 6]]
+    ).Instantiate()
+  assert str(e.value).startswith(
+    "Pipeline 'p' cell 0 (fc_0, fc_1) cannot take the pipeline input, of "
+    'shapes [8, 6] (input_shapes): its first layer fc_0 (Dense) says: '
+  )
+  assert '..' not in str(e.value)
+  bad = DenseLayers(4)
+  bad[3] = Dense.Params().Set(name='fc_3', input_dim=5, output_dim=6)
+  with pytest.raises(ValueError) as e:
+    P().Set(
+      name='p', layers=bad, splits=[2, 4], input_shapes=[[8, 6]]
+    ).Instantiate()
+  assert str(e.value).startswith(
+    "Pipeline 'p' cell 1 (fc_2, fc_3): layer fc_3 (Dense) cannot take the "
+    'output of fc_2, of shapes [8, 6]: '
+  )
+
+
+def testWithoutInputShapesTheFirstBatchIsChecked():
+  P = pipelining_layer.PipeliningLayer.Params
+  bad = DenseLayers(4)
+  bad[2] = Dense.Params().Set(name='fc_2', input_dim=5, output_dim=6)
+  pipe = P().Set(name='p', layers=bad, splits=[2, 4]).Instantiate()
+
+  @tf.function
+  def Step(x):
+    return pipe(x)
+
+  with pytest.raises(
+    ValueError,
+    match=r"Pipeline 'p' cell 1 \(fc_2, fc_3\) cannot take the output of "
+    r'cell 0 \(fc_0, fc_1\), of shapes \[3, 6\]: .* Make fc_2 accept',
+  ):
+    Step(tf.ones([3, 6]))
+  # Eagerly too, and a good pipeline passes the check.
+  with pytest.raises(ValueError, match=r"Pipeline 'p' cell 1"):
+    P().Set(name='p', layers=bad, splits=[2, 4]).Instantiate()(tf.ones([3, 6]))
+  good = P().Set(name='p', layers=DenseLayers(4), splits=[2, 4]).Instantiate()
+  assert good(tf.ones([3, 6])).shape == [3, 6]
+
+
+def testCheckBatchNamesThePipeline():
+  P = pipelining_layer.PipeliningLayer.Params
+  pipe = (
+    P()
+    .Set(name='p', layers=DenseLayers(2), num_stages=2, num_micro_batches=3)
+    .Instantiate()
+  )
+  assert pipe.CheckBatch(6) == (1, 3)
+  with pytest.raises(
+    ValueError, match=r"Pipeline 'p': num_micro_batches=3 does not divide"
+  ):
+    pipe.CheckBatch(8)
 
 
 def testEvalRunsBatchesThatMDoesNotDivide(reference):

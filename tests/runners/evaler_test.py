@@ -1,6 +1,10 @@
 """Tests of the evaler job, in process, on the tiny digits model."""
 
+import json
+import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,3 +142,46 @@ def testDecoderSavesPredictions(logdir, tmp_path):
   with np.load(record['decoder_out']) as out:
     assert out['logits'].shape == (180, 10)  # Padding left out.
     assert out['label'].shape == (180,)
+
+
+def testStandaloneEvalerEndsOnceTheTrainerHasExited(logdir, tmp_path, caplog):
+  train_dir = tmp_path / 'train'
+  model = model_registry.GetParams(MODEL, 'Train').Instantiate()
+  checkpointer.Checkpointer(str(train_dir), model.VariablesByName()).Save(2)
+
+  def Evaler(**kwargs):
+    return evaler.Evaler(
+      _Dev(max_steps=100),
+      str(tmp_path),
+      interval_seconds=0.05,
+      until_trainer_exits=True,
+      **kwargs,
+    )
+
+  # A running trainer (this process): it waits (here until the timeout).
+  evaler.WriteTrainerState(str(train_dir), running=True)
+  assert evaler.TrainerRunning(str(train_dir))
+  start = time.time()
+  assert [r['step'] for r in Evaler(timeout_seconds=0.5).Run()] == [2]
+  assert time.time() - start >= 0.5
+  # The trainer has stopped at step 2, short of max_steps=100: it ends.
+  evaler.WriteTrainerState(str(train_dir), running=False, step=2)
+  assert not evaler.TrainerRunning(str(train_dir))
+  with caplog.at_level(logging.INFO):
+    assert Evaler().Run() == []
+  # Already evaluated: it shows the latest results it has.
+  text = '\n'.join(r.getMessage() for r in caplog.records)
+  assert 'Eval dev at step 2 (evaluated before' in text
+  assert 'accuracy ' in text
+
+
+def testTrainerRunningIsFalseForADeadProcess(tmp_path):
+  proc = subprocess.Popen([sys.executable, '-c', 'pass'])
+  proc.wait()
+  evaler.WriteTrainerState(str(tmp_path), running=True)
+  path = tmp_path / evaler.TRAINER_STATE_FILE
+  state = json.loads(path.read_text())
+  state['pid'] = proc.pid
+  path.write_text(json.dumps(state))
+  assert not evaler.TrainerRunning(str(tmp_path))
+  assert not evaler.TrainerRunning(str(tmp_path / 'nothing'))

@@ -103,3 +103,32 @@ def testUnknownModel(capsys):
 def testFindPipelines(key):
   found = inspect_model.FindPipelines(model_registry.GetParams(key, 'Train'))
   assert [k for k, _ in found] == ['task.network']
+
+
+def testOverridesAndWorkerSplitSize(tmp_path, capsys):
+  out = tmp_path / 'out.json'
+  assert (
+    inspect_model.main(
+      [
+        '--model=image.digits.MlpDigitsTiny',
+        '--worker_split_size=3',
+        '--model_params_override=task.network.balance_by : params',
+        f'--json={out}',
+      ]
+    )
+    == 0
+  )
+  info = json.loads(out.read_text())
+  assert info['num_stages'] == 3 and info['balance_by'] == 'params'
+  assert [c['layers'] for c in info['cells']] == [['flatten'], ['fc0'], ['fc1']]
+  capsys.readouterr()
+  assert (
+    inspect_model.main(
+      [
+        '--model=image.digits.MlpDigitsTiny',
+        '--model_params_override=task.network.balance_bi : params',
+      ]
+    )
+    == 1
+  )
+  assert 'task.network.balance_bi' in capsys.readouterr().err
