@@ -177,7 +177,9 @@ class PipelineEngine:
       return m != num_micro_batches - 1
     return False
 
-  def Forward(self, thetas, args, num_mb, seed, train=False):
+  def Forward(
+    self, thetas, args, num_mb, seed, train=False, last_on_device=None
+  ):
     """The forward schedule of every replica.
 
     Args:
@@ -187,6 +189,8 @@ class PipelineEngine:
       seed: the step seed; micro-batch j runs with MixSeed(seed, j), so R
         replicas of M micro-batches compute what one pipeline of R*M does.
       train: keep gradient tapes for the cells that are not recomputed.
+      last_on_device: optional dict, filled with each device's last output
+        (what `Backward`'s first item on the device waits for).
 
     Returns:
       (outputs, updates, saved contexts keyed by (cell, micro-batch)).
@@ -197,14 +201,24 @@ class PipelineEngine:
     states = self._SplitInputs(args, num_rep, num_mb)
     tracer = schedule_lib.ActiveTracer()
     saved, updates = {}, []
-    last_on_device = {}
+    if last_on_device is None:
+      last_on_device = {}
     for w in work:
       for r in range(num_rep):
         j = r * num_mb + w.micro_batch
         y, upd, _ = self._ForwardItem(
-          w, r, j, thetas, states, num_mb, seed, train, tracer,
-          last_on_device, saved,
-        )  # fmt: skip
+          w,
+          r,
+          j,
+          thetas,
+          states,
+          num_mb,
+          seed,
+          train,
+          tracer,
+          last_on_device,
+          saved,
+        )
         updates.extend(upd)
         states[j] = y
     with self._Device(num_cells - 1):
@@ -228,9 +242,20 @@ class PipelineEngine:
     return states
 
   def _ForwardItem(
-    self, w, r, j, thetas, states, num_mb, seed, train, tracer,
-    last_on_device, saved, finish=None,
-  ):  # fmt: skip
+    self,
+    w,
+    r,
+    j,
+    thetas,
+    states,
+    num_mb,
+    seed,
+    train,
+    tracer,
+    last_on_device,
+    saved,
+    finish=None,
+  ):
     """Builds the forward of work item `w` on replica r (micro-batch j).
 
     Saves what the backward needs in saved[(cell, j)]; returns (outputs,
@@ -282,8 +307,14 @@ class PipelineEngine:
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
+      last_on_device = {}
       outs, updates, saved = self.Forward(
-        thetas, args, num_mb, seed, train=keep_tapes
+        thetas,
+        args,
+        num_mb,
+        seed,
+        train=keep_tapes,
+        last_on_device=last_on_device,
       )
     self._CheckNoDirectReads(watcher)
     flat_out = tf.nest.flatten(outs)
@@ -296,7 +327,9 @@ class PipelineEngine:
     if keep_tapes:
 
       def Backward(*dys):
-        return self.Backward(thetas, args, outs, saved, dys, num_mb)
+        return self.Backward(
+          thetas, args, outs, saved, dys, num_mb, after=last_on_device
+        )
 
       _tf_internal.RecordOperation(
         'GPipe', results, inputs + flat_thetas, Backward
@@ -357,17 +390,34 @@ class PipelineEngine:
             with self._Device(w.cell, r):
               grads_state[j] = (tf.ones_like(losses[j]),)
           self._BackwardItem(
-            w, r, j, thetas, saved, grads_state, theta_acc, tracer,
+            w,
+            r,
+            j,
+            thetas,
+            saved,
+            grads_state,
+            theta_acc,
+            tracer,
             last_on_device,
-          )  # fmt: skip
+          )
           continue
         finish = None
         if w.cell == num_cells - 1:
           finish = self._LossOf(j, loss_fn)
         y, upd, raw = self._ForwardItem(
-          w, r, j, thetas, states, num_mb, seed, train, tracer,
-          last_on_device, saved, finish=finish,
-        )  # fmt: skip
+          w,
+          r,
+          j,
+          thetas,
+          states,
+          num_mb,
+          seed,
+          train,
+          tracer,
+          last_on_device,
+          saved,
+          finish=finish,
+        )
         updates.extend(upd)
         states[j] = y
         if finish is not None:
@@ -437,8 +487,12 @@ class PipelineEngine:
       )
     return result, outs
 
-  def Backward(self, thetas, inputs, outs, saved, dys, num_mb):
-    """The backward schedule; returns grads of (input tensors, thetas[0])."""
+  def Backward(self, thetas, inputs, outs, saved, dys, num_mb, after=None):
+    """The backward schedule; returns grads of (input tensors, thetas[0]).
+
+    `after`: {device: its last forward output}; with strict_order each
+    device's first backward item waits for it.
+    """
     num_cells = self._num_cells
     num_rep = len(thetas)
     work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
@@ -461,20 +515,35 @@ class PipelineEngine:
       [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
       for r in range(num_rep)
     ]
-    last_on_device = {}
+    last_on_device = dict(after or {})
     for w in work:
       for r in range(num_rep):
         j = r * num_mb + w.micro_batch
         self._BackwardItem(
-          w, r, j, thetas, saved, grads_state, theta_acc, tracer,
+          w,
+          r,
+          j,
+          thetas,
+          saved,
+          grads_state,
+          theta_acc,
+          tracer,
           last_on_device,
-        )  # fmt: skip
+        )
     return self._JoinGradients(thetas, inputs, grads_state, theta_acc, num_mb)
 
   def _BackwardItem(
-    self, w, r, j, thetas, saved, grads_state, theta_acc, tracer,
+    self,
+    w,
+    r,
+    j,
+    thetas,
+    saved,
+    grads_state,
+    theta_acc,
+    tracer,
     last_on_device,
-  ):  # fmt: skip
+  ):
     """Builds the backward of work item `w` on replica r (micro-batch j)."""
     k = w.cell
     key = self._DeviceKey(k, r)

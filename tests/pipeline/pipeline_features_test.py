@@ -2,7 +2,7 @@
 
 Deterministic re-materialization of random ops, weights shared across cells,
 batch norm statistics per micro-batch with moving averages over the whole
-mini-batch, partitioning by every cost source.
+mini-batch (each for every schedule), partitioning by every cost source.
 """
 
 import numpy as np
@@ -17,7 +17,18 @@ from lingvo_gpipe.pipeline import pipelining_layer
 from tests.pipeline import pipelining_layer_test as plt
 
 DEVICES = plt.DEVICES
+SCHEDULES = plt.SCHEDULES
 PipeliningLayer = pipelining_layer.PipeliningLayer
+
+
+def Run(pipe, x, loss_fn):
+  """(outputs, loss) of `pipe` on x: FProp then loss_fn for 'gpipe', the
+  loss on the last cell (FPropWithLoss) for the other schedules."""
+  if plt.UsesLoss(pipe):
+    loss, y = pipe.FPropWithLoss(pipe.theta, x, loss_fn=loss_fn)
+    return y, loss
+  y = pipe(x)
+  return y, loss_fn(y)
 
 
 class RandomScale(base_layer.BaseLayer):
@@ -29,19 +40,21 @@ class RandomScale(base_layer.BaseLayer):
     return x * u
 
 
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('policy', ['always', 'never'])
-def testRecomputeDrawsTheForwardRandomValues(policy):
+def testRecomputeDrawsTheForwardRandomValues(policy, schedule):
   """d(sum(y))/dx = u: equal to y / x only if the recompute redraws u."""
-  layers = [RandomScale.Params().Set(name=f'r{i}') for i in range(2)]
+  layers = [RandomScale.Params().Set(name=f'r{i}') for i in range(4)]
   pipe = (
     PipeliningLayer.Params()
     .Set(
       name='pipe',
       layers=layers,
-      num_stages=2,
+      num_stages=4,
       num_micro_batches=4,
-      devices=DEVICES[:2],
+      devices=plt.Devices(schedule, 4),
       recompute=policy,
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -52,8 +65,7 @@ def testRecomputeDrawsTheForwardRandomValues(policy):
     with py_utils.StepSeed(step):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        y = pipe(x)
-        total = tf.reduce_sum(y)
+        y, total = Run(pipe, x, tf.reduce_sum)
       return y, tape.gradient(total, x)
 
   y, dx = Step(x, tf.constant(7, tf.int64))
@@ -97,7 +109,8 @@ def _TiedLayers():
   return layers
 
 
-def testWeightsSharedAcrossCells():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testWeightsSharedAcrossCells(schedule):
   """First and last cell use one variable; gradients from both are summed."""
   x, w = plt._Inputs()
   ref = plt.Stack.Params().Set(name='pipe', layers=_TiedLayers()).Instantiate()
@@ -108,7 +121,8 @@ def testWeightsSharedAcrossCells():
       layers=_TiedLayers(),
       num_stages=4,
       num_micro_batches=4,
-      devices=DEVICES,
+      devices=plt.Devices(schedule, 4),
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -312,7 +326,8 @@ def NormLayers(dim):
   ]
 
 
-def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages(schedule):
   num_mb, batch, dim = 4, 16, 6
   layers = NormLayers(dim)
   pipe = (
@@ -322,8 +337,9 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
       layers=layers,
       num_stages=2,
       num_micro_batches=num_mb,
-      devices=DEVICES[:2],
+      devices=plt.Devices(schedule, 2),
       splits=[2, 3],
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -334,8 +350,7 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   def Train(x):
     with py_utils.UpdateCollector() as updates:
       with tf.GradientTape() as tape:
-        y = pipe(x)
-        loss = tf.reduce_sum(y * y)
+        y, loss = Run(pipe, x, lambda y: tf.reduce_sum(y * y))
       grads = tape.gradient(loss, pipe.trainable_variables)
     updates.Apply()
     return y, grads, len(updates.updates)

@@ -3,7 +3,10 @@
 The heart of the project's tests. A PipeliningLayer and a plain sequential
 stack built from the same layer Params get the same variable names, hence the
 same initial weights; their outputs and gradients must agree to float32
-rounding for every number of cells K and micro-batches M.
+rounding for every number of cells K and micro-batches M, and for every
+schedule: 'gpipe' through FProp, '1f1b' and 'interleaved' through
+FPropWithLoss (the loss on the last cell, forwards and backwards in the
+schedule's order).
 """
 
 import numpy as np
@@ -16,6 +19,15 @@ from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.pipeline import pipelining_layer
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
+SCHEDULES = pipelining_layer.SCHEDULES
+
+
+def Devices(schedule, num_cells):
+  """The devices of a pipeline of `num_cells`: 'interleaved' puts two cells
+  on each device (cell k on device k mod D)."""
+  if schedule == 'interleaved':
+    return DEVICES[: max(1, num_cells // 2)]
+  return DEVICES[:num_cells]
 
 
 class Dense(base_layer.BaseLayer):
@@ -101,24 +113,47 @@ def DenseLayers(n=8, dim=6):
   ]
 
 
-def LossAndGrads(layer, inputs, weights):
-  """tf.function: loss = sum(out * weights); returns (out, loss, grads)."""
+def WeightedSum(out, weights):
+  return tf.add_n(
+    [
+      tf.reduce_sum(o * w)
+      for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
+    ]
+  )
+
+
+def UsesLoss(layer):
+  """Whether `LossAndGrads` trains `layer` through FPropWithLoss."""
+  return (
+    isinstance(layer, pipelining_layer.PipeliningLayer)
+    and layer.params.schedule != 'gpipe'
+  )
+
+
+def LossAndGrads(layer, inputs, weights, eager=False):
+  """tf.function: loss = sum(out * weights); returns (out, loss, grads).
+
+  A pipeline whose schedule is not 'gpipe' computes each micro-batch's share
+  of the loss on its last cell (FPropWithLoss, weights split with the
+  inputs).
+  """
   variables = layer.trainable_variables
 
-  @tf.function
   def Step(inputs):
     with tf.GradientTape() as tape:
       tape.watch(tf.nest.flatten(inputs))
-      out = layer(*inputs)
-      loss = tf.add_n(
-        [
-          tf.reduce_sum(o * w)
-          for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
-        ]
-      )
+      if UsesLoss(layer):
+        loss, out = layer.FPropWithLoss(
+          layer.theta, *inputs, loss_fn=WeightedSum, loss_inputs=weights
+        )
+      else:
+        out = layer(*inputs)
+        loss = WeightedSum(out, weights)
     grads = tape.gradient(loss, (variables, inputs))
     return out, loss, grads
 
+  if not eager:
+    Step = tf.function(Step)
   out, loss, (var_grads, in_grads) = Step(inputs)
   named = {v.name: g for v, g in zip(variables, var_grads)}
   return out, loss, named, in_grads
@@ -148,17 +183,25 @@ def reference():
   return ref, x, w, LossAndGrads(ref, (x,), w)
 
 
+@pytest.mark.parametrize(
+  'schedule, num_micro_batches',
+  [(s, m) for s in SCHEDULES for m in [1, 2, 4]]
+  + [
+    pytest.param(s, 8, marks=pytest.mark.slow if s != 'gpipe' else ())
+    for s in SCHEDULES
+  ],
+)
 @pytest.mark.parametrize('num_stages', [1, 2, 4])
-@pytest.mark.parametrize('num_micro_batches', [1, 2, 4, 8])
-def testTransparency(reference, num_stages, num_micro_batches):
+def testTransparency(reference, num_stages, num_micro_batches, schedule):
   ref, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = reference
   p = pipelining_layer.PipeliningLayer.Params().Set(
     name='pipe',
     layers=DenseLayers(),
     num_stages=num_stages,
     num_micro_batches=num_micro_batches,
-    devices=DEVICES[:num_stages],
+    devices=Devices(schedule, num_stages),
     input_shapes=[[8, 6]],
+    schedule=schedule,
   )
   pipe = p.Instantiate()
   assert pipe.num_stages == num_stages
@@ -175,18 +218,20 @@ def testTransparency(reference, num_stages, num_micro_batches):
   AssertClose(in_grads, ref_in_grads)
 
 
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
-def testRecomputePoliciesGiveSameGradients(reference, policy):
+def testRecomputePoliciesGiveSameGradients(reference, policy, schedule):
   _, x, w, (ref_out, _, ref_grads, _) = reference
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
       name='pipe',
       layers=DenseLayers(),
-      num_stages=2,
+      num_stages=2 if schedule != 'interleaved' else 4,
       num_micro_batches=4,
-      devices=DEVICES[:2],
+      devices=Devices(schedule, 2 if schedule != 'interleaved' else 4),
       recompute=policy,
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -196,7 +241,8 @@ def testRecomputePoliciesGiveSameGradients(reference, policy):
     assert MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
 
 
-def testCellTplFormAndNestedState():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testCellTplFormAndNestedState(schedule):
   """Lingvo's cell_tpl form with a two-tensor NestedMap state."""
   cells = [
     pipelining_layer.FeatureExtractionLayer.Params().Set(
@@ -219,7 +265,13 @@ def testCellTplFormAndNestedState():
   )
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
-    .Set(name='pipe', cell_tpl=cells, num_micro_batches=4, devices=DEVICES[:3])
+    .Set(
+      name='pipe',
+      cell_tpl=cells,
+      num_micro_batches=4,
+      devices=DEVICES[:3] if schedule != 'interleaved' else DEVICES[:1],
+      schedule=schedule,
+    )
     .Instantiate()
   )
   flat_pipe = (
@@ -264,8 +316,9 @@ def testEvalModeForwardOnly(reference):
   AssertClose(out, ref_out)
 
 
-def testEagerExecution(reference):
-  _, x, w, (ref_out, _, ref_grads, _) = reference
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testEagerExecution(reference, schedule):
+  _, x, w, (ref_out, _, ref_grads, ref_in) = reference
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
@@ -273,17 +326,16 @@ def testEagerExecution(reference):
       layers=DenseLayers(),
       num_stages=2,
       num_micro_batches=2,
-      devices=DEVICES[:2],
+      devices=Devices(schedule, 2),
+      schedule=schedule,
     )
     .Instantiate()
   )
-  with tf.GradientTape() as tape:
-    out = pipe(x)
-    loss = tf.reduce_sum(out * w)
-  grads = tape.gradient(loss, pipe.trainable_variables)
+  out, _, grads, in_grads = LossAndGrads(pipe, (x,), w, eager=True)
   AssertClose(out, ref_out)
-  for v, g in zip(pipe.trainable_variables, grads):
-    assert MaxRelDiff(g, ref_grads[v.name]) <= 1e-5
+  AssertClose(in_grads, ref_in)
+  for name, g in grads.items():
+    assert MaxRelDiff(g, ref_grads[name]) <= 1e-5
 
 
 def testVariablesLiveOnTheirCellsDevice():
