@@ -277,12 +277,13 @@ class PipeliningLayer(base_layer.BaseLayer):
     devices = self.params.devices
     if (
       self.params.schedule == 'interleaved'
-      and devices
       and self.params.num_replicas == 1
-      and len(devices) < num_stages
+      and not base_layer.IsAbstract()
     ):
-      # D devices for K = v * D cells: cell k on devices[k mod D].
-      devices = [devices[k % len(devices)] for k in range(num_stages)]
+      devices = list(devices or placement.DefaultDevices())
+      if len(devices) < num_stages:
+        # D devices for K = v * D cells: cell k on devices[k mod D].
+        devices = [devices[k % len(devices)] for k in range(num_stages)]
     self._placement = placement.StagePlacement(
       devices,
       num_stages,
@@ -400,6 +401,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     lines = [
       f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
       f'recompute={p.recompute}'
+      + (f', schedule={p.schedule}' if p.schedule != 'gpipe' else '')
     ]
     if self.num_replicas > 1:
       lines[0] += (
