@@ -548,6 +548,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
     return thetas, num_mb, py_utils.CurrentStepSeed()
 
+  @tf.autograph.experimental.do_not_convert
   def FPropWithLoss(self, theta, *args, loss_fn, loss_inputs=None):
     """Runs the pipeline with each micro-batch's loss on the last cell.
 

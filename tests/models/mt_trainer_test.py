@@ -93,7 +93,7 @@ def _StepLog(log):
   out = {}
   for line in log.splitlines():
     match = re.search(
-      r'step +(\d+)/\d+ loss (\S+) lr \S+ grad_norm (\S+)', line
+      r'step +(\d+)/\d+ +loss (\S+) +lr \S+ +grad_norm (\S+)', line
     )
     if match:
       out[int(match.group(1))] = (float(match.group(2)), float(match.group(3)))
