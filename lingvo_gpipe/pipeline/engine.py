@@ -515,10 +515,16 @@ class PipelineEngine:
       [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
       for r in range(num_rep)
     ]
-    last_on_device = dict(after or {})
+    last_on_device = {}
     for w in work:
       for r in range(num_rep):
         j = r * num_mb + w.micro_batch
+        key = self._DeviceKey(w.cell, r)
+        if key not in last_on_device and saved[(w.cell, j)][1] is None:
+          # A re-materialized cell needs nothing of the forward pass but its
+          # input, so the device's first backward could start before its
+          # last forward ended; a cell with a tape waits for it anyway.
+          last_on_device[key] = (after or {}).get(key)
         self._BackwardItem(
           w,
           r,
