@@ -3,6 +3,8 @@ r"""Benchmarks the GPipe pipeline: step time, throughput, memory, schedule.
   python tools/benchmark_pipeline.py --mode=multi_process --json=/tmp/b.json
   python tools/benchmark_pipeline.py --mode=in_process --model=transformer
   python tools/benchmark_pipeline.py --trace=/tmp/trace   # timeline PNG+JSON
+  python tools/benchmark_pipeline.py --schedules=gpipe,1f1b,interleaved \
+      --configs=2x4x1,2x16x1 --memory=1 --trace=/tmp/trace
 
 A device stands for an accelerator, which runs one op at a time. In one
 process, virtual CPU devices share one thread pool, so TensorFlow's inter-op
@@ -28,6 +30,13 @@ multi_process also reports the TCP bytes the worker processes send per step
 (from `ss -tinp`): to each other (`bytes_between_workers_per_step`: the
 tensors a pipeline or the replicas exchange) and to this driving process
 (`bytes_to_driver_per_step`: replies and step control).
+
+--schedules runs every pipelined configuration with each schedule (records
+carry a `schedule` field; `--trace` draws one timeline per schedule). '1f1b'
+computes each micro-batch's share of the loss on the last cell
+(`PipeliningLayer.FPropWithLoss`). 'interleaved' puts --virtual_stages cells
+on each of the configuration's K devices (cell k on device k mod K), so its
+rows have K * virtual_stages cells (`num_cells`) on K devices.
 """
 
 import argparse
@@ -167,6 +176,7 @@ class Bench:
     tracer=None,
     num_replicas=1,
     jit_compile=False,
+    schedule_name='gpipe',
   ):
     self.key = (
       model_name,
@@ -175,9 +185,13 @@ class Bench:
       recompute,
       num_replicas,
       jit_compile,
+      schedule_name,
     )
     layer_params, self.input_shape = MODELS[model_name](args)
     self.devices = devices[: max(1, num_stages) * num_replicas]
+    self.num_cells = num_stages
+    if schedule_name == 'interleaved':
+      self.num_cells = num_stages * args.virtual_stages
     if num_stages == 0:
       with tf.device(devices[0]):
         self.layer = (
@@ -191,8 +205,9 @@ class Bench:
         .Set(
           name='model',
           layers=layer_params,
-          num_stages=num_stages,
+          num_stages=self.num_cells,
           num_micro_batches=num_mb,
+          schedule=schedule_name,
           devices=self.devices,
           num_replicas=num_replicas,
           balance_by='flops',
@@ -221,14 +236,26 @@ class Bench:
       # The plain model's forward (and its gradient) as one XLA computation.
       forward = tf.function(lambda x: self.layer(x), jit_compile=True)
 
+    # The loss on the last cell (1F1B): each micro-batch's share of the mean.
+    num_parts = num_mb * num_replicas
+
+    def LossShare(y):
+      size = tf.cast(tf.size(y), tf.float32) * num_parts
+      return tf.reduce_sum(tf.square(y)) / size
+
     def Step():
       with tf.device(first):
         x = tf.random.stateless_normal(shape, [1, 2])
       with tf.GradientTape() as tape:
-        with tf.device(plain_scope):
-          y = forward(x)
-        with tf.device(last):
-          loss = tf.reduce_mean(tf.square(y))
+        if num_stages and schedule_name == '1f1b':
+          loss, _ = self.layer.FPropWithLoss(
+            self.layer.theta, x, loss_fn=LossShare
+          )
+        else:
+          with tf.device(plain_scope):
+            y = forward(x)
+          with tf.device(last):
+            loss = tf.reduce_mean(tf.square(y))
       with tf.device(last):  # the loss gradient next to the loss
         grads = tape.gradient(loss, variables)
       for v, g in zip(variables, grads):
@@ -390,8 +417,10 @@ def Table(records):
   cols = [
     'model',
     'mode',
+    'schedule',
     'replicas',
     'num_stages',
+    'num_cells',
     'num_micro_batches',
     'recompute',
     'jit_compile',
@@ -449,13 +478,27 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
     jits = {'0': [False], '1': [True], 'both': [False, True]}[
       str(args.jit_compile)
     ]
-    benches = [
-      Bench(
-        model_name, args, k, m, r, devices, num_replicas=reps, jit_compile=j
-      )
-      for j in jits
-      for k, m, r, reps in configs
-    ]
+    benches = []
+    for j in jits:
+      for i, name in enumerate(ParseSchedules(args.schedules)):
+        for k, m, r, reps in configs:
+          if k == 0 and i:  # The plain model once.
+            continue
+          if k and name == 'interleaved' and (k < 2 or reps > 1):
+            continue  # Needs 2+ devices, one replica.
+          benches.append(
+            Bench(
+              model_name,
+              args,
+              k,
+              m,
+              r,
+              devices,
+              num_replicas=reps,
+              jit_compile=j,
+              schedule_name=name if k else 'gpipe',
+            )
+          )
     for b in benches:  # compile and warm up
       for _ in range(args.warmup):
         b.Run()
@@ -477,8 +520,10 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
       rec = dict(
         model=model_name,
         mode=args.mode,
+        schedule=b.key[6] if k else None,
         replicas=reps,
         num_stages=k,
+        num_cells=b.num_cells,
         num_micro_batches=m,
         recompute=b.key[3],
         jit_compile=b.key[5],
@@ -486,7 +531,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
         step_time_s=t,
         step_times_s=times[b.key],
         examples_per_s=batch / t,
-        ideal_speedup=reps * schedule.IdealSpeedup(max(k, 1), m),
+        ideal_speedup=reps * IdealSpeedup(b.key[6], max(k, 1), m, b.num_cells),
         weight_bytes=b.weight_bytes,
         devices=b.devices,
       )
@@ -512,7 +557,8 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
         )
         rec['memory_note'] = "per device: each worker process's allocator"
       records.append(rec)
-    # Each row against the plain model and K=2, M=1 of its own jit_compile.
+    # Each row against the plain model and K=2, M=1 (gpipe) of its own
+    # jit_compile.
     for r in records:
       if r['model'] != model_name:
         continue
@@ -527,6 +573,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
         and x['num_micro_batches'] == 1
         and x['replicas'] == 1
         and x['jit_compile'] == r['jit_compile']
+        and x['schedule'] == 'gpipe'
       ]
       if k2m1:
         r['normalized_to_k2m1'] = (
@@ -536,9 +583,40 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
   return records
 
 
+def IdealSpeedup(name, num_devices, num_mb, num_cells):
+  """K*M/(M+K-1) for fill-drain and 1F1B (the same bubble); interleaved:
+  each of the K devices busy v*M of v*M+K-1 clocks of 1/v the work."""
+  if name == 'interleaved' and num_cells > num_devices:
+    v = num_cells // num_devices
+    return num_devices * v * num_mb / (v * num_mb + num_devices - 1)
+  return schedule.IdealSpeedup(num_devices, num_mb)
+
+
+def ParseSchedules(text):
+  """'gpipe,1f1b' -> ['gpipe', '1f1b'], checked against the valid ones."""
+  names = [s.strip() for s in text.split(',') if s.strip()]
+  bad = [s for s in names if s not in pipelining_layer.SCHEDULES]
+  if bad or not names:
+    raise ValueError(
+      f'--schedules={text!r}: use a comma list of '
+      f'{", ".join(pipelining_layer.SCHEDULES)}.'
+    )
+  return names
+
+
 def RunTrace(args, devices):
-  """One traced K=2 (or --trace_stages) run: Chrome trace + PNG."""
+  """Traced K=2 (or --trace_stages) runs, one per schedule of --schedules:
+  a Chrome trace and a PNG each."""
   os.makedirs(args.trace, exist_ok=True)
+  out = {}
+  for name in ParseSchedules(args.schedules):
+    out[name] = _TraceOne(args, devices, name)
+  if len(out) == 1:
+    return next(iter(out.values()))
+  return out
+
+
+def _TraceOne(args, devices, name):
   model_name = args.model.split(',')[0]
   k = min(args.trace_stages, len(devices))
   tracer = schedule.ScheduleTracer()
@@ -551,21 +629,26 @@ def RunTrace(args, devices):
     devices,
     tracer=tracer,
     jit_compile=args.jit_compile == '1',
+    schedule_name=name,
   )
   for _ in range(args.warmup + 1):
     _, (_, stamps) = bench.Run()
   events = tracer.Events(stamps)
+  suffix = '' if name == 'gpipe' else f'_{name}'
   base = os.path.join(
-    args.trace, f'{model_name}_k{k}_m{args.trace_micro_batches}'
+    args.trace, f'{model_name}_k{k}_m{args.trace_micro_batches}{suffix}'
   )
-  timeline.WriteChromeTrace(events, base + '.trace.json', bench.devices)
+  cell_devices = bench.layer.devices
+  timeline.WriteChromeTrace(events, base + '.trace.json', cell_devices)
+  cells = '' if bench.num_cells == k else f' ({bench.num_cells} cells)'
   timeline.PlotTimeline(
     events,
     base + '.png',
-    devices=bench.devices,
+    devices=cell_devices,
     title=(
-      f'{model_name}: K={k}, M={args.trace_micro_batches}, {args.mode}'
-      ' (blue forward, orange backward with recompute; gaps: bubble)'
+      f'{model_name}: {name}, K={k}{cells}, M={args.trace_micro_batches}, '
+      f'{args.mode} (blue forward, orange backward with recompute; gaps: '
+      'bubble)'
     ),
   )
   util = timeline.Utilization(events)
@@ -626,6 +709,18 @@ def main(argv=None):
     default='',
     help='Directory: write a timeline (PNG, Chrome trace).',
   )
+  parser.add_argument(
+    '--schedules',
+    default='gpipe',
+    help='Comma list of pipeline schedules to run each pipelined '
+    'configuration with: gpipe, 1f1b, interleaved.',
+  )
+  parser.add_argument(
+    '--virtual_stages',
+    type=int,
+    default=2,
+    help="'interleaved': cells per device v (K*v cells on K devices).",
+  )
   parser.add_argument('--trace_stages', type=int, default=2)
   parser.add_argument('--trace_micro_batches', type=int, default=8)
   parser.add_argument(
@@ -664,6 +759,10 @@ def main(argv=None):
     '--no_benchmark', action='store_true', help='Only write the trace.'
   )
   args = parser.parse_args(argv)
+  try:
+    ParseSchedules(args.schedules)
+  except ValueError as e:
+    parser.error(str(e))
 
   local = None
   if args.mode == 'in_process':
@@ -715,7 +814,14 @@ def main(argv=None):
         )
     if args.trace:
       trace = RunTrace(args, devices)
-      result['trace'] = {k: v for k, v in trace.items() if k != 'events'}
+      if 'events' in trace:  # One schedule.
+        trace = {'': trace}
+      result['trace'] = {
+        name: {k: v for k, v in t.items() if k != 'events'}
+        for name, t in trace.items()
+      }
+      if '' in result['trace']:
+        result['trace'] = result['trace']['']
     if args.json:
       with open(args.json, 'w') as f:
         json.dump(result, f, indent=1, default=str)

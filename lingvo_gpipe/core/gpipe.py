@@ -16,6 +16,7 @@ from lingvo_gpipe.pipeline.partition import Report
 from lingvo_gpipe.pipeline.pipelining_layer import FeatureExtractionLayer
 from lingvo_gpipe.pipeline.pipelining_layer import PipeliningLayer
 from lingvo_gpipe.pipeline.pipelining_layer import RECOMPUTE_POLICIES
+from lingvo_gpipe.pipeline.pipelining_layer import SCHEDULES
 from lingvo_gpipe.pipeline.schedule import BubbleFraction
 from lingvo_gpipe.pipeline.schedule import IdealSpeedup
 from lingvo_gpipe.pipeline.schedule import ScheduleText
@@ -34,6 +35,7 @@ __all__ = [
   'PipeliningLayer',
   'RECOMPUTE_POLICIES',
   'Report',
+  'SCHEDULES',
   'ScheduleText',
   'ScheduleTracer',
   'UniformSplits',

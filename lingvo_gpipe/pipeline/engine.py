@@ -11,6 +11,18 @@ forward/backward; `schedule.FillDrain` by default). It builds
   * one operation on the gradient tape whose gradient builds the BACKWARD
     items, in list order, each re-materializing its cell if it kept no tape.
 
+`ForwardBackwardWithLoss` instead runs both passes in one list, in the
+schedule's order: the last cell also computes each micro-batch's loss, so a
+micro-batch's backward can start before the other micro-batches' forwards
+(the 1F1B schedule). It is recorded on the tape as one operation from the
+inputs and weights to the summed loss, whose gradient scales the gradients
+it has already built.
+
+With `strict_order`, every work item on a device (the forwards, backwards
+and re-materializations of all the cells placed there) runs after the
+device's previous item in the list: control dependencies from each item's
+input to the previous item's output on that device.
+
 With R data-parallel replicas, every work item runs on each replica's own
 devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch.
 """
@@ -138,12 +150,29 @@ class PipelineEngine:
   def _Place(self, structure, k):
     return self._placement.Place(structure, k)
 
-  def _RunCell(self, k, theta_k, args, seed, collect=True, fprop=None):
-    """Runs cell k; returns (outputs tuple, [(layer, stats)])."""
+  def _DeviceKey(self, k, r):
+    """What `strict_order` chains on: the device of cell k of replica r (its
+    cell where no device is set, e.g. on TPU)."""
+    devices = self._placement.replica_devices
+    if devices is None:
+      return (r, k)
+    return devices[r][k]
+
+  def _RunCell(
+    self, k, theta_k, args, seed, collect=True, finish=None, fprop=None
+  ):
+    """Runs cell k; returns (outputs tuple, [(layer, stats)], raw outputs).
+
+    With `finish` (the last cell with a loss), the outputs tuple is
+    (finish(raw outputs),), and raw the cell's own outputs.
+    """
     collector = py_utils.UpdateCollector()
     with py_utils.StepSeed(seed), collector:
       out = (fprop or self._cell_fprop)(k, theta_k, args)
-    return out, (collector.updates if collect else [])
+      raw = out
+      if finish is not None:
+        out = (finish(out),)
+    return out, (collector.updates if collect else []), raw
 
   def _Recomputes(self, k, m, num_micro_batches):
     policy = self._recompute
@@ -155,7 +184,9 @@ class PipelineEngine:
       return m != num_micro_batches - 1
     return False
 
-  def Forward(self, thetas, args, num_mb, seed, train=False):
+  def Forward(
+    self, thetas, args, num_mb, seed, train=False, last_on_device=None
+  ):
     """The forward schedule of every replica.
 
     Args:
@@ -165,6 +196,8 @@ class PipelineEngine:
       seed: the step seed; micro-batch j runs with MixSeed(seed, j), so R
         replicas of M micro-batches compute what one pipeline of R*M does.
       train: keep gradient tapes for the cells that are not recomputed.
+      last_on_device: optional dict, filled with each device's last output
+        (what `Backward`'s first item on the device waits for).
 
     Returns:
       (outputs, updates, saved contexts keyed by (cell, micro-batch)).
@@ -172,6 +205,37 @@ class PipelineEngine:
     num_cells = self._num_cells
     num_rep = len(thetas)
     work = self._Pass(self.Work(num_mb), schedule_lib.FORWARD)
+    states = self._SplitInputs(args, num_rep, num_mb)
+    tracer = schedule_lib.ActiveTracer()
+    saved, updates = {}, []
+    if last_on_device is None:
+      last_on_device = {}
+    for w in work:
+      for r in range(num_rep):
+        j = r * num_mb + w.micro_batch
+        y, upd, _ = self._ForwardItem(
+          w,
+          r,
+          j,
+          thetas,
+          states,
+          num_mb,
+          seed,
+          train,
+          tracer,
+          last_on_device,
+          saved,
+        )
+        updates.extend(upd)
+        states[j] = y
+    with self._Device(num_cells - 1):
+      outs = microbatch.Concat(
+        [py_utils.Unwrap(s) for s in states], self._batch_dim
+      )
+    return outs, updates, saved
+
+  def _SplitInputs(self, args, num_rep, num_mb):
+    """[micro-batch j] -> tuple of its inputs, on its replica's device 0."""
     # Each replica's share goes from where the input is straight to the
     # replica's first device, not through replica 0's (one replica: no op).
     with graph_ops.DeviceOf(args):
@@ -182,44 +246,55 @@ class PipelineEngine:
         states.extend(
           tuple(mb) for mb in microbatch.Split(shard, num_mb, self._batch_dim)
         )
-    tracer = schedule_lib.ActiveTracer()
-    saved, updates = {}, []
-    last_on_device = {}
-    for w in work:
-      k, m = w.cell, w.micro_batch
-      for r in range(num_rep):
-        j = r * num_mb + m
-        with self._Device(k, r):
-          x = self._Place(states[j], k)
-          if self._strict_order and (r, k) in last_on_device:
-            x = graph_ops.After(x, last_on_device[(r, k)])
-          start = None
-          if tracer is not None:
-            start, x = graph_ops.Stamp(x)
-          seed_m = py_utils.MixSeed(seed, j)
-          tape = None
-          if train and not self._Recomputes(k, m, num_mb):
-            tape = tf.GradientTape(watch_accessed_variables=False)
-            with tape:
-              tape.watch(
-                [t for t in tf.nest.flatten((thetas[r][k], x)) if _IsFloat(t)]
-              )
-              y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
-          else:
-            y, upd = self._RunCell(k, thetas[r][k], x, seed_m)
-          y = self._Place(y, k)
-          if tracer is not None:
-            end, y = graph_ops.Stamp(y)
-            tracer.Record(('forward', r * num_cells + k, j), start, end)
-          saved[(k, j)] = (x, tape, y, seed_m)
-          updates.extend(upd)
-          states[j] = y
-          last_on_device[(r, k)] = y
-    with self._Device(num_cells - 1):
-      outs = microbatch.Concat(
-        [py_utils.Unwrap(s) for s in states], self._batch_dim
-      )
-    return outs, updates, saved
+    return states
+
+  def _ForwardItem(
+    self,
+    w,
+    r,
+    j,
+    thetas,
+    states,
+    num_mb,
+    seed,
+    train,
+    tracer,
+    last_on_device,
+    saved,
+    finish=None,
+  ):
+    """Builds the forward of work item `w` on replica r (micro-batch j).
+
+    Saves what the backward needs in saved[(cell, j)]; returns (outputs,
+    updates, raw outputs) as `_RunCell`.
+    """
+    k, m = w.cell, w.micro_batch
+    with self._Device(k, r):
+      x = self._Place(states[j], k)
+      key = self._DeviceKey(k, r)
+      if self._strict_order and key in last_on_device:
+        x = graph_ops.After(x, last_on_device[key])
+      start = None
+      if tracer is not None:
+        start, x = graph_ops.Stamp(x)
+      seed_m = py_utils.MixSeed(seed, j)
+      tape = None
+      if train and not self._Recomputes(k, m, num_mb):
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+          tape.watch(
+            [t for t in tf.nest.flatten((thetas[r][k], x)) if _IsFloat(t)]
+          )
+          y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
+      else:
+        y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
+      y = self._Place(y, k)
+      if tracer is not None:
+        end, y = graph_ops.Stamp(y)
+        tracer.Record(('forward', r * self._num_cells + k, j), start, end)
+      saved[(k, j)] = (x, tape, y, seed_m, finish)
+      last_on_device[key] = y
+    return y, upd, raw
 
   def ForwardWithGrad(self, thetas, args, num_mb, seed):
     """Runs the forward schedule and records it on the gradient tape as one
@@ -239,16 +314,16 @@ class PipelineEngine:
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
+      last_on_device = {}
       outs, updates, saved = self.Forward(
-        thetas, args, num_mb, seed, train=keep_tapes
+        thetas,
+        args,
+        num_mb,
+        seed,
+        train=keep_tapes,
+        last_on_device=last_on_device,
       )
-    direct = [v.name for v in watcher.watched_variables() if v.trainable]
-    if direct:
-      raise ValueError(
-        f'A layer inside pipeline {self._name!r} read variables directly in '
-        f'FProp ({direct}); layers must compute with the `theta` passed to '
-        'FProp, or their gradients would be lost.'
-      )
+    self._CheckNoDirectReads(watcher)
     flat_out = tf.nest.flatten(outs)
     for x in flat_out:
       if not py_utils.IsTensor(x):
@@ -259,7 +334,9 @@ class PipelineEngine:
     if keep_tapes:
 
       def Backward(*dys):
-        return self.Backward(thetas, args, outs, saved, dys, num_mb)
+        return self.Backward(
+          thetas, args, outs, saved, dys, num_mb, after=last_on_device
+        )
 
       _tf_internal.RecordOperation(
         'GPipe', results, inputs + flat_thetas, Backward
@@ -270,8 +347,159 @@ class PipelineEngine:
       )
     return tf.nest.pack_sequence_as(outs, results)
 
-  def Backward(self, thetas, inputs, outs, saved, dys, num_mb):
-    """The backward schedule; returns grads of (input tensors, thetas[0])."""
+  def _CheckNoDirectReads(self, watcher):
+    direct = [v.name for v in watcher.watched_variables() if v.trainable]
+    if direct:
+      raise ValueError(
+        f'A layer inside pipeline {self._name!r} read variables directly in '
+        f'FProp ({direct}); layers must compute with the `theta` passed to '
+        'FProp, or their gradients would be lost.'
+      )
+
+  def ForwardBackwardWithLoss(
+    self, thetas, args, num_mb, seed, loss_fn, train=True
+  ):
+    """Runs the whole schedule, forward and backward items in list order,
+    with each micro-batch's loss computed on the last cell.
+
+    Args:
+      thetas: [replica][cell] thetas, each on its device.
+      args: the pipeline's inputs, batch along `batch_dim`.
+      num_mb: micro-batches per replica M.
+      seed: the step seed (micro-batch j runs with MixSeed(seed, j)).
+      loss_fn: fn(j, outputs tuple of the last cell on micro-batch j) ->
+        scalar, micro-batch j's share of the loss (the shares are summed).
+      train: build the backward items; False: the forwards only.
+
+    Returns:
+      (loss, outputs of the last cell for the whole mini-batch, updates,
+      gradients of [input tensors] + [flat thetas[0]] or None).
+    """
+    num_cells = self._num_cells
+    num_rep = len(thetas)
+    work = self.Work(num_mb)
+    if not train:
+      work = self._Pass(work, schedule_lib.FORWARD)
+    states = self._SplitInputs(args, num_rep, num_mb)
+    tracer = schedule_lib.ActiveTracer()
+    saved, updates, losses, raws = {}, [], {}, {}
+    grads_state = {}
+    theta_acc = [
+      [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
+      for r in range(num_rep)
+    ]
+    last_on_device = {}
+    for w in work:
+      for r in range(num_rep):
+        j = r * num_mb + w.micro_batch
+        if w.kind == schedule_lib.BACKWARD:
+          if w.cell == num_cells - 1:
+            with self._Device(w.cell, r):
+              grads_state[j] = (tf.ones_like(losses[j]),)
+          self._BackwardItem(
+            w,
+            r,
+            j,
+            thetas,
+            saved,
+            grads_state,
+            theta_acc,
+            tracer,
+            last_on_device,
+          )
+          continue
+        finish = None
+        if w.cell == num_cells - 1:
+          finish = self._LossOf(j, loss_fn)
+        y, upd, raw = self._ForwardItem(
+          w,
+          r,
+          j,
+          thetas,
+          states,
+          num_mb,
+          seed,
+          train,
+          tracer,
+          last_on_device,
+          saved,
+          finish=finish,
+        )
+        updates.extend(upd)
+        states[j] = y
+        if finish is not None:
+          losses[j] = y[0]
+          raws[j] = raw
+    num_j = num_rep * num_mb
+    with self._Device(num_cells - 1):
+      parts = [losses[j] for j in range(num_j)]
+      loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
+      outs = microbatch.Concat(
+        [
+          tf.nest.map_structure(tf.stop_gradient, py_utils.Unwrap(raws[j]))
+          for j in range(num_j)
+        ],
+        self._batch_dim,
+      )
+    grads = None
+    if train:
+      grads = self._JoinGradients(thetas, args, grads_state, theta_acc, num_mb)
+    return loss, outs, updates, grads
+
+  def _LossOf(self, j, loss_fn):
+    def Finish(outputs):
+      loss = tf.convert_to_tensor(loss_fn(j, py_utils.Unwrap(outputs)))
+      if loss.shape.rank != 0 or not loss.dtype.is_floating:
+        raise ValueError(
+          f'The loss function of pipeline {self._name!r} returned '
+          f'{loss.dtype.name} {loss.shape}; it must return a float scalar: '
+          "the micro-batch's share of the loss."
+        )
+      return loss
+
+    return Finish
+
+  def WithLoss(self, thetas, args, num_mb, seed, loss_fn):
+    """`ForwardBackwardWithLoss`, recorded on the gradient tape as one
+    operation from the inputs and weights to the loss; returns (loss,
+    outputs). Outside a gradient tape only the forwards (and losses) run."""
+    flat_args = tf.nest.flatten(args)
+    inputs = [x for x in flat_args if py_utils.IsTensor(x)]
+    flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
+    train = _tf_internal.CouldPossiblyRecord()
+    with _tf_internal.VariableWatcher() as watcher:
+      loss, outs, updates, grads = self.ForwardBackwardWithLoss(
+        thetas, args, num_mb, seed, loss_fn, train=train
+      )
+    self._CheckNoDirectReads(watcher)
+    with self._Device(self._num_cells - 1):
+      result = tf.identity(loss)
+    if train:
+      sources = inputs + flat_thetas
+
+      def Backward(dloss):
+        out = []
+        for g in grads:
+          if g is None:
+            out.append(None)
+            continue
+          with graph_ops.DeviceOf(g):
+            out.append(g * tf.cast(dloss, g.dtype))
+        return out
+
+      _tf_internal.RecordOperation('GPipeWithLoss', [result], sources, Backward)
+    for layer, stats in updates:
+      py_utils.AddDeferredUpdate(
+        layer, tf.nest.map_structure(tf.stop_gradient, stats)
+      )
+    return result, outs
+
+  def Backward(self, thetas, inputs, outs, saved, dys, num_mb, after=None):
+    """The backward schedule; returns grads of (input tensors, thetas[0]).
+
+    `after`: {device: its last forward output}; with strict_order each
+    device's first backward item waits for it.
+    """
     num_cells = self._num_cells
     num_rep = len(thetas)
     work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
@@ -296,22 +524,60 @@ class PipelineEngine:
     ]
     last_on_device = {}
     for w in work:
-      k, m = w.cell, w.micro_batch
       for r in range(num_rep):
-        j = r * num_mb + m
-        with self._Device(k, r):
-          new_dy = self.CellBackward(
-            k,
-            thetas[r][k],
-            saved[(k, j)],
-            grads_state[j],
-            last_on_device.get((r, k)),
-            theta_acc[r][k],
-            tracer,
-            ('backward', r * num_cells + k, j),
-          )
-          grads_state[j] = new_dy
-          last_on_device[(r, k)] = new_dy
+        j = r * num_mb + w.micro_batch
+        key = self._DeviceKey(w.cell, r)
+        if key not in last_on_device and saved[(w.cell, j)][1] is None:
+          # A re-materialized cell needs nothing of the forward pass but its
+          # input, so the device's first backward could start before its
+          # last forward ended; a cell with a tape waits for it anyway.
+          last_on_device[key] = (after or {}).get(key)
+        self._BackwardItem(
+          w,
+          r,
+          j,
+          thetas,
+          saved,
+          grads_state,
+          theta_acc,
+          tracer,
+          last_on_device,
+        )
+    return self._JoinGradients(thetas, inputs, grads_state, theta_acc, num_mb)
+
+  def _BackwardItem(
+    self,
+    w,
+    r,
+    j,
+    thetas,
+    saved,
+    grads_state,
+    theta_acc,
+    tracer,
+    last_on_device,
+  ):
+    """Builds the backward of work item `w` on replica r (micro-batch j)."""
+    k = w.cell
+    key = self._DeviceKey(k, r)
+    with self._Device(k, r):
+      new_dy = self.CellBackward(
+        k,
+        thetas[r][k],
+        saved[(k, j)],
+        grads_state[j],
+        last_on_device.get(key),
+        theta_acc[r][k],
+        tracer,
+        ('backward', r * self._num_cells + k, j),
+      )
+      grads_state[j] = new_dy
+      last_on_device[key] = new_dy
+
+  def _JoinGradients(self, thetas, inputs, grads_state, theta_acc, num_mb):
+    """[gradients of the input tensors] + [of thetas[0]], summed."""
+    num_cells = self._num_cells
+    num_rep = len(thetas)
     # Gradients of the pipeline's inputs, joined on device 0.
     with self._Device(0):
       per_mb = [
@@ -355,7 +621,7 @@ class PipelineEngine:
     Adds the weight gradients to the lists in `theta_acc`; returns the
     gradient of the cell's input.
     """
-    x, tape, y, seed_m = saved
+    x, tape, y, seed_m, finish = saved
     if self._strict_order and after is not None:
       dy = graph_ops.After(dy, after)
     start = None
@@ -374,8 +640,14 @@ class PipelineEngine:
       tape = tf.GradientTape(watch_accessed_variables=False)
       with tape:
         tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
-        y, _ = self._RunCell(
-          k, theta_k, x, seed_m, collect=False, fprop=self._recompute_fprop
+        y, _, _ = self._RunCell(
+          k,
+          theta_k,
+          x,
+          seed_m,
+          collect=False,
+          finish=finish,
+          fprop=self._recompute_fprop,
         )
     flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
     pairs = [

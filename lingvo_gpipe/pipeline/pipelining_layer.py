@@ -55,9 +55,12 @@ Two ways to describe the cells:
     split: a checkpoint of K=8 restores into K=1.
 """
 
+import functools
+
 from absl import logging
 import tensorflow as tf
 
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
@@ -71,9 +74,15 @@ from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.pipeline import planner
 from lingvo_gpipe.pipeline import schedule
 
-__all__ = ['FeatureExtractionLayer', 'PipeliningLayer', 'RECOMPUTE_POLICIES']
+__all__ = [
+  'FeatureExtractionLayer',
+  'PipeliningLayer',
+  'RECOMPUTE_POLICIES',
+  'SCHEDULES',
+]
 
 RECOMPUTE_POLICIES = engine.RECOMPUTE_POLICIES
+SCHEDULES = schedule.SCHEDULES
 
 
 FeatureExtractionLayer = sequential.FeatureExtractionLayer
@@ -82,7 +91,8 @@ FeatureExtractionLayer = sequential.FeatureExtractionLayer
 class PipeliningLayer(base_layer.BaseLayer):
   """Pipelines cells over devices with micro-batches. See module docstring."""
 
-  # fn(num_cells, num_micro_batches) -> [schedule.WorkItem] the engine runs.
+  # fn(num_cells, num_micro_batches) -> [schedule.WorkItem] the engine runs;
+  # a subclass that sets it overrides Params().schedule.
   _schedule = staticmethod(schedule.FillDrain)
 
   @classmethod
@@ -180,6 +190,16 @@ class PipeliningLayer(base_layer.BaseLayer):
       'their input activations in the forward pass.',
     )
     p.Define(
+      'schedule',
+      'gpipe',
+      "The pipeline schedule: 'gpipe' (fill-drain: every forward, then "
+      "every backward), '1f1b' (one forward, one backward: at most about "
+      'K micro-batches in flight per cell; needs the loss on the last '
+      "cell, see FPropWithLoss) or 'interleaved' (cell k on device k mod "
+      'D of D distinct devices, K a multiple of D: a smaller bubble). '
+      'See docs/gpipe.md.',
+    )
+    p.Define(
       'strict_order',
       True,
       "Run each device's micro-batches in schedule order (control "
@@ -231,6 +251,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
         f'recompute={p.recompute!r}; use one of {RECOMPUTE_POLICIES}.'
+      )
+    if p.schedule not in SCHEDULES:
+      raise ValueError(
+        f'PipeliningLayer {p.name!r}: schedule={p.schedule!r}; use one of '
+        f'{SCHEDULES}.'
       )
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(
@@ -385,14 +410,50 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _SetDevices(self, num_stages):
     """Resolves the devices of every (replica, cell)."""
+    devices = self.params.devices
+    if (
+      self.params.schedule == 'interleaved'
+      and self.params.num_replicas == 1
+      and not base_layer.IsAbstract()
+    ):
+      devices = list(devices or placement.DefaultDevices())
+      if len(devices) < num_stages:
+        # D devices for K = v * D cells: cell k on devices[k mod D].
+        devices = [devices[k % len(devices)] for k in range(num_stages)]
     self._placement = placement.StagePlacement(
-      self.params.devices,
+      devices,
       num_stages,
       self.params.num_replicas,
       self.path,
       abstract=base_layer.IsAbstract(),
     )
     self._devices = self._placement.devices  # Where the variables live.
+    self._num_schedule_devices = num_stages
+    if self.params.schedule == 'interleaved':
+      self._CheckInterleaved(num_stages)
+
+  def _CheckInterleaved(self, num_stages):
+    """Cell k must run on device k mod D of the D distinct devices."""
+    devices = self._devices
+    if not devices:  # Placed by a strategy or abstract: one cell per device.
+      return
+    distinct = list(dict.fromkeys(devices))
+    d_count = len(distinct)
+    schedule_check = functools.partial(
+      schedule.Interleaved, num_stages, 1, d_count
+    )
+    try:
+      schedule_check()
+    except ValueError as e:
+      raise ValueError(f'PipeliningLayer {self.params.name!r}: {e}') from e
+    circular = [distinct[k % d_count] for k in range(num_stages)]
+    if list(devices) != circular:
+      raise ValueError(
+        f"PipeliningLayer {self.params.name!r}: schedule='interleaved' "
+        f'runs cell k on device k mod {d_count}; got devices {devices}. '
+        f'Use {circular}.'
+      )
+    self._num_schedule_devices = d_count
 
   def _DeviceList(self):
     return list(self._devices) if self._devices else None
@@ -555,6 +616,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       f'Pipeline {self.path!r}: {self.num_stages} cells, {m}, '
       f'recompute={p.recompute}'
       + (', XLA-compiled cells' if p.jit_compile else '')
+      + (f', schedule={p.schedule}' if p.schedule != 'gpipe' else '')
     ]
     if self.num_replicas > 1:
       lines[0] += (
@@ -614,8 +676,29 @@ class PipeliningLayer(base_layer.BaseLayer):
       recompute=p.recompute,
       strict_order=p.strict_order,
       name=self.path,
-      schedule=self._schedule,
+      schedule=self.ScheduleFn(),
       recompute_fprop=jit.RecomputeFProp if jit else None,
+    )
+
+  def ScheduleFn(self):
+    """fn(num_cells, num_micro_batches) -> [schedule.WorkItem] of
+    Params().schedule (or of a subclass's `_schedule`)."""
+    if type(self)._schedule is not schedule.FillDrain:
+      return type(self)._schedule
+    return functools.partial(
+      schedule.Build,
+      self.params.schedule,
+      num_devices=self._num_schedule_devices,
+    )
+
+  def ScheduleText(self, num_micro_batches=None):
+    """The clock table of this pipeline's schedule."""
+    p = self.params
+    return schedule.ScheduleText(
+      self.num_stages,
+      num_micro_batches or p.num_micro_batches,
+      schedule=p.schedule,
+      num_devices=self._num_schedule_devices,
     )
 
   def FProp(self, theta, *args):
@@ -646,6 +729,26 @@ class PipeliningLayer(base_layer.BaseLayer):
       The last cell's outputs for the whole mini-batch.
     """
     p = self.params
+    thetas, num_mb, seed = self._Prepare(theta, args)
+    if self.do_eval:
+      outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
+      return outs
+    if p.schedule == '1f1b' and _tf_internal.CouldPossiblyRecord():
+      raise ValueError(
+        f"Pipeline {self.path!r} has schedule='1f1b', which starts a "
+        "micro-batch's backward before the other micro-batches' forwards, "
+        "so it needs each micro-batch's loss on the last cell; FProp "
+        'returns only the outputs. Train with '
+        'FPropWithLoss(theta, *inputs, loss_fn=fn) instead, fn(outputs of '
+        "one micro-batch) -> its share of the loss (a task's "
+        'ComputePredictions does this for its network), or use '
+        "schedule='gpipe'."
+      )
+    return self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+
+  def _Prepare(self, theta, args):
+    """(thetas [replica][cell] on their devices, M, the step seed)."""
+    p = self.params
     self._CheckFirstInput(args)
     batch = microbatch.BatchSize(args, p.batch_dim)
     if self.do_eval:
@@ -668,11 +771,64 @@ class PipeliningLayer(base_layer.BaseLayer):
       for k in range(self.num_stages):
         with self._Device(k, r):
           thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
-    seed = py_utils.CurrentStepSeed()
-    if self.do_eval:
-      outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
-      return outs
-    return self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+    return thetas, num_mb, py_utils.CurrentStepSeed()
+
+  @tf.autograph.experimental.do_not_convert
+  def FPropWithLoss(self, theta, *args, loss_fn, loss_inputs=None):
+    """Runs the pipeline with each micro-batch's loss on the last cell.
+
+    Every schedule works this way; '1f1b' needs it for training. The
+    forward and backward work items run in the schedule's order (a
+    micro-batch's backward starts as soon as its loss is known), all inside
+    this call; the returned loss is recorded on the gradient tape as one
+    operation, so `tape.gradient(loss, ...)` (and the learner) get exactly
+    the gradients of the sequential model's loss.
+
+    Args:
+      theta: this layer's theta.
+      *args: inputs of the first cell, as for FProp.
+      loss_fn: fn(outputs) -> float scalar, or fn(outputs, loss_inputs) with
+        `loss_inputs`: one micro-batch's share of the mini-batch loss, given
+        the last cell's outputs on that micro-batch (as FProp returns them).
+        The shares are summed, so a mean over the mini-batch divides by the
+        mini-batch's size (or total weight), e.g.
+        `lambda out: tf.reduce_sum(out) / batch_size`.
+      loss_inputs: optional structure of tensors with the batch along
+        `batch_dim` (labels, weights), split into micro-batches like the
+        inputs and passed to loss_fn.
+
+    Returns:
+      (loss, outputs): the summed loss (differentiable w.r.t. theta and the
+      float inputs) and the last cell's outputs for the whole mini-batch
+      (no gradient flows back through them; use them for metrics).
+    """
+    if not callable(loss_fn):
+      raise TypeError(
+        f'Pipeline {self.path!r}: FPropWithLoss needs loss_fn=fn(outputs) '
+        f'-> scalar; got {loss_fn!r}.'
+      )
+    with self._placement.Call():
+      return self._FPropWithLoss(theta, args, loss_fn, loss_inputs)
+
+  @tf.autograph.experimental.do_not_convert
+  def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs):
+    p = self.params
+    thetas, num_mb, seed = self._Prepare(theta, args)
+    num_j = len(thetas) * num_mb
+    if loss_inputs is None:
+
+      def LossFn(j, outputs):
+        del j
+        return loss_fn(outputs)
+
+    else:
+      with self._Device(self.num_stages - 1):
+        loss_mbs = microbatch.Split(loss_inputs, num_j, p.batch_dim)
+
+      def LossFn(j, outputs):
+        return loss_fn(outputs, loss_mbs[j])
+
+    return self.engine.WithLoss(thetas, args, num_mb, seed, LossFn)
 
   def _NumSplits(self, batch):
     """(replicas R, micro-batches per replica M) for a batch of `batch`."""

@@ -1,4 +1,4 @@
-"""The GPipe (fill-drain) schedule and a tracer that records it as it runs.
+"""Pipeline schedules (fill-drain, 1F1B, interleaved) and a tracer.
 
 With K cells and M micro-batches, at clock c cell k works on micro-batch
 m = c - k (forward), and the backward runs the same table mirrored. K=3, M=4:
@@ -11,6 +11,38 @@ m = c - k (forward), and the backward runs the same table mirrored. K=3, M=4:
 Each pass takes M + K - 1 clocks, of which each cell is idle K - 1: the
 bubble, a fraction (K - 1) / (M + K - 1) of the step (GPipe, Huang et al.
 2019, section 2.3). It is negligible for M >= 4K.
+
+Two more schedules (`SCHEDULES`; `ScheduleText(K, M, schedule=...)` prints
+their tables):
+
+'1f1b' (PipeDream-Flush, `OneFOneB`): cell k runs min(K - 1 - k, M)
+warm-up forwards, then alternates one forward and one backward, then drains
+its backwards. K=3, M=4 (one clock per pass, for the table):
+
+  clock     0   1   2   3   4   5   6   7   8   9  10  11
+  cell 0   F0  F1  F2   .   .  B0  F3  B1   .  B2   .  B3
+  cell 1    .  F0  F1   .  B0  F2  B1  F3  B2   .  B3   .
+  cell 2    .   .  F0  B0  F1  B1  F2  B2  F3  B3   .   .
+
+Micro-batch m's backward starts as soon as its forward leaves the last cell
+(this needs its loss there: `PipeliningLayer.FPropWithLoss`), so cell k
+holds at most K - k micro-batches' activations instead of M.
+
+'interleaved' (circular, `Interleaved`): K = v * D cells on D devices, cell
+k on device k mod D, each device's forwards in groups of D micro-batches
+through its v cells (Megatron's virtual stages), then the mirrored
+backward. Every cell does 1/v of a device's work per micro-batch, so the
+bubble shrinks from (D - 1) / (M + D - 1) to about (D - 1) / (v M + D - 1).
+K=4 cells on D=2 devices, M=4 (a clock is half a fill-drain clock):
+
+  clock            0   1   2   3   4   5   6   7   8   9 ...
+  cell 0  dev 0   F0  F1   .   .  F2  F3   .   .   .   .
+  cell 1  dev 1    .  F0  F1   .   .  F2  F3   .   .   .
+  cell 2  dev 0    .   .  F0  F1   .   .  F2  F3   .   .
+  cell 3  dev 1    .   .   .  F0  F1   .   .  F2  F3   .   (then B, mirrored)
+
+Each device is busy 8 of the 9 forward clocks: a bubble of 1/9, against
+1/5 for fill-drain with 2 cells and M=4.
 
 `ScheduleTracer` records when each (cell, micro-batch, pass) actually ran,
 with `tf.timestamp()` ops that execute on the cell's device right before the
@@ -35,7 +67,16 @@ __all__ = [
   'FORWARD',
   'BACKWARD',
   'FillDrain',
+  'OneFOneB',
+  'Interleaved',
+  'SCHEDULES',
+  'Build',
+  'InFlight',
+  'IdleFraction',
 ]
+
+# The schedules a PipeliningLayer accepts (Params().schedule).
+SCHEDULES = ('gpipe', '1f1b', 'interleaved')
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -91,6 +132,147 @@ def FillDrain(num_cells, num_micro_batches):
   return fwd + bwd
 
 
+def _Simulate(num_cells, num_devices, sequences):
+  """Clocks of per-device work sequences, each pass one clock.
+
+  Args:
+    num_cells: K.
+    num_devices: D; cell k runs on device k mod D.
+    sequences: [device] -> [(kind, cell, micro_batch)] in the order the
+      device runs them.
+
+  Returns:
+    [WorkItem] sorted by clock (then device): at each clock every device runs
+    its next item if what it needs finished at an earlier clock.
+  """
+  pos = [0] * num_devices
+  done = set()
+  out = []
+  clock = 0
+  total = sum(len(s) for s in sequences)
+  while len(out) < total:
+    ran = []
+    for d in range(num_devices):
+      if pos[d] == len(sequences[d]):
+        continue
+      kind, k, m = sequences[d][pos[d]]
+      if kind == FORWARD:
+        needs = [(FORWARD, k - 1, m)] if k > 0 else []
+      else:
+        needs = [(FORWARD, k, m)]
+        if k < num_cells - 1:
+          needs.append((BACKWARD, k + 1, m))
+      if all(n in done for n in needs):
+        ran.append(WorkItem(clock, k, m, kind))
+        pos[d] += 1
+    if not ran:
+      raise ValueError(f'The per-device orders {sequences} deadlock.')
+    done.update((w.kind, w.cell, w.micro_batch) for w in ran)
+    out.extend(ran)
+    clock += 1
+  return out
+
+
+def OneFOneB(num_cells, num_micro_batches):
+  """PipeDream-Flush's 1F1B schedule as [WorkItem] (module docstring).
+
+  Cell k runs min(K - 1 - k, M) warm-up forwards, then one forward and one
+  backward in turn, then the remaining backwards.
+  """
+  seqs = []
+  for k in range(num_cells):
+    warm = min(num_cells - 1 - k, num_micro_batches)
+    seq = [(FORWARD, k, m) for m in range(warm)]
+    for i in range(num_micro_batches - warm):
+      seq += [(FORWARD, k, warm + i), (BACKWARD, k, i)]
+    seq += [
+      (BACKWARD, k, m)
+      for m in range(num_micro_batches - warm, num_micro_batches)
+    ]
+    seqs.append(seq)
+  return _Simulate(num_cells, num_cells, seqs)
+
+
+def _CheckInterleaved(num_cells, num_devices):
+  if num_devices < 1 or num_cells % num_devices:
+    valid = ', '.join(str(num_devices * v) for v in range(1, 5))
+    raise ValueError(
+      f"schedule='interleaved' places cell k on device k mod D, so the "
+      f'{num_devices} devices must divide the number of cells; got '
+      f'{num_cells} cells. Use {valid}, ... cells (or another number of '
+      'devices).'
+    )
+
+
+def Interleaved(num_cells, num_micro_batches, num_devices):
+  """The interleaved (circular) schedule as [WorkItem] (module docstring).
+
+  Cell k runs on device k mod D. Each device runs its forwards in groups of
+  D micro-batches: group g through its first cell, then its second, ...;
+  the backward pass is the forward table mirrored in time.
+  """
+  _CheckInterleaved(num_cells, num_devices)
+  d_count = num_devices
+  seqs = []
+  for d in range(d_count):
+    cells = list(range(d, num_cells, d_count))
+    seq = []
+    for g in range(0, num_micro_batches, d_count):
+      group = range(g, min(g + d_count, num_micro_batches))
+      seq += [(FORWARD, k, m) for k in cells for m in group]
+    seqs.append(seq)
+  fwd = _Simulate(num_cells, d_count, seqs)
+  n = fwd[-1].clock + 1
+  bwd = sorted(
+    (
+      WorkItem(2 * n - 1 - w.clock, w.cell, w.micro_batch, BACKWARD)
+      for w in fwd
+    ),
+    key=lambda w: (w.clock, w.cell % d_count),
+  )
+  return fwd + bwd
+
+
+def Build(name, num_cells, num_micro_batches, num_devices=None):
+  """[WorkItem] of schedule `name` (one of SCHEDULES).
+
+  Args:
+    name: 'gpipe', '1f1b' or 'interleaved'.
+    num_cells: K.
+    num_micro_batches: M.
+    num_devices: D for 'interleaved' (cell k on device k mod D); None: K.
+  """
+  if name == 'gpipe':
+    return FillDrain(num_cells, num_micro_batches)
+  if name == '1f1b':
+    return OneFOneB(num_cells, num_micro_batches)
+  if name == 'interleaved':
+    return Interleaved(num_cells, num_micro_batches, num_devices or num_cells)
+  raise ValueError(f'schedule={name!r}; use one of {SCHEDULES}.')
+
+
+def InFlight(work, num_cells):
+  """[cell] -> the most micro-batches whose forward ran on the cell and
+  whose backward has not: what the cell keeps for its backward pass."""
+  live = [0] * num_cells
+  most = [0] * num_cells
+  for w in work:
+    live[w.cell] += 1 if w.kind == FORWARD else -1
+    most[w.cell] = max(most[w.cell], live[w.cell])
+  return most
+
+
+def IdleFraction(work, num_cells, num_devices=None):
+  """Idle fraction of each device over the table's clocks (cell k on
+  device k mod D); with K cells on D < K devices a clock is 1/v of a
+  fill-drain clock, so tables of different schedules compare directly
+  only at the same K."""
+  num_devices = num_devices or num_cells
+  clocks = max(w.clock for w in work) + 1
+  busy = len(work) / num_devices
+  return 1 - busy / clocks
+
+
 def BubbleFraction(num_cells, num_micro_batches):
   """Idle fraction of each device in the fill-drain schedule."""
   return (num_cells - 1) / (num_micro_batches + num_cells - 1)
@@ -101,24 +283,33 @@ def IdealSpeedup(num_cells, num_micro_batches):
   return num_cells * num_micro_batches / (num_micro_batches + num_cells - 1)
 
 
-def ScheduleText(num_cells, num_micro_batches):
-  """The clock-cycle table of the module docstring, for any K and M."""
-  fwd = {
-    (k, c): f'F{m}' for c, k, m in ForwardOrder(num_cells, num_micro_batches)
+def ScheduleText(
+  num_cells, num_micro_batches, schedule='gpipe', num_devices=None
+):
+  """The clock-cycle table of a schedule (module docstring), for any K, M.
+
+  With 'interleaved', each row also names the cell's device (k mod D).
+  """
+  work = Build(schedule, num_cells, num_micro_batches, num_devices)
+  cells = {
+    (w.cell, w.clock): ('F' if w.kind == FORWARD else 'B') + str(w.micro_batch)
+    for w in work
   }
-  n = num_micro_batches + num_cells - 1
-  bwd = {
-    (k, c + n): f'B{m}'
-    for c, k, m in BackwardOrder(num_cells, num_micro_batches)
-  }
-  cells = {**fwd, **bwd}
+  clocks = max(w.clock for w in work) + 1
   width = max(4, len(str(num_micro_batches)) + 2)
-  header = 'clock  ' + ''.join(f'{c:>{width}}' for c in range(2 * n))
+  d_count = num_devices or num_cells
+  label = (
+    (lambda k: f'cell {k:<2} dev {k % d_count:<2}')
+    if schedule == 'interleaved'
+    else (lambda k: f'cell {k:<2}')
+  )
+  pad = len(label(0))
+  header = f'{"clock":<{pad}}' + ''.join(f'{c:>{width}}' for c in range(clocks))
   rows = [header]
   for k in range(num_cells):
     rows.append(
-      f'cell {k:<2}'
-      + ''.join(f'{cells.get((k, c), "."):>{width}}' for c in range(2 * n))
+      label(k)
+      + ''.join(f'{cells.get((k, c), "."):>{width}}' for c in range(clocks))
     )
   return '\n'.join(rows)
 

@@ -59,6 +59,7 @@ class MultilingualTransformerBase(base_model_params.SingleTaskModelParams):
   NUM_MICRO_BATCHES = 16  # M.
   DEVICES = None  # None: the first NUM_STAGES accelerators.
   RECOMPUTE = 'always'
+  SCHEDULE = 'gpipe'  # Or '1f1b', 'interleaved' (docs/gpipe.md).
   BUCKET_UPPER_BOUND = (32, 64, 128)
   BUCKET_BATCH_LIMIT = (1024, 512, 256)  # ~32k tokens per bucket batch.
   BATCH_SIZE = 256  # Eval batches.
@@ -131,6 +132,7 @@ class MultilingualTransformerBase(base_model_params.SingleTaskModelParams):
       num_micro_batches=self.NUM_MICRO_BATCHES,
       devices=self.DEVICES,
       recompute=self.RECOMPUTE,
+      schedule=self.SCHEDULE,
       input_shapes=self._InputShapes(),
     )
     tp = p.train

@@ -225,8 +225,48 @@ def testPipelinedLossAndGradsEqualTheUnpipelinedOnes():
     )
 
 
-def testTrainStepRunsInATfFunction():
+@pytest.mark.parametrize(
+  'schedule, num_stages, devices',
+  [
+    ('1f1b', 2, None),
+    ('1f1b', 4, None),
+    ('interleaved', 4, ['/device:CPU:0', '/device:CPU:1']),
+  ],
+)
+def testSchedulesGiveTheSameLossMetricsAndGradients(
+  schedule, num_stages, devices
+):
+  """'1f1b' trains through the loss on the last cell (FPropWithLoss),
+  'interleaved' through FProp; both equal the unpipelined task."""
+  batch = _Batch(batch=8)
+  ref = _TaskParams(num_stages=1, num_micro_batches=1).Instantiate()
+  p = _TaskParams(num_stages=num_stages, num_micro_batches=4)
+  p.network.Set(schedule=schedule, devices=devices)
+  task = p.Instantiate()
+  assert task._LossOnLastCell() == (schedule == '1f1b')
+  loss1, grads1 = _LossAndGrads(ref, batch)
+  loss2, grads2 = _LossAndGrads(task, batch)
+  assert loss2 == pytest.approx(loss1, rel=1e-5)
+  assert grads1.keys() == grads2.keys()
+  for name in grads1:
+    np.testing.assert_allclose(
+      grads2[name].numpy(),
+      grads1[name].numpy(),
+      rtol=1e-4,
+      atol=1e-6,
+      err_msg=name,
+    )
+  with py_utils.StepSeed(0):
+    m1, _ = ref.FPropDefaultTheta(batch)
+    m2, _ = task.FPropDefaultTheta(batch)
+  for key in ('log_pplx', 'token_accuracy', 'num_tokens'):
+    np.testing.assert_allclose(m2[key][0], m1[key][0], rtol=1e-5)
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def testTrainStepRunsInATfFunction(schedule):
   model_p = _TaskParams(num_stages=2, num_micro_batches=2)
+  model_p.network.schedule = schedule
   task = model_p.Instantiate()
   step = tf.function(task.TrainStep, autograph=False)
   batch = _Batch(batch=8)

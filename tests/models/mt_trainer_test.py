@@ -8,8 +8,11 @@ are built on the fly, as on a fresh machine.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 from lingvo_gpipe.runners import checkpointer
 
@@ -83,3 +86,51 @@ def testTinyTransformerTrainsAndIsScored(tmp_path):
   scores = json.loads(out.read_text())
   assert scores['step'] == 3 and 0.0 <= scores['bleu'] <= 100.0
   assert any(k.startswith('bleu_') and k.endswith('-en') for k in scores)
+
+
+def _StepLog(log):
+  """{step: (loss, grad_norm)} from the trainer's step lines."""
+  out = {}
+  for line in log.splitlines():
+    match = re.search(
+      r'step +(\d+)/\d+ +loss (\S+) +lr \S+ +grad_norm (\S+)', line
+    )
+    if match:
+      out[int(match.group(1))] = (float(match.group(2)), float(match.group(3)))
+  return out
+
+
+@pytest.mark.slow
+def testTinyTransformerTrainsWithOneFOneBLikeGPipe(tmp_path):
+  """The registered model takes schedule='1f1b' through a Params override
+  and trains through the loss on the last cell: the same losses and
+  gradient norms, step by step, as with the default 'gpipe'."""
+  logs = {}
+  for schedule in ('gpipe', '1f1b'):
+    res = subprocess.run(
+      [
+        sys.executable,
+        '-m',
+        'lingvo_gpipe.trainer',
+        f'--model={MODEL}',
+        f'--logdir={tmp_path / schedule}',
+        '--num_cpu_devices=2',
+        '--run_locally=cpu',
+        '--mode=sync',
+        '--max_steps=3',
+        '--log_interval_steps=1',
+        f"--model_params_override=task.network.schedule : '{schedule}'",
+      ],
+      cwd=REPO,
+      env=_Env(tmp_path / 'cache'),
+      capture_output=True,
+      text=True,
+      timeout=240,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    logs[schedule] = _StepLog(res.stderr)
+  assert sorted(logs['1f1b']) == sorted(logs['gpipe']) == [1, 2, 3]
+  for step, (loss, grad_norm) in logs['gpipe'].items():
+    loss_1f1b, norm_1f1b = logs['1f1b'][step]
+    assert loss_1f1b == pytest.approx(loss, rel=1e-4), step
+    assert norm_1f1b == pytest.approx(grad_norm, rel=1e-3), step

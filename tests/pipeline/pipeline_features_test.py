@@ -2,7 +2,7 @@
 
 Deterministic re-materialization of random ops, weights shared across cells,
 batch norm statistics per micro-batch with moving averages over the whole
-mini-batch, partitioning by every cost source.
+mini-batch (each for every schedule), partitioning by every cost source.
 """
 
 import numpy as np
@@ -15,25 +15,39 @@ from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import pipeline_layers
 
-DEVICES = pipeline_layers.DEVICES
+plt = pipeline_layers
+DEVICES = plt.DEVICES
+SCHEDULES = plt.SCHEDULES
 PipeliningLayer = pipelining_layer.PipeliningLayer
 
 
+def Run(pipe, x, loss_fn):
+  """(outputs, loss) of `pipe` on x: FProp then loss_fn for 'gpipe', the
+  loss on the last cell (FPropWithLoss) for the other schedules."""
+  if plt.UsesLoss(pipe):
+    loss, y = pipe.FPropWithLoss(pipe.theta, x, loss_fn=loss_fn)
+    return y, loss
+  y = pipe(x)
+  return y, loss_fn(y)
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('policy', ['always', 'never'])
-def testRecomputeDrawsTheForwardRandomValues(policy):
+def testRecomputeDrawsTheForwardRandomValues(policy, schedule):
   """d(sum(y))/dx = u: equal to y / x only if the recompute redraws u."""
   layers = [
-    pipeline_layers.RandomScale.Params().Set(name=f'r{i}') for i in range(2)
+    pipeline_layers.RandomScale.Params().Set(name=f'r{i}') for i in range(4)
   ]
   pipe = (
     PipeliningLayer.Params()
     .Set(
       name='pipe',
       layers=layers,
-      num_stages=2,
+      num_stages=4,
       num_micro_batches=4,
-      devices=DEVICES[:2],
+      devices=plt.Devices(schedule, 4),
       recompute=policy,
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -44,8 +58,7 @@ def testRecomputeDrawsTheForwardRandomValues(policy):
     with py_utils.StepSeed(step):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        y = pipe(x)
-        total = tf.reduce_sum(y)
+        y, total = Run(pipe, x, tf.reduce_sum)
       return y, tape.gradient(total, x)
 
   y, dx = Step(x, tf.constant(7, tf.int64))
@@ -89,7 +102,8 @@ def _TiedLayers():
   return layers
 
 
-def testWeightsSharedAcrossCells():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testWeightsSharedAcrossCells(schedule):
   """First and last cell use one variable; gradients from both are summed."""
   x, w = pipeline_layers.Inputs()
   ref = (
@@ -104,7 +118,8 @@ def testWeightsSharedAcrossCells():
       layers=_TiedLayers(),
       num_stages=4,
       num_micro_batches=4,
-      devices=DEVICES,
+      devices=plt.Devices(schedule, 4),
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -249,7 +264,8 @@ def testFPropMetaOfPipeline():
   assert base_layer.CountParams(p) == 4 * (36 + 6)
 
 
-def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages(schedule):
   num_mb, batch, dim = 4, 16, 6
   layers = pipeline_layers.NormLayers(dim)
   pipe = (
@@ -259,8 +275,9 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
       layers=layers,
       num_stages=2,
       num_micro_batches=num_mb,
-      devices=DEVICES[:2],
+      devices=plt.Devices(schedule, 2),
       splits=[2, 3],
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -273,8 +290,7 @@ def testBatchNormPerMicroBatchStatsAndWholeBatchMovingAverages():
   def Train(x):
     with py_utils.UpdateCollector() as updates:
       with tf.GradientTape() as tape:
-        y = pipe(x)
-        loss = tf.reduce_sum(y * y)
+        y, loss = Run(pipe, x, lambda y: tf.reduce_sum(y * y))
       grads = tape.gradient(loss, pipe.trainable_variables)
     updates.Apply()
     return y, grads, len(updates.updates)

@@ -3,7 +3,10 @@
 The heart of the project's tests. A PipeliningLayer and a plain sequential
 stack built from the same layer Params get the same variable names, hence the
 same initial weights; their outputs and gradients must agree to float32
-rounding for every number of cells K and micro-batches M.
+rounding for every number of cells K and micro-batches M, and for every
+schedule: 'gpipe' through FProp, '1f1b' and 'interleaved' through
+FPropWithLoss (the loss on the last cell, forwards and backwards in the
+schedule's order).
 """
 
 import numpy as np
@@ -24,6 +27,10 @@ LossAndGrads = pipeline_layers.LossAndGrads
 MaxRelDiff = pipeline_layers.MaxRelDiff
 AssertClose = pipeline_layers.AssertClose
 _Inputs = pipeline_layers.Inputs
+SCHEDULES = pipeline_layers.SCHEDULES
+Devices = pipeline_layers.Devices
+UsesLoss = pipeline_layers.UsesLoss
+WeightedSum = pipeline_layers.WeightedSum
 
 
 @pytest.fixture(scope='module')
@@ -31,17 +38,25 @@ def reference():
   return pipeline_layers.Reference()
 
 
+@pytest.mark.parametrize(
+  'schedule, num_micro_batches',
+  [(s, m) for s in SCHEDULES for m in [1, 2, 4]]
+  + [
+    pytest.param(s, 8, marks=pytest.mark.slow if s != 'gpipe' else ())
+    for s in SCHEDULES
+  ],
+)
 @pytest.mark.parametrize('num_stages', [1, 2, 4])
-@pytest.mark.parametrize('num_micro_batches', [1, 2, 4, 8])
-def testTransparency(reference, num_stages, num_micro_batches):
+def testTransparency(reference, num_stages, num_micro_batches, schedule):
   ref, x, w, (ref_out, ref_loss, ref_grads, ref_in_grads) = reference
   p = pipelining_layer.PipeliningLayer.Params().Set(
     name='pipe',
     layers=DenseLayers(),
     num_stages=num_stages,
     num_micro_batches=num_micro_batches,
-    devices=DEVICES[:num_stages],
+    devices=Devices(schedule, num_stages),
     input_shapes=[[8, 6]],
+    schedule=schedule,
   )
   pipe = p.Instantiate()
   assert pipe.num_stages == num_stages
@@ -58,18 +73,20 @@ def testTransparency(reference, num_stages, num_micro_batches):
   AssertClose(in_grads, ref_in_grads)
 
 
+@pytest.mark.parametrize('schedule', SCHEDULES)
 @pytest.mark.parametrize('policy', pipelining_layer.RECOMPUTE_POLICIES)
-def testRecomputePoliciesGiveSameGradients(reference, policy):
+def testRecomputePoliciesGiveSameGradients(reference, policy, schedule):
   _, x, w, (ref_out, _, ref_grads, _) = reference
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
       name='pipe',
       layers=DenseLayers(),
-      num_stages=2,
+      num_stages=2 if schedule != 'interleaved' else 4,
       num_micro_batches=4,
-      devices=DEVICES[:2],
+      devices=Devices(schedule, 2 if schedule != 'interleaved' else 4),
       recompute=policy,
+      schedule=schedule,
     )
     .Instantiate()
   )
@@ -79,7 +96,8 @@ def testRecomputePoliciesGiveSameGradients(reference, policy):
     assert MaxRelDiff(grads[name], ref_grads[name]) <= 1e-5, name
 
 
-def testCellTplFormAndNestedState():
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testCellTplFormAndNestedState(schedule):
   """Lingvo's cell_tpl form with a two-tensor NestedMap state."""
   cells = [
     pipelining_layer.FeatureExtractionLayer.Params().Set(
@@ -102,7 +120,13 @@ def testCellTplFormAndNestedState():
   )
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
-    .Set(name='pipe', cell_tpl=cells, num_micro_batches=4, devices=DEVICES[:3])
+    .Set(
+      name='pipe',
+      cell_tpl=cells,
+      num_micro_batches=4,
+      devices=DEVICES[:3] if schedule != 'interleaved' else DEVICES[:1],
+      schedule=schedule,
+    )
     .Instantiate()
   )
   flat_pipe = (
@@ -147,8 +171,9 @@ def testEvalModeForwardOnly(reference):
   AssertClose(out, ref_out)
 
 
-def testEagerExecution(reference):
-  _, x, w, (ref_out, _, ref_grads, _) = reference
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testEagerExecution(reference, schedule):
+  _, x, w, (ref_out, _, ref_grads, ref_in) = reference
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
@@ -156,17 +181,16 @@ def testEagerExecution(reference):
       layers=DenseLayers(),
       num_stages=2,
       num_micro_batches=2,
-      devices=DEVICES[:2],
+      devices=Devices(schedule, 2),
+      schedule=schedule,
     )
     .Instantiate()
   )
-  with tf.GradientTape() as tape:
-    out = pipe(x)
-    loss = tf.reduce_sum(out * w)
-  grads = tape.gradient(loss, pipe.trainable_variables)
+  out, _, grads, in_grads = LossAndGrads(pipe, (x,), w, eager=True)
   AssertClose(out, ref_out)
-  for v, g in zip(pipe.trainable_variables, grads):
-    assert MaxRelDiff(g, ref_grads[v.name]) <= 1e-5
+  AssertClose(in_grads, ref_in)
+  for name, g in grads.items():
+    assert MaxRelDiff(g, ref_grads[name]) <= 1e-5
 
 
 def testVariablesLiveOnTheirCellsDevice():

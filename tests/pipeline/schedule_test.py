@@ -164,3 +164,82 @@ def testTracerRecordsEventsRelativeToFirstStart():
     (schedule.FORWARD, 0, 0, 0.0, 1.5),
     (schedule.BACKWARD, 1, 0, 2.0, 3.0),
   ]
+
+
+def _CheckOrder(work, k, m):
+  from lingvo_gpipe.pipeline import engine  # pylint: disable=g-import-not-at-top
+
+  engine.CheckSchedule(work, k, m)  # Dependencies, each item once.
+  assert [w.clock for w in work] == sorted(w.clock for w in work)
+
+
+@pytest.mark.parametrize('k, m', _SHAPES + [(2, 16), (4, 8)])
+def testOneFOneBKeepsAtMostKMinusKMicroBatchesPerCell(k, m):
+  work = schedule.OneFOneB(k, m)
+  _CheckOrder(work, k, m)
+  assert schedule.InFlight(work, k) == [min(k - c, m) for c in range(k)]
+  assert schedule.InFlight(schedule.FillDrain(k, m), k) == [m] * k
+  # One item per cell per clock.
+  assert len({(w.clock, w.cell) for w in work}) == len(work)
+  # After the warm-up, cell 0 alternates one forward and one backward.
+  kinds = [w.kind[0] for w in work if w.cell == 0]
+  warm = min(k - 1, m)
+  assert kinds[:warm] == ['f'] * warm
+  assert kinds[warm : warm + 2 * (m - warm)] == ['f', 'b'] * (m - warm)
+
+
+def testOneFOneBK3M4MatchesTheTable():
+  rows = schedule.ScheduleText(3, 4, schedule='1f1b').split('\n')
+  assert rows[1].split()[2:] == ('F0 F1 F2 . . B0 F3 B1 . B2 . B3'.split())
+  assert rows[3].split()[2:] == ('. . F0 B0 F1 B1 F2 B2 F3 B3 . .'.split())
+  assert len({len(r) for r in rows}) == 1
+
+
+@pytest.mark.parametrize(
+  'k, m, d', [(4, 4, 2), (4, 1, 2), (6, 5, 3), (8, 8, 2)]
+)
+def testInterleavedRunsOneItemPerDeviceAndClock(k, m, d):
+  work = schedule.Interleaved(k, m, d)
+  _CheckOrder(work, k, m)
+  assert len({(w.clock, w.cell % d) for w in work}) == len(work)
+  # The backward is the forward mirrored.
+  fwd = [w for w in work if w.kind == schedule.FORWARD]
+  n = fwd[-1].clock + 1
+  bwd = {(w.cell, w.micro_batch): w.clock for w in work if w not in fwd}
+  for w in fwd:
+    assert bwd[(w.cell, w.micro_batch)] == 2 * n - 1 - w.clock
+
+
+def testInterleavedShrinksTheBubble():
+  fwd = [w for w in schedule.Interleaved(4, 4, 2) if w.kind == 'forward']
+  assert schedule.IdleFraction(fwd, 4, 2) == pytest.approx(1 / 9)
+  gpipe = [w for w in schedule.FillDrain(2, 4) if w.kind == 'forward']
+  assert schedule.IdleFraction(gpipe, 2) == pytest.approx(1 / 5)
+  assert schedule.BubbleFraction(2, 4) == pytest.approx(1 / 5)
+  # Groups of D micro-batches go through a device's first cell, then its
+  # second: device 0 runs F0 F1 of cell 0, F0 F1 of cell 2, F2 F3 of cell 0.
+  dev0 = [(w.cell, w.micro_batch) for w in fwd if w.cell % 2 == 0]
+  assert dev0[:6] == [(0, 0), (0, 1), (2, 0), (2, 1), (0, 2), (0, 3)]
+
+
+def testInterleavedTableNamesDevices():
+  rows = schedule.ScheduleText(4, 4, 'interleaved', num_devices=2).split('\n')
+  assert rows[1].startswith('cell 0  dev 0') and rows[2].startswith(
+    'cell 1  dev 1'
+  )
+  assert rows[3].split()[4:8] == ['.', '.', 'F0', 'F1']
+  assert len({len(r) for r in rows}) == 1
+
+
+def testScheduleTextOfGPipeIsTheDefault():
+  assert schedule.ScheduleText(3, 4) == schedule.ScheduleText(3, 4, 'gpipe')
+  assert schedule.Build('gpipe', 3, 4) == schedule.FillDrain(3, 4)
+
+
+def testBadScheduleNamesAndCounts():
+  with pytest.raises(ValueError, match=r"schedule='zigzag'; use one of"):
+    schedule.Build('zigzag', 2, 2)
+  with pytest.raises(
+    ValueError, match=r'2 devices must divide .* got 3 cells. Use 2, 4, 6, 8'
+  ):
+    schedule.Interleaved(3, 4, 2)

@@ -10,8 +10,18 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.pipeline import pipelining_layer
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
+SCHEDULES = pipelining_layer.SCHEDULES
+
+
+def Devices(schedule, num_cells):
+  """The devices of a pipeline of `num_cells`: 'interleaved' puts two cells
+  on each device (cell k on device k mod D)."""
+  if schedule == 'interleaved':
+    return DEVICES[: max(1, num_cells // 2)]
+  return DEVICES[:num_cells]
 
 
 class Dense(base_layer.BaseLayer):
@@ -97,24 +107,47 @@ def DenseLayers(n=8, dim=6):
   ]
 
 
-def LossAndGrads(layer, inputs, weights):
-  """tf.function: loss = sum(out * weights); returns (out, loss, grads)."""
+def WeightedSum(out, weights):
+  return tf.add_n(
+    [
+      tf.reduce_sum(o * w)
+      for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
+    ]
+  )
+
+
+def UsesLoss(layer):
+  """Whether `LossAndGrads` trains `layer` through FPropWithLoss."""
+  return (
+    isinstance(layer, pipelining_layer.PipeliningLayer)
+    and layer.params.schedule != 'gpipe'
+  )
+
+
+def LossAndGrads(layer, inputs, weights, eager=False):
+  """tf.function: loss = sum(out * weights); returns (out, loss, grads).
+
+  A pipeline whose schedule is not 'gpipe' computes each micro-batch's share
+  of the loss on its last cell (FPropWithLoss, weights split with the
+  inputs).
+  """
   variables = layer.trainable_variables
 
-  @tf.function
   def Step(inputs):
     with tf.GradientTape() as tape:
       tape.watch(tf.nest.flatten(inputs))
-      out = layer(*inputs)
-      loss = tf.add_n(
-        [
-          tf.reduce_sum(o * w)
-          for o, w in zip(tf.nest.flatten(out), tf.nest.flatten(weights))
-        ]
-      )
+      if UsesLoss(layer):
+        loss, out = layer.FPropWithLoss(
+          layer.theta, *inputs, loss_fn=WeightedSum, loss_inputs=weights
+        )
+      else:
+        out = layer(*inputs)
+        loss = WeightedSum(out, weights)
     grads = tape.gradient(loss, (variables, inputs))
     return out, loss, grads
 
+  if not eager:
+    Step = tf.function(Step)
   out, loss, (var_grads, in_grads) = Step(inputs)
   named = {v.name: g for v, g in zip(variables, var_grads)}
   return out, loss, named, in_grads

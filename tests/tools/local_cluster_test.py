@@ -184,3 +184,50 @@ def testBenchmarkReportsPeakBytesPerWorker(tmp_path):
   assert all(v > 0 for v in piped.values())
   assert min(by[2]['activation_bytes'].values()) > 0
   assert "each worker process's allocator" in res.stdout
+
+
+def testBenchmarkSchedulesRecordsAndTimelines(tmp_path):
+  out_json = tmp_path / 'bench.json'
+  trace_dir = tmp_path / 'trace'
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
+  cmd = [
+    sys.executable,
+    str(ROOT / 'tools' / 'benchmark_pipeline.py'),
+    '--mode=in_process',
+    '--model=mlp',
+    '--configs=0x1x0,2x4x1',
+    '--schedules=gpipe,1f1b,interleaved',
+    '--batch_size=16',
+    '--dim=16',
+    '--num_blocks=4',
+    '--steps=1',
+    '--warmup=1',
+    f'--trace={trace_dir}',
+    '--trace_micro_batches=4',
+    f'--json={out_json}',
+  ]
+  res = subprocess.run(
+    cmd, env=env, capture_output=True, text=True, timeout=300
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  result = json.loads(out_json.read_text())
+  rows = {(r['schedule'], r['num_cells']): r for r in result['records']}
+  assert set(rows) == {(None, 0), ('gpipe', 2), ('1f1b', 2), ('interleaved', 4)}
+  assert rows[('interleaved', 4)]['num_stages'] == 2  # 4 cells, 2 devices
+  assert rows[('interleaved', 4)]['ideal_speedup'] == pytest.approx(16 / 9)
+  pngs = {name: t['png'] for name, t in result['trace'].items()}
+  assert sorted(pngs) == ['1f1b', 'gpipe', 'interleaved']
+  assert len(set(pngs.values())) == 3
+  assert all(os.path.getsize(p) > 0 for p in pngs.values())
+  # The interleaved timeline has a row per cell: 4 cells on 2 devices.
+  assert len(result['trace']['interleaved']['utilization']) == 4
+  assert 'schedule' in res.stdout.splitlines()[0]
+  bad = subprocess.run(
+    cmd[:2] + ['--schedules=gpipe,zigzag'],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert bad.returncode == 2
+  assert 'use a comma list of gpipe, 1f1b, interleaved' in bad.stderr

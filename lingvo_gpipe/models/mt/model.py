@@ -26,6 +26,12 @@ the metrics are token-weighted means over the whole batch:
   token_accuracy  argmax == label
   num_tokens  the target tokens of the batch (weight 1)
 
+With `network.schedule = '1f1b'` the loss is computed on the last cell per
+micro-batch (`PipeliningLayer.FPropWithLoss`: each micro-batch's share is
+its summed cross-entropy over the batch's target tokens), so a micro-batch's
+backward starts before the others' forwards; the metrics and gradients are
+the same as with 'gpipe'.
+
 `Decode` runs the SAME layers outside the pipeline in eval mode: the
 encoder once, then greedy (beam_size = 1) or beam search with length
 normalization, each step running the decoder layers over the fixed-size
@@ -179,9 +185,32 @@ class TransformerMTTask(base_model.BaseTask):
       tgt_weights=weights,
     )
 
+  def _LossOnLastCell(self):
+    """Whether training computes the loss on the pipeline's last cell."""
+    net = self.network
+    return (
+      not self.do_eval
+      and hasattr(net, 'FPropWithLoss')
+      and net.params.schedule == '1f1b'
+    )
+
   def ComputePredictions(self, theta, input_batch):
-    """NestedMap(xent, nll, correct, num_tokens), each [b]."""
-    out = self.network.FProp(theta.network, self._PipelineInput(input_batch))
+    """NestedMap(xent, nll, correct, num_tokens), each [b]; with the loss
+    on the last cell (schedule '1f1b') also `loss`, the training loss."""
+    pipe_in = self._PipelineInput(input_batch)
+    if self._LossOnLastCell():
+      total = tf.reduce_sum(pipe_in.tgt_weights)
+
+      def LossFn(out):
+        return tf.math.divide_no_nan(tf.reduce_sum(out.xent), total)
+
+      loss, out = self.network.FPropWithLoss(
+        theta.network, pipe_in, loss_fn=LossFn
+      )
+      out = NestedMap(out)
+      out.loss = loss
+      return out
+    out = self.network.FProp(theta.network, pipe_in)
     if isinstance(out, tuple) and len(out) == 1:
       out = out[0]
     return out
@@ -194,8 +223,9 @@ class TransformerMTTask(base_model.BaseTask):
     def Mean(x):
       return tf.math.divide_no_nan(tf.reduce_sum(x), total)
 
+    loss = predictions.loss if 'loss' in predictions else None
     metrics = NestedMap(
-      loss=(Mean(predictions.xent), total),
+      loss=(Mean(predictions.xent) if loss is None else loss, total),
       log_pplx=(Mean(predictions.nll), total),
       token_accuracy=(Mean(predictions.correct), total),
       num_tokens=(total, tf.constant(1.0)),
