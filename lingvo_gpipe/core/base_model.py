@@ -43,7 +43,13 @@ from lingvo_gpipe.core import learner as learner_lib
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseTask', 'SingleTaskModel', 'AverageMetric', 'MetricsAggregator']
+__all__ = [
+  'BaseTask',
+  'SingleTaskModel',
+  'AverageMetric',
+  'MetricsAggregator',
+  'IsCountMetric',
+]
 
 
 def _VarName(v):
@@ -370,8 +376,15 @@ class AverageMetric:
     )
 
 
+def IsCountMetric(name):
+  """Metrics named num_* (e.g. num_preds) count examples: over batches they
+  are summed, not averaged."""
+  return name.startswith('num_')
+
+
 class MetricsAggregator:
-  """Weighted means of EvalStep metrics over batches.
+  """Weighted means of EvalStep metrics over batches (counts, `num_*`,
+  summed).
 
   agg = MetricsAggregator()
   for batch in dataset:
@@ -388,8 +401,11 @@ class MetricsAggregator:
       self._metrics.setdefault(name, AverageMetric()).Update(value, weight)
 
   def Result(self):
-    """{name: weighted mean} of every metric seen."""
-    return {k: m.value for k, m in sorted(self._metrics.items())}
+    """{name: weighted mean (a count: the sum)} of every metric seen."""
+    return {
+      k: m.total_value if IsCountMetric(k) else m.value
+      for k, m in sorted(self._metrics.items())
+    }
 
   def TotalWeight(self, name):
     return self._metrics[name].total_weight if name in self._metrics else 0.0

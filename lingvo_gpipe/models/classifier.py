@@ -13,7 +13,8 @@ key is honored):
   log_pplx  plain cross-entropy (equals loss without label smoothing)
   accuracy, error       top-1
   acc5, error5          top-5 (when num_classes >= 5)
-  num_preds             number of examples (weight 1)
+  num_preds             number of examples (weight 1; a count, summed
+                        over the batches of an evaluation)
 per_example: NestedMap(loss=[b], argmax=int32 [b]).
 Weight decay comes from the learner (p.train.l2_regularizer_weight).
 """

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.models.mt import evaluation
 from lingvo_gpipe.runners import checkpointer as ckpt_lib
@@ -225,8 +226,15 @@ class Evaler:
         f'The {self._dataset} input produced no batch; check '
         'its file_pattern / num_samples / batch_size.'
       )
+    # Counts (num_preds, ...) are summed over the batches, the others are
+    # weighted means.
     metrics = {
-      k: (sums[k] / weights[k] if weights[k] else float('nan')) for k in sums
+      k: (
+        sums[k]
+        if base_model.IsCountMetric(k)
+        else (sums[k] / weights[k] if weights[k] else float('nan'))
+      )
+      for k in sums
     }
     return metrics, weights, num_batches
 

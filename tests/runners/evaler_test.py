@@ -49,6 +49,7 @@ def testEvaluatesLatestCheckpointOnceAndRecords(logdir, tmp_path):
   rec = records[0]
   assert rec['dataset'] == 'dev' and rec['checkpoint'].endswith('ckpt-6')
   assert rec['weights']['loss'] == 180.0  # The whole dev set, padding out.
+  assert rec['metrics']['num_preds'] == 180.0  # A count: summed.
   assert 0.0 <= rec['metrics']['accuracy'] <= 1.0
   assert ev.eval_dir == os.path.join(str(logdir), 'eval_dev')
   assert evaler.ReadResults(ev.eval_dir) == records
