@@ -88,6 +88,7 @@ _SMALL = [
     ['--budget_mb=512', '--configs=pipeline-2', '--max_size=2'],
   ),
   ('accelerator_check.py', []),
+  ('plan.py', []),
   ('eval_bleu.py', ['--max_batches=1', '--beam_size=1']),
 ]
 
@@ -116,6 +117,7 @@ _GROUPS = {
   'multihost': (True, ['local_cluster.py', '--logdir=/tmp/mh']),
   'benchmarks': (True, ['benchmark_pipeline.py']),
   'capacity': (True, ['max_model_size.py']),
+  'planner': (True, ['plan.py']),
   'mt': (True, ['TransformerTiny']),
 }
 

@@ -1,5 +1,8 @@
 """The pipeline engine: runs a schedule of cell work items on their devices.
 
+Over 500 lines: the forward pass, the backward pass and the per-micro-batch
+loss path all walk one schedule with one ordering of each device's work.
+
 `PipelineEngine` knows nothing of Params or layers: it is given a function
 that runs cell k on one micro-batch, a `placement.StagePlacement` and a
 schedule, an ordered list of `schedule.WorkItem`s (clock, cell, micro-batch,

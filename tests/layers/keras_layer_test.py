@@ -12,6 +12,14 @@ from lingvo_gpipe.pipeline import pipelining_layer
 DEVICES = ['/device:CPU:0', '/device:CPU:1']
 
 
+@pytest.fixture(autouse=True)
+def _NoGlobalSeedAfterwards():
+  """keras.utils.set_random_seed sets TensorFlow's global seed, which
+  changes the op seeds of later tests in this process: unset it after."""
+  yield
+  tf.random.set_seed(None)
+
+
 def _Model(*extra):
   keras.utils.set_random_seed(1)
   return keras.Sequential(
