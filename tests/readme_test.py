@@ -162,9 +162,8 @@ def testEveryReadmeCommandIsInOneGroup():
 def _Small(command, tmp_path, spec=None):
   args = shlex.split(command)
   assert args[0] == 'python', command
-  args[0] = sys.executable
-  out = []
-  for a in args:
+  out = [sys.executable]  # Its path may itself be under /tmp.
+  for a in args[1:]:
     a = re.sub(r'/tmp/', f'{tmp_path}/', a)
     if spec and 'PORT0' in a:
       a = '--cluster_spec=worker=' + ','.join(spec['worker'])
