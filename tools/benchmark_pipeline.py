@@ -625,7 +625,7 @@ def _TraceOne(args, devices, name):
     args,
     k,
     args.trace_micro_batches,
-    True,
+    bool(args.trace_recompute),
     devices,
     tracer=tracer,
     jit_compile=args.jit_compile == '1',
@@ -723,6 +723,12 @@ def main(argv=None):
   )
   parser.add_argument('--trace_stages', type=int, default=2)
   parser.add_argument('--trace_micro_batches', type=int, default=8)
+  parser.add_argument(
+    '--trace_recompute',
+    type=int,
+    default=1,
+    help='--trace: re-materialize in the traced run (1) or not (0).',
+  )
   parser.add_argument(
     '--worker_inter_op_threads',
     type=int,

@@ -31,6 +31,7 @@ from tensorflow.python.util import deprecation as _deprecation
 
 __all__ = [
   'CouldPossiblyRecord',
+  'ShouldRecordBackprop',
   'VariableWatcher',
   'RecordOperation',
   'OpFlops',
@@ -45,6 +46,12 @@ __all__ = [
 def CouldPossiblyRecord():
   """Whether a gradient tape could record an op built now."""
   return _record.could_possibly_record()
+
+
+def ShouldRecordBackprop(tensors):
+  """Whether an active gradient tape watches any of `tensors` (the
+  pipeline skips the gradient of inputs that no tape asks for)."""
+  return bool(tensors) and _record.should_record_backprop(tensors)
 
 
 def VariableWatcher():

@@ -291,11 +291,14 @@ class PipelineEngine:
           y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
       else:
         y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
+      # The backward differentiates the tape's own outputs, not the placed
+      # or stamped copies made after the tape stopped recording.
+      y_taped = y
       y = self._Place(y, k)
       if tracer is not None:
         end, y = graph_ops.Stamp(y)
         tracer.Record(('forward', r * self._num_cells + k, j), start, end)
-      saved[(k, j)] = (x, tape, y, seed_m, finish)
+      saved[(k, j)] = (x, tape, y_taped, seed_m, finish)
       last_on_device[key] = y
     return y, upd, raw
 
@@ -316,6 +319,7 @@ class PipelineEngine:
     # their gradients are summed into replica 0's.
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
+    input_grads = _tf_internal.ShouldRecordBackprop(inputs)
     with _tf_internal.VariableWatcher() as watcher:
       last_on_device = {}
       outs, updates, saved = self.Forward(
@@ -338,7 +342,14 @@ class PipelineEngine:
 
       def Backward(*dys):
         return self.Backward(
-          thetas, args, outs, saved, dys, num_mb, after=last_on_device
+          thetas,
+          args,
+          outs,
+          saved,
+          dys,
+          num_mb,
+          after=last_on_device,
+          input_grads=input_grads,
         )
 
       _tf_internal.RecordOperation(
@@ -360,7 +371,7 @@ class PipelineEngine:
       )
 
   def ForwardBackwardWithLoss(
-    self, thetas, args, num_mb, seed, loss_fn, train=True
+    self, thetas, args, num_mb, seed, loss_fn, train=True, input_grads=True
   ):
     """Runs the whole schedule, forward and backward items in list order,
     with each micro-batch's loss computed on the last cell.
@@ -373,6 +384,7 @@ class PipelineEngine:
       loss_fn: fn(j, outputs tuple of the last cell on micro-batch j) ->
         scalar, micro-batch j's share of the loss (the shares are summed).
       train: build the backward items; False: the forwards only.
+      input_grads: compute the gradients of the inputs (see `Backward`).
 
     Returns:
       (loss, outputs of the last cell for the whole mini-batch, updates,
@@ -409,6 +421,7 @@ class PipelineEngine:
             theta_acc,
             tracer,
             last_on_device,
+            input_grads,
           )
           continue
         finish = None
@@ -446,7 +459,9 @@ class PipelineEngine:
       )
     grads = None
     if train:
-      grads = self._JoinGradients(thetas, args, grads_state, theta_acc, num_mb)
+      grads = self._JoinGradients(
+        thetas, args, grads_state, theta_acc, num_mb, input_grads
+      )
     return loss, outs, updates, grads
 
   def _LossOf(self, j, loss_fn):
@@ -472,7 +487,13 @@ class PipelineEngine:
     train = _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
       loss, outs, updates, grads = self.ForwardBackwardWithLoss(
-        thetas, args, num_mb, seed, loss_fn, train=train
+        thetas,
+        args,
+        num_mb,
+        seed,
+        loss_fn,
+        train=train,
+        input_grads=_tf_internal.ShouldRecordBackprop(inputs),
       )
     self._CheckNoDirectReads(watcher)
     with self._Device(self._num_cells - 1):
@@ -497,11 +518,24 @@ class PipelineEngine:
       )
     return result, outs
 
-  def Backward(self, thetas, inputs, outs, saved, dys, num_mb, after=None):
+  def Backward(
+    self,
+    thetas,
+    inputs,
+    outs,
+    saved,
+    dys,
+    num_mb,
+    after=None,
+    input_grads=True,
+  ):
     """The backward schedule; returns grads of (input tensors, thetas[0]).
 
     `after`: {device: its last forward output}; with strict_order each
-    device's first backward item waits for it.
+    device's first backward item waits for it. `input_grads`: False when no
+    gradient tape watches the pipeline's inputs (e.g. they come from the
+    input pipeline): cell 0 then skips the gradient of its input, and the
+    inputs' gradients are None.
     """
     num_cells = self._num_cells
     num_rep = len(thetas)
@@ -545,8 +579,11 @@ class PipelineEngine:
           theta_acc,
           tracer,
           last_on_device,
+          input_grads,
         )
-    return self._JoinGradients(thetas, inputs, grads_state, theta_acc, num_mb)
+    return self._JoinGradients(
+      thetas, inputs, grads_state, theta_acc, num_mb, input_grads
+    )
 
   def _BackwardItem(
     self,
@@ -559,6 +596,7 @@ class PipelineEngine:
     theta_acc,
     tracer,
     last_on_device,
+    input_grads=True,
   ):
     """Builds the backward of work item `w` on replica r (micro-batch j)."""
     k = w.cell
@@ -573,11 +611,14 @@ class PipelineEngine:
         theta_acc[r][k],
         tracer,
         ('backward', r * self._num_cells + k, j),
+        input_grad=input_grads or k > 0,
       )
       grads_state[j] = new_dy
       last_on_device[key] = new_dy
 
-  def _JoinGradients(self, thetas, inputs, grads_state, theta_acc, num_mb):
+  def _JoinGradients(
+    self, thetas, inputs, grads_state, theta_acc, num_mb, input_grads=True
+  ):
     """[gradients of the input tensors] + [of thetas[0]], summed."""
     num_cells = self._num_cells
     num_rep = len(thetas)
@@ -592,7 +633,11 @@ class PipelineEngine:
         if not py_utils.IsTensor(x):
           continue
         parts = [mb[i] for mb in per_mb]
-        if not x.dtype.is_floating or any(t is None for t in parts):
+        if (
+          not input_grads
+          or not x.dtype.is_floating
+          or any(t is None for t in parts)
+        ):
           in_grads.append(None)
         elif len(parts) == 1:
           in_grads.append(parts[0])
@@ -617,12 +662,22 @@ class PipelineEngine:
     return in_grads + theta_grads
 
   def CellBackward(
-    self, k, theta_k, saved, dy, after, theta_acc, tracer, trace_key
+    self,
+    k,
+    theta_k,
+    saved,
+    dy,
+    after,
+    theta_acc,
+    tracer,
+    trace_key,
+    input_grad=True,
   ):
     """Back-propagates one micro-batch through cell k.
 
     Adds the weight gradients to the lists in `theta_acc`; returns the
-    gradient of the cell's input.
+    gradient of the cell's input (zeros, without computing it, when
+    `input_grad` is False).
     """
     x, tape, y, seed_m, finish = saved
     if self._strict_order and after is not None:
@@ -642,7 +697,13 @@ class PipelineEngine:
       x, seed_m = graph_ops.FreshCopies((x, seed_m), dy)
       tape = tf.GradientTape(watch_accessed_variables=False)
       with tape:
-        tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
+        tape.watch(
+          [
+            t
+            for t in tf.nest.flatten((theta_k, x) if input_grad else theta_k)
+            if _IsFloat(t)
+          ]
+        )
         y, _, _ = self._RunCell(
           k,
           theta_k,
@@ -659,7 +720,8 @@ class PipelineEngine:
     flat_th = tf.nest.flatten(theta_k)
     flat_x = tf.nest.flatten(x)
     sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
-    sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
+    if input_grad:
+      sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
     sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
     if pairs and sources:
       g = tape.gradient(

@@ -24,6 +24,10 @@ def testTapeRecordingInternals():
     assert [w.name for w in watcher.watched_variables()] == [v.name], (
       'tensorflow.python.eager.record.VariableWatcher changed'
     )
+    assert _tf_internal.ShouldRecordBackprop([x]), (
+      'tensorflow.python.eager.record.should_record_backprop changed'
+    )
+    assert not _tf_internal.ShouldRecordBackprop([tf.constant(1.0)])
     y = tf.identity(x * 5.0)
     _tf_internal.RecordOperation('Test', [y], [x], lambda dy: [dy * 7.0])
   # The recorded op's gradient (7) is used, not the one of x * 5.

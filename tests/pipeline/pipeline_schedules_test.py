@@ -217,3 +217,32 @@ def testOneFOneBWithDataParallelReplicas(reference):
   plt.AssertClose(in_grads, ref_in)
   for name, g in grads.items():
     assert plt.MaxRelDiff(g, ref_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('recompute', ['never', 'always'])
+def testATracedStepKeepsTheGradients(reference, schedule, recompute):
+  """Tracing a step (the timeline's stamps) changes no gradient, also when
+  the forward tapes are kept (no re-materialization)."""
+  _, x, w, (_, ref_loss, ref_grads, _) = reference
+  pipe = _Pipe(schedule, recompute=recompute)
+  tracer = schedule_lib.ScheduleTracer()
+
+  @tf.function
+  def Step(x):
+    with tracer:
+      with tf.GradientTape() as tape:
+        if plt.UsesLoss(pipe):
+          loss, _ = pipe.FPropWithLoss(
+            pipe.theta, x, loss_fn=plt.WeightedSum, loss_inputs=w
+          )
+        else:
+          loss = plt.WeightedSum(pipe(x), w)
+      grads = tape.gradient(loss, pipe.trainable_variables)
+    return loss, grads, tracer.Tensors()
+
+  loss, grads, stamps = Step(x)
+  assert len(tracer.Events(stamps)) == 2 * 2 * 4
+  plt.AssertClose(loss, ref_loss)
+  assert all(g is not None for g in grads)
+  plt.AssertClose(grads, ref_grads)
