@@ -95,6 +95,47 @@ def CheckSchedule(work, num_cells, num_micro_batches):
     )
 
 
+class _Walk:
+  """One walk over a schedule: what its work items hand each other.
+
+  Attributes:
+    thetas: [replica][cell] thetas, each on its device.
+    num_mb: micro-batches per replica M.
+    states: [micro-batch j] -> the forward inputs of j's next cell.
+    grads: {micro-batch j: the gradient flowing back into j's next cell}.
+    saved: {(cell, j): (input, tape or None, output, seed, finish)}, what a
+      forward item keeps for its backward.
+    theta_acc: [replica][cell][i]: the micro-batch gradients of the i-th
+      weight of the cell.
+    last_on_device: {device key: the output of its last item}, what the
+      device's next item waits for with `strict_order`.
+    updates: [(layer, stats)] collected by the forward items.
+    input_grads: compute the gradients of the pipeline's inputs.
+    tracer: the active `schedule.ScheduleTracer`, or None.
+  """
+
+  def __init__(self, thetas, num_mb, states, input_grads=True):
+    self.thetas = thetas
+    self.num_mb = num_mb
+    self.states = states
+    self.grads = {}
+    self.saved = {}
+    self.theta_acc = [
+      [[None] * len(tf.nest.flatten(th)) for th in thetas_r]
+      for thetas_r in thetas
+    ]
+    self.last_on_device = {}
+    self.updates = []
+    self.input_grads = input_grads
+    self.tracer = schedule_lib.ActiveTracer()
+
+  def Items(self, work):
+    """Yields (item, replica r, micro-batch j of the mini-batch)."""
+    for w in work:
+      for r in range(len(self.thetas)):
+        yield w, r, r * self.num_mb + w.micro_batch
+
+
 class PipelineEngine:
   """Builds the forward and backward ops of a pipeline of cells.
 
@@ -187,9 +228,7 @@ class PipelineEngine:
       return m != num_micro_batches - 1
     return False
 
-  def Forward(
-    self, thetas, args, num_mb, seed, train=False, last_on_device=None
-  ):
+  def Forward(self, thetas, args, num_mb, seed, train=False, walk=None):
     """The forward schedule of every replica.
 
     Args:
@@ -199,43 +238,23 @@ class PipelineEngine:
       seed: the step seed; micro-batch j runs with MixSeed(seed, j), so R
         replicas of M micro-batches compute what one pipeline of R*M does.
       train: keep gradient tapes for the cells that are not recomputed.
-      last_on_device: optional dict, filled with each device's last output
-        (what `Backward`'s first item on the device waits for).
+      walk: the `_Walk` to fill (what `Backward` continues from); None: a
+        new one.
 
     Returns:
-      (outputs, updates, saved contexts keyed by (cell, micro-batch)).
+      (outputs, updates, the walk).
     """
-    num_cells = self._num_cells
-    num_rep = len(thetas)
+    if walk is None:
+      walk = _Walk(thetas, num_mb, None)
+    walk.states = self._SplitInputs(args, len(thetas), num_mb)
     work = self._Pass(self.Work(num_mb), schedule_lib.FORWARD)
-    states = self._SplitInputs(args, num_rep, num_mb)
-    tracer = schedule_lib.ActiveTracer()
-    saved, updates = {}, []
-    if last_on_device is None:
-      last_on_device = {}
-    for w in work:
-      for r in range(num_rep):
-        j = r * num_mb + w.micro_batch
-        y, upd, _ = self._ForwardItem(
-          w,
-          r,
-          j,
-          thetas,
-          states,
-          num_mb,
-          seed,
-          train,
-          tracer,
-          last_on_device,
-          saved,
-        )
-        updates.extend(upd)
-        states[j] = y
-    with self._Device(num_cells - 1):
+    for w, r, j in walk.Items(work):
+      self._ForwardItem(walk, w, r, j, seed, train)
+    with self._Device(self._num_cells - 1):
       outs = microbatch.Concat(
-        [py_utils.Unwrap(s) for s in states], self._batch_dim
+        [py_utils.Unwrap(s) for s in walk.states], self._batch_dim
       )
-    return outs, updates, saved
+    return outs, walk.updates, walk
 
   def _SplitInputs(self, args, num_rep, num_mb):
     """[micro-batch j] -> tuple of its inputs, on its replica's device 0."""
@@ -251,56 +270,44 @@ class PipelineEngine:
         )
     return states
 
-  def _ForwardItem(
-    self,
-    w,
-    r,
-    j,
-    thetas,
-    states,
-    num_mb,
-    seed,
-    train,
-    tracer,
-    last_on_device,
-    saved,
-    finish=None,
-  ):
+  def _ForwardItem(self, walk, w, r, j, seed, train, finish=None):
     """Builds the forward of work item `w` on replica r (micro-batch j).
 
-    Saves what the backward needs in saved[(cell, j)]; returns (outputs,
-    updates, raw outputs) as `_RunCell`.
+    Saves what the backward needs in walk.saved[(cell, j)], moves
+    walk.states[j] on to the cell's outputs; returns the raw outputs (see
+    `_RunCell`).
     """
     k, m = w.cell, w.micro_batch
     with self._Device(k, r):
-      x = self._Place(states[j], k)
+      x = self._Place(walk.states[j], k)
       key = self._DeviceKey(k, r)
-      if self._strict_order and key in last_on_device:
-        x = graph_ops.After(x, last_on_device[key])
+      if self._strict_order and key in walk.last_on_device:
+        x = graph_ops.After(x, walk.last_on_device[key])
       start = None
-      if tracer is not None:
+      if walk.tracer is not None:
         start, x = graph_ops.Stamp(x)
       seed_m = py_utils.MixSeed(seed, j)
+      theta_k = walk.thetas[r][k]
       tape = None
-      if train and not self._Recomputes(k, m, num_mb):
+      if train and not self._Recomputes(k, m, walk.num_mb):
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tape:
-          tape.watch(
-            [t for t in tf.nest.flatten((thetas[r][k], x)) if _IsFloat(t)]
-          )
-          y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
+          tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
+          y, upd, raw = self._RunCell(k, theta_k, x, seed_m, finish=finish)
       else:
-        y, upd, raw = self._RunCell(k, thetas[r][k], x, seed_m, finish=finish)
+        y, upd, raw = self._RunCell(k, theta_k, x, seed_m, finish=finish)
       # The backward differentiates the tape's own outputs, not the placed
       # or stamped copies made after the tape stopped recording.
       y_taped = y
       y = self._Place(y, k)
-      if tracer is not None:
+      if walk.tracer is not None:
         end, y = graph_ops.Stamp(y)
-        tracer.Record(('forward', r * self._num_cells + k, j), start, end)
-      saved[(k, j)] = (x, tape, y_taped, seed_m, finish)
-      last_on_device[key] = y
-    return y, upd, raw
+        walk.tracer.Record(('forward', r * self._num_cells + k, j), start, end)
+      walk.saved[(k, j)] = (x, tape, y_taped, seed_m, finish)
+      walk.last_on_device[key] = y
+    walk.updates.extend(upd)
+    walk.states[j] = y
+    return raw
 
   def ForwardWithGrad(self, thetas, args, num_mb, seed):
     """Runs the forward schedule and records it on the gradient tape as one
@@ -319,16 +326,12 @@ class PipelineEngine:
     # their gradients are summed into replica 0's.
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
-    input_grads = _tf_internal.ShouldRecordBackprop(inputs)
+    walk = _Walk(
+      thetas, num_mb, None, _tf_internal.ShouldRecordBackprop(inputs)
+    )
     with _tf_internal.VariableWatcher() as watcher:
-      last_on_device = {}
-      outs, updates, saved = self.Forward(
-        thetas,
-        args,
-        num_mb,
-        seed,
-        train=keep_tapes,
-        last_on_device=last_on_device,
+      outs, updates, _ = self.Forward(
+        thetas, args, num_mb, seed, train=keep_tapes, walk=walk
       )
     self._CheckNoDirectReads(watcher)
     flat_out = tf.nest.flatten(outs)
@@ -341,16 +344,7 @@ class PipelineEngine:
     if keep_tapes:
 
       def Backward(*dys):
-        return self.Backward(
-          thetas,
-          args,
-          outs,
-          saved,
-          dys,
-          num_mb,
-          after=last_on_device,
-          input_grads=input_grads,
-        )
+        return self.Backward(args, outs, walk, dys)
 
       _tf_internal.RecordOperation(
         'GPipe', results, inputs + flat_thetas, Backward
@@ -390,64 +384,31 @@ class PipelineEngine:
       (loss, outputs of the last cell for the whole mini-batch, updates,
       gradients of [input tensors] + [flat thetas[0]] or None).
     """
-    num_cells = self._num_cells
-    num_rep = len(thetas)
+    last = self._num_cells - 1
     work = self.Work(num_mb)
     if not train:
       work = self._Pass(work, schedule_lib.FORWARD)
-    states = self._SplitInputs(args, num_rep, num_mb)
-    tracer = schedule_lib.ActiveTracer()
-    saved, updates, losses, raws = {}, [], {}, {}
-    grads_state = {}
-    theta_acc = [
-      [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
-      for r in range(num_rep)
-    ]
-    last_on_device = {}
-    for w in work:
-      for r in range(num_rep):
-        j = r * num_mb + w.micro_batch
-        if w.kind == schedule_lib.BACKWARD:
-          if w.cell == num_cells - 1:
-            with self._Device(w.cell, r):
-              grads_state[j] = (tf.ones_like(losses[j]),)
-          self._BackwardItem(
-            w,
-            r,
-            j,
-            thetas,
-            saved,
-            grads_state,
-            theta_acc,
-            tracer,
-            last_on_device,
-            input_grads,
-          )
-          continue
-        finish = None
-        if w.cell == num_cells - 1:
-          finish = self._LossOf(j, loss_fn)
-        y, upd, raw = self._ForwardItem(
-          w,
-          r,
-          j,
-          thetas,
-          states,
-          num_mb,
-          seed,
-          train,
-          tracer,
-          last_on_device,
-          saved,
-          finish=finish,
-        )
-        updates.extend(upd)
-        states[j] = y
-        if finish is not None:
-          losses[j] = y[0]
-          raws[j] = raw
-    num_j = num_rep * num_mb
-    with self._Device(num_cells - 1):
+    walk = _Walk(
+      thetas,
+      num_mb,
+      self._SplitInputs(args, len(thetas), num_mb),
+      input_grads,
+    )
+    losses, raws = {}, {}
+    for w, r, j in walk.Items(work):
+      if w.kind == schedule_lib.BACKWARD:
+        if w.cell == last:
+          with self._Device(w.cell, r):
+            walk.grads[j] = (tf.ones_like(losses[j]),)
+        self._BackwardItem(walk, w, r, j)
+        continue
+      finish = self._LossOf(j, loss_fn) if w.cell == last else None
+      raw = self._ForwardItem(walk, w, r, j, seed, train, finish=finish)
+      if finish is not None:
+        losses[j] = walk.states[j][0]
+        raws[j] = raw
+    num_j = len(thetas) * num_mb
+    with self._Device(last):
       parts = [losses[j] for j in range(num_j)]
       loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
       outs = microbatch.Concat(
@@ -457,12 +418,8 @@ class PipelineEngine:
         ],
         self._batch_dim,
       )
-    grads = None
-    if train:
-      grads = self._JoinGradients(
-        thetas, args, grads_state, theta_acc, num_mb, input_grads
-      )
-    return loss, outs, updates, grads
+    grads = self._JoinGradients(args, walk) if train else None
+    return loss, outs, walk.updates, grads
 
   def _LossOf(self, j, loss_fn):
     def Finish(outputs):
@@ -518,110 +475,65 @@ class PipelineEngine:
       )
     return result, outs
 
-  def Backward(
-    self,
-    thetas,
-    inputs,
-    outs,
-    saved,
-    dys,
-    num_mb,
-    after=None,
-    input_grads=True,
-  ):
-    """The backward schedule; returns grads of (input tensors, thetas[0]).
+  def Backward(self, inputs, outs, walk, dys):
+    """The backward schedule after `Forward`'s `walk`; returns the gradients
+    of (input tensors, thetas[0]).
 
-    `after`: {device: its last forward output}; with strict_order each
-    device's first backward item waits for it. `input_grads`: False when no
-    gradient tape watches the pipeline's inputs (e.g. they come from the
-    input pipeline): cell 0 then skips the gradient of its input, and the
-    inputs' gradients are None.
+    With strict_order each device's first backward item waits for the
+    device's last forward output. Unless `walk.input_grads` (False when no
+    gradient tape watches the pipeline's inputs, e.g. they come from the
+    input pipeline), cell 0 skips the gradient of its input, and the inputs'
+    gradients are None.
     """
-    num_cells = self._num_cells
-    num_rep = len(thetas)
-    work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
-    tracer = schedule_lib.ActiveTracer()
+    num_mb = walk.num_mb
     flat_outs = tf.nest.flatten(outs)
     dys = [
       tf.zeros_like(y) if dy is None else dy for y, dy in zip(flat_outs, dys)
     ]
-    with self._Device(num_cells - 1):
-      dy_mbs = [
-        py_utils.AsTuple(d)
-        for d in microbatch.Split(
-          tf.nest.pack_sequence_as(outs, dys), num_rep * num_mb, self._batch_dim
-        )
-      ]
-    grads_state = dict(enumerate(dy_mbs))
-    # theta_acc[r][k][i]: the gradients of replica r's micro-batches for the
-    # i-th weight of cell k.
-    theta_acc = [
-      [[None] * len(tf.nest.flatten(th)) for th in thetas[r]]
-      for r in range(num_rep)
-    ]
-    last_on_device = {}
-    for w in work:
-      for r in range(num_rep):
-        j = r * num_mb + w.micro_batch
-        key = self._DeviceKey(w.cell, r)
-        if key not in last_on_device and saved[(w.cell, j)][1] is None:
-          # A re-materialized cell needs nothing of the forward pass but its
-          # input, so the device's first backward could start before its
-          # last forward ended; a cell with a tape waits for it anyway.
-          last_on_device[key] = (after or {}).get(key)
-        self._BackwardItem(
-          w,
-          r,
-          j,
-          thetas,
-          saved,
-          grads_state,
-          theta_acc,
-          tracer,
-          last_on_device,
-          input_grads,
-        )
-    return self._JoinGradients(
-      thetas, inputs, grads_state, theta_acc, num_mb, input_grads
-    )
+    with self._Device(self._num_cells - 1):
+      dy_mbs = microbatch.Split(
+        tf.nest.pack_sequence_as(outs, dys),
+        len(walk.thetas) * num_mb,
+        self._batch_dim,
+      )
+    walk.grads = {j: py_utils.AsTuple(d) for j, d in enumerate(dy_mbs)}
+    after, walk.last_on_device = walk.last_on_device, {}
+    work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
+    for w, r, j in walk.Items(work):
+      key = self._DeviceKey(w.cell, r)
+      if key not in walk.last_on_device and walk.saved[(w.cell, j)][1] is None:
+        # A re-materialized cell needs nothing of the forward pass but its
+        # input, so the device's first backward could start before its
+        # last forward ended; a cell with a tape waits for it anyway.
+        walk.last_on_device[key] = after.get(key)
+      self._BackwardItem(walk, w, r, j)
+    return self._JoinGradients(inputs, walk)
 
-  def _BackwardItem(
-    self,
-    w,
-    r,
-    j,
-    thetas,
-    saved,
-    grads_state,
-    theta_acc,
-    tracer,
-    last_on_device,
-    input_grads=True,
-  ):
+  def _BackwardItem(self, walk, w, r, j):
     """Builds the backward of work item `w` on replica r (micro-batch j)."""
     k = w.cell
     key = self._DeviceKey(k, r)
     with self._Device(k, r):
       new_dy = self.CellBackward(
         k,
-        thetas[r][k],
-        saved[(k, j)],
-        grads_state[j],
-        last_on_device.get(key),
-        theta_acc[r][k],
-        tracer,
+        walk.thetas[r][k],
+        walk.saved[(k, j)],
+        walk.grads[j],
+        walk.last_on_device.get(key),
+        walk.theta_acc[r][k],
+        walk.tracer,
         ('backward', r * self._num_cells + k, j),
-        input_grad=input_grads or k > 0,
+        input_grad=walk.input_grads or k > 0,
       )
-      grads_state[j] = new_dy
-      last_on_device[key] = new_dy
+      walk.grads[j] = new_dy
+      walk.last_on_device[key] = new_dy
 
-  def _JoinGradients(
-    self, thetas, inputs, grads_state, theta_acc, num_mb, input_grads=True
-  ):
+  def _JoinGradients(self, inputs, walk):
     """[gradients of the input tensors] + [of thetas[0]], summed."""
     num_cells = self._num_cells
-    num_rep = len(thetas)
+    num_rep = len(walk.thetas)
+    num_mb, input_grads = walk.num_mb, walk.input_grads
+    grads_state, theta_acc = walk.grads, walk.theta_acc
     # Gradients of the pipeline's inputs, joined on device 0.
     with self._Device(0):
       per_mb = [
