@@ -369,6 +369,7 @@ def Validate(args):
     link = (t['bytes_per_s'], 0.0)
   rows = []
   profiles = {}
+  calibrated = {}
   device = None
   for rec in records:
     model = rec['model']
@@ -379,7 +380,10 @@ def Validate(args):
       )
     if model not in profiles:
       ns = argparse.Namespace(**bench_args)
-      ns.batch_size = rec.get('batch_size') or ns.batch_size
+      if 'batch_size' not in (data.get('args') or {}):
+        # A record's batch_size is its input's first dimension: the batch,
+        # except for the mlp model (batch x sequence rows).
+        ns.batch_size = rec.get('batch_size') or ns.batch_size
       layers, shape = benchmark_pipeline.MODELS[model](ns)
       profile = planner.ProfileLayers(layers, [shape], name=model)
       if args.device == 'measure':
@@ -388,8 +392,14 @@ def Validate(args):
         )
       profiles[model] = profile
     profile = profiles[model]
-    if device is None and args.calibrate:
-      device = CalibratedDevice(records, profile, link)
+    if args.calibrate:
+      # Each model calibrated on its own one-device record: a flop rate is
+      # a property of the model's ops on this host, not of the host alone.
+      if model not in calibrated:
+        calibrated[model] = CalibratedDevice(
+          [r for r in records if r['model'] == model], profile, link
+        )
+      device = calibrated[model]
     if device is None:
       if args.device == 'measure':
         mem = ParseBytes(args.memory_per_device) or 4 * GIB
@@ -422,7 +432,7 @@ def Validate(args):
         p / q if q else None for p, q in zip(cand.peak_bytes, measured_peaks)
       ]
     rows.append(row)
-  print(ValidationTable(rows, device))
+  print(ValidationTable(rows, calibrated or {None: device}))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(dict(device=device.name, rows=rows), f, indent=1)
@@ -577,9 +587,15 @@ def CalibratedDevice(records, profile, link):
   )
 
 
-def ValidationTable(rows, device):
+def ValidationTable(rows, devices):
+  """The rows as a table; `devices`: {model or None: the device used}."""
   lines = [
-    f'Predicted ({device.name}: {device.description}) vs measured:',
+    f'Device{f" for {model}" if model else ""}: {device.name} '
+    f'({device.description})'
+    for model, device in devices.items()
+  ]
+  lines += [
+    'Predicted vs measured:',
     f'{"model":>12} {"K":>2} {"M":>3} {"rc":>3} {"R":>2} '
     f'{"predicted":>10} {"measured":>10} {"ratio":>6}  peak/device '
     'predicted / measured (ratio)',

@@ -134,6 +134,47 @@ def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
     assert len(json.load(f)['rows']) == 3
 
 
+def testCalibrateFitsEachModelOnItsOwnPlainRecord(tmp_path, capsys):
+  # Two models in one JSON, as `--model=transformer,mlp` writes it: each is
+  # calibrated on its own plain record (a flop rate is a property of the
+  # model's ops), and the mlp record's batch_size (its rows, batch x
+  # sequence) does not scale the mlp model again.
+  def Rec(model, k, m, t, batch):
+    return dict(
+      model=model,
+      num_stages=k,
+      num_micro_batches=m,
+      recompute=False,
+      replicas=1,
+      batch_size=batch,
+      step_time_s=t,
+    )
+
+  bench = dict(
+    args=dict(num_blocks=4, dim=32, seq_len=8, batch_size=16),
+    records=[
+      Rec('transformer', 0, 1, 0.5, 16),
+      Rec('transformer', 2, 4, 0.3, 16),
+      Rec('mlp', 0, 1, 0.02, 128),
+      Rec('mlp', 2, 4, 0.012, 128),
+    ],
+    transfer=dict(bytes_per_s=1e9),
+  )
+  path = tmp_path / 'bench.json'
+  path.write_text(json.dumps(bench))
+  rows = plan.Validate(plan.ParseArgs([f'--validate={path}', '--calibrate']))
+  assert rows[0]['step_ratio'] == pytest.approx(1.0)
+  assert rows[2]['step_ratio'] == pytest.approx(1.0)
+  # K=2, M=4 of each model: the bubble and split of its own calibration,
+  # faster than its plain record but not faster than 2x.
+  for plain, piped in ((rows[0], rows[1]), (rows[2], rows[3])):
+    speedup = plain['predicted_step_s'] / piped['predicted_step_s']
+    assert 1.2 < speedup <= 2.0
+  text = capsys.readouterr().out
+  assert 'Device for transformer: calibrated' in text
+  assert 'Device for mlp: calibrated' in text
+
+
 @pytest.mark.slow
 def testPaperTable2TransformerRowsAtM32(tmp_path):
   path = str(tmp_path / 't2.json')
