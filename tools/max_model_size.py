@@ -309,6 +309,7 @@ def RunTrial(spec):
       layer, inputs_fn = _BuildModel(
         family, size, config, devices, record['fixed']
       )
+      record['splits'] = getattr(layer, 'splits', None)
       variables = layer.trainable_variables
       record['num_params'] = int(sum(v.shape.num_elements() for v in variables))
       record['param_bytes'] = int(
