@@ -282,6 +282,17 @@ def _SavedBytes(fn, theta_spec, specs):
       ):
         continue
       saved[t.ref()] = t
+  # The same element-wise op of the same inputs (e.g. one ReLU of a cell's
+  # input in several branches) is computed once: the graph optimizer
+  # merges such duplicates before the step runs.
+  merged = {}
+  for ref, t in saved.items():
+    if t.op.type in _FORWARDING_OPS:
+      key = (t.op.type, t.value_index) + tuple(x.ref() for x in t.op.inputs)
+    else:
+      key = ref
+    merged.setdefault(key, t)
+  saved = {t.ref(): t for t in merged.values()}
   total = sum(_Bytes(t) for t in saved.values())
   return total, _BackwardExtra(graph, saved, total)
 
