@@ -131,13 +131,36 @@ def NumCells(family, num_stages):
 # ----------------------------------------------------------------------------
 
 
-def _BuildModel(family, size, config, devices):
+def FixedSettings(family, overrides=''):
+  """The family's fixed settings with `overrides` ('name=int,...') applied."""
+  fixed = dict(FAMILIES[family]['fixed'])
+  for item in (x.strip() for x in overrides.split(',')):
+    if not item:
+      continue
+    name, _, value = item.partition('=')
+    name = name.strip()
+    if name not in fixed:
+      raise UsageError(
+        f'Unknown --fixed setting {name!r} for {family}: valid ones are '
+        f'{", ".join(sorted(fixed))}.'
+      )
+    try:
+      fixed[name] = int(value)
+    except ValueError:
+      raise UsageError(
+        f'--fixed {name}={value!r} is not an integer; write e.g. '
+        f'{name}={fixed[name]}.'
+      ) from None
+  return fixed
+
+
+def _BuildModel(family, size, config, devices, fixed=None):
   """(layer, step fn building inputs on devices[0], num_params)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
 
-  f = FAMILIES[family]['fixed']
+  f = fixed or FAMILIES[family]['fixed']
   k = config['num_stages']
   if family == 'transformer':
     from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
@@ -277,13 +300,16 @@ def RunTrial(spec):
       recompute=config['recompute'],
       size=size,
       knob=FAMILIES[family]['knob'],
-      fixed=dict(FAMILIES[family]['fixed']),
+      fixed=dict(spec.get('fixed') or FAMILIES[family]['fixed']),
       num_cells=NumCells(family, k),
       budget_bytes=spec['budget_mb'] * MIB,
       devices=devices,
     )
     try:
-      layer, inputs_fn = _BuildModel(family, size, config, devices)
+      layer, inputs_fn = _BuildModel(
+        family, size, config, devices, record['fixed']
+      )
+      record['splits'] = getattr(layer, 'splits', None)
       variables = layer.trainable_variables
       record['num_params'] = int(sum(v.shape.num_elements() for v in variables))
       record['param_bytes'] = int(
@@ -420,6 +446,7 @@ class Searcher:
         intra_op_threads=self.args.intra_op_threads,
         inter_op_threads=self.args.inter_op_threads,
         device=self.args.device,
+        fixed=FixedSettings(family, getattr(self.args, 'fixed', '')),
       )
       cmd = [
         sys.executable,
@@ -666,6 +693,13 @@ def main(argv=None):
   )
   parser.add_argument('--trial_timeout_s', type=float, default=900)
   parser.add_argument(
+    '--fixed',
+    default='',
+    help='Override fixed settings of the family, e.g. '
+    'model_dim=128,hidden_dim=512,num_heads=2,vocab_size=2048,seq_len=64 '
+    '(the Transformer table at 128 MiB in docs/capacity.md).',
+  )
+  parser.add_argument(
     '--balance_by',
     default='memory',
     help='How pipeline-K splits the layers into cells: memory (the '
@@ -722,6 +756,7 @@ def main(argv=None):
       )
     if not args.budget_mb:
       args.budget_mb = DEFAULT_BUDGET_MB[args.family]
+    FixedSettings(args.family, args.fixed)  # validates --fixed
     if args.budget_mb <= 0:
       raise UsageError(f'--budget_mb={args.budget_mb} must be > 0.')
     if args.train_steps and args.size <= 0:

@@ -479,7 +479,8 @@ def CapacityModel(trial):
 
 def ValidateCapacity(data, args):
   """Predicted vs measured peak bytes per device of the models of a
-  tools/max_model_size.py JSON (cells balanced by parameters, Adam)."""
+  tools/max_model_size.py JSON (Adam; the cells of the trial's `splits`,
+  else balanced by parameters as older records were)."""
   from lingvo_gpipe.core import base_layer  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.pipeline import balance  # pylint: disable=g-import-not-at-top
 
@@ -496,8 +497,10 @@ def ValidateCapacity(data, args):
     layers, shapes = CapacityModel(trial)
     profile = planner.ProfileLayers(layers, shapes, name=trial['family'])
     k = int(trial['num_stages'])
-    params = [float(base_layer.CountParams(p)) for p in layers]
-    splits = balance.BalancedSplits(params, k)
+    splits = trial.get('splits')
+    if not splits:  # older records: the split by parameters they used
+      params = [float(base_layer.CountParams(p)) for p in layers]
+      splits = balance.BalancedSplits(params, k)
     cand = planner.Evaluate(
       profile,
       device,
@@ -696,9 +699,7 @@ def LargestTransformer(device, num_stages, memory_bytes, recompute=True):
       splits.append(end)
     splits[-1] += 1  # the loss layer joins the last cell
     cells = planner.CellCosts(prof, splits, m, 1, device)
-    return max(
-      cost_model.PeakMemoryBytes(c, m, recompute, 2, True) for c in cells
-    )
+    return max(cost_model.PeakMemoryBytes(c, m, recompute, 2) for c in cells)
 
   best = (0, None, None)
   for m in ms:

@@ -13,7 +13,10 @@ variable's device. Step counters (Adam's and Adafactor's) are named
 `<optimizer name>/iterations`. `slots()` returns {name: variable} of all of
 them for checkpointing. `Apply` creates a missing slot under `tf.init_scope`
 (so even inside a `tf.function` trace it is created once, eagerly), but
-creating them up front with `CreateSlots` is preferred.
+creating them up front with `CreateSlots` is preferred. Each variable's
+update waits for its gradient, so its temporaries (Adam's beta1 * m and
+beta2 * v, each the size of the variable) are made only once the step's
+activations are spent, not held through the whole step.
 
 The update rules are those of TF1's optimizers that Lingvo wraps:
   SGD       var -= lr * g
@@ -187,7 +190,12 @@ class Base:
         dtype = v.dtype.base_dtype
         g = tf.cast(tf.convert_to_tensor(g), dtype)
         lr_v = tf.cast(lr, dtype)
-        updates.append(self._Update(v, g, lr_v, step))
+        # Every op of the update waits for the gradient. Otherwise the parts
+        # that need only the slots (Adam's beta1 * m and beta2 * v, each the
+        # size of the variable) run at the start of the step and stay alive
+        # through it, on top of the step's activations.
+        with tf.control_dependencies([g]):
+          updates.append(self._Update(v, g, lr_v, step))
     if self._counter is not None:
       with tf.control_dependencies([u for u in updates if u is not None]):
         updates.append(self._counter.assign_add(1))

@@ -10,7 +10,8 @@ previous task is done and the input has arrived over its own link.
 
 Output per device: step time, peak memory (weights, gradients, optimizer
 slots, stored inputs of every micro-batch, live activations of the cell being
-recomputed), busy fraction and bytes sent.
+recomputed, or the optimizer's update temporaries once the backward is done),
+busy fraction and bytes sent.
 """
 
 import collections
@@ -26,6 +27,7 @@ __all__ = [
   'GetPreset',
   'Simulate',
   'PeakMemoryBytes',
+  'PeakOfBreakdown',
   'MemoryBreakdown',
 ]
 
@@ -46,6 +48,9 @@ DeviceSpec = collections.namedtuple(
 #   backward_bytes: peak bytes the backward of one micro-batch allocates
 #     beyond the activations (gradients of activations, temporaries);
 #     optional, 0 by default.
+#   max_var_bytes: bytes of the cell's largest variable: the optimizer's
+#     update of one variable makes temporaries of its size; optional, 0 by
+#     default.
 CellCost = collections.namedtuple(
   'CellCost',
   [
@@ -56,8 +61,9 @@ CellCost = collections.namedtuple(
     'input_bytes',
     'activation_bytes',
     'backward_bytes',
+    'max_var_bytes',
   ],
-  defaults=[0],
+  defaults=[0, 0],
 )
 
 SimResult = collections.namedtuple(
@@ -212,55 +218,61 @@ def _TransferS(nbytes, spec):
   return spec.link_latency_s + nbytes / spec.link_bytes_per_s
 
 
-def MemoryBreakdown(
-  cell,
-  num_micro_batches,
-  recompute,
-  optimizer_slots=2,
-  micro_batch_gradients=False,
-):
+def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
   """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
-  'activations'[, 'backward_temporaries']}: bytes of one device holding
-  `cell` at its peak.
+  'activations'[, 'backward_temporaries'][, 'update_temporaries']}: bytes
+  of one device holding `cell`.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
-  stores the activations of every micro-batch. With
-  `micro_batch_gradients` and M > 1, 'gradients' counts two copies: the
-  running sum and the gradients of the micro-batch being added to it.
+  stores the activations of every micro-batch. The gradients count once:
+  the engine adds each micro-batch's gradients into the running sum's own
+  buffer. 'update_temporaries' are what the optimizer's update of one
+  variable allocates (a new value per slot and one temporary, each the size
+  of the largest variable). The update of a variable waits for its
+  gradient, so they are alive after the backward pass, not beside the
+  activations: see `PeakMemoryBytes`.
   """
   m = num_micro_batches
-  grad_copies = 2 if micro_batch_gradients and m > 1 else 1
   out = {
     'weights': cell.weight_bytes,
-    'gradients': cell.weight_bytes * grad_copies,
+    'gradients': cell.weight_bytes,
     'optimizer_slots': cell.weight_bytes * optimizer_slots,
     'stored_inputs': m * cell.input_bytes,
   }
   out['activations'] = cell.activation_bytes * (1 if recompute else m)
   if cell.backward_bytes:
     out['backward_temporaries'] = cell.backward_bytes
+  if cell.max_var_bytes:
+    out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
   return out
 
 
-def PeakMemoryBytes(
-  cell,
-  num_micro_batches,
-  recompute,
-  optimizer_slots=2,
-  micro_batch_gradients=False,
-):
+_HELD = ('weights', 'gradients', 'optimizer_slots')
+
+
+def PeakOfBreakdown(parts):
+  """The peak bytes of a `MemoryBreakdown`: what is held through the step
+  (weights, gradients, slots) plus the larger of the two phases, the
+  forward and backward (stored inputs, activations, backward temporaries)
+  or the optimizer's update (its temporaries)."""
+  held = sum(parts.get(k, 0) for k in _HELD)
+  update = parts.get('update_temporaries', 0)
+  step = sum(v for k, v in parts.items() if k not in _HELD) - update
+  return held + max(step, update)
+
+
+def PeakMemoryBytes(cell, num_micro_batches, recompute, optimizer_slots=2):
   """Peak bytes of one device holding `cell`.
 
-  Weights + gradients (one per weight; two with `micro_batch_gradients`
-  and M > 1) + optimizer slots (Adam: 2 per weight) + with recompute: the
-  input of every micro-batch plus the activations of the one micro-batch
-  being recomputed; without: the activations of every micro-batch.
+  Weights + gradients (one per weight) + optimizer slots (Adam: 2 per
+  weight), plus the larger of: with recompute, the input of every
+  micro-batch and the activations of the one micro-batch being recomputed
+  (without recompute, the activations of every micro-batch), with the
+  backward's temporaries; or the update temporaries of the optimizer.
   """
-  return sum(
-    MemoryBreakdown(
-      cell, num_micro_batches, recompute, optimizer_slots, micro_batch_gradients
-    ).values()
+  return PeakOfBreakdown(
+    MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots)
   )
 
 
@@ -272,7 +284,6 @@ def Simulate(
   optimizer_slots=2,
   start_s=0.0,
   end_s=0.0,
-  micro_batch_gradients=False,
 ):
   """Simulates one training step; returns a SimResult (lists per device).
 
@@ -287,8 +298,6 @@ def Simulate(
       weights).
     end_s: seconds after the last backward (e.g. replicas returning their
       gradients).
-    micro_batch_gradients: count a micro-batch's weight gradients beside
-      their running sum (see `MemoryBreakdown`).
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
@@ -345,8 +354,7 @@ def Simulate(
     busy_fraction=[b / step for b in busy],
     bytes_sent=sent,
     peak_memory=[
-      PeakMemoryBytes(c, m, r, optimizer_slots, micro_batch_gradients)
-      for c, r in zip(cells, per_cell)
+      PeakMemoryBytes(c, m, r, optimizer_slots) for c, r in zip(cells, per_cell)
     ],
     events=events,
   )

@@ -66,6 +66,54 @@ _ALIAS_OPS = frozenset(
   ['Identity', 'Reshape', 'ExpandDims', 'Squeeze', 'StopGradient']
 )
 
+# Element-wise ops whose kernels write their output into the buffer of an
+# input that no later op reads (TensorFlow's forward_input_or_allocate_output):
+# such an output costs no new memory.
+_FORWARDING_OPS = frozenset(
+  [
+    'Abs',
+    'Add',
+    'AddV2',
+    'Div',
+    'DivNoNan',
+    'Elu',
+    'EluGrad',
+    'Erf',
+    'Exp',
+    'Log',
+    'Maximum',
+    'Minimum',
+    'Mul',
+    'Neg',
+    'Pow',
+    'RealDiv',
+    'Reciprocal',
+    'ReciprocalGrad',
+    'Relu',
+    'Relu6',
+    'Relu6Grad',
+    'ReluGrad',
+    'Rsqrt',
+    'RsqrtGrad',
+    'Select',
+    'SelectV2',
+    'Selu',
+    'SeluGrad',
+    'Sigmoid',
+    'SigmoidGrad',
+    'Sign',
+    'Softplus',
+    'SoftplusGrad',
+    'Sqrt',
+    'SqrtGrad',
+    'Square',
+    'SquaredDifference',
+    'Sub',
+    'Tanh',
+    'TanhGrad',
+  ]
+)
+
 
 def FormatBytes(n):
   n = float(n)
@@ -97,6 +145,8 @@ class LayerProfile:
     num_params: number of weights.
     param_bytes: bytes of the weights.
     num_ops: ops in the forward graph (each pays a launch overhead).
+    max_var_bytes: bytes of its largest variable (the optimizer updates one
+      variable at a time; its temporaries have that variable's size).
     in_specs: TensorSpecs of the inputs (for measuring).
     measured: (forward fixed s, forward s per example, backward fixed s,
       backward s per example) measured on this host, or None.
@@ -111,6 +161,7 @@ class LayerProfile:
   param_bytes: int
   num_ops: int
   backward_bytes: int = 0
+  max_var_bytes: int = 0
   in_specs: object = None
   measured: tuple = None
 
@@ -231,6 +282,17 @@ def _SavedBytes(fn, theta_spec, specs):
       ):
         continue
       saved[t.ref()] = t
+  # The same element-wise op of the same inputs (e.g. one ReLU of a cell's
+  # input in several branches) is computed once: the graph optimizer
+  # merges such duplicates before the step runs.
+  merged = {}
+  for ref, t in saved.items():
+    if t.op.type in _FORWARDING_OPS:
+      key = (t.op.type, t.value_index) + tuple(x.ref() for x in t.op.inputs)
+    else:
+      key = ref
+    merged.setdefault(key, t)
+  saved = {t.ref(): t for t in merged.values()}
   total = sum(_Bytes(t) for t in saved.values())
   return total, _BackwardExtra(graph, saved, total)
 
@@ -245,8 +307,10 @@ def _Bytes(t):
 def _BackwardExtra(graph, saved, saved_bytes):
   """Peak bytes the backward pass allocates beyond the saved activations:
   the gradients of activations and temporaries, with each tensor freed
-  after its last reader (ops in creation order). The weight gradients it
-  returns are not counted (the gradients term holds them)."""
+  after its last reader (ops in creation order). An element-wise op writes
+  its output into an input it reads last, of the same size and type, as
+  TensorFlow's kernels do. The weight gradients it returns are not counted
+  (the gradients term holds them)."""
   ops = [
     op for op in graph.get_operations() if op.name.startswith('gradient_tape/')
   ]
@@ -259,9 +323,25 @@ def _BackwardExtra(graph, saved, saved_bytes):
   peak = live
   alive = {ref: _Bytes(t) for ref, t in saved.items()}
   for i, op in enumerate(ops):
+    # Inputs read for the last time here whose buffer an output may take.
+    spare = []
+    if op.type in _FORWARDING_OPS:
+      spare = [
+        t
+        for t in op.inputs
+        if last.get(t.ref()) == i and t.ref() in alive and _Bytes(t)
+      ]
     if op.type not in _NO_ALLOCATION_OPS and op.type not in _ALIAS_OPS:
       for t in op.outputs:
         if t.ref() in outputs or t.ref() not in last:
+          continue
+        same = [
+          j
+          for j, x in enumerate(spare)
+          if x.dtype == t.dtype and _Bytes(x) == _Bytes(t)
+        ]
+        if same:  # the output takes over the input's buffer
+          alive[t.ref()] = alive.pop(spare.pop(same[0]).ref())
           continue
         alive[t.ref()] = _Bytes(t)
         live += alive[t.ref()]
@@ -363,9 +443,10 @@ def _ProfileOne(p, specs, i, layer_params):
   abstract = p.cls.AbstractInstance(p)
   variables = list(abstract.VariablesByName().values())
   num_params = sum(int(v.shape.num_elements()) for v in variables)
-  param_bytes = sum(
+  var_bytes = [
     int(v.shape.num_elements()) * tf.as_dtype(v.dtype).size for v in variables
-  )
+  ]
+  param_bytes = sum(var_bytes)
   traced = _TraceLayer(p, specs)
   if traced is not None:
     flops, out_specs, act, extra, ops, in_specs = traced
@@ -394,6 +475,7 @@ def _ProfileOne(p, specs, i, layer_params):
     backward_bytes=int(extra),
     num_params=num_params,
     param_bytes=param_bytes,
+    max_var_bytes=max(var_bytes, default=0),
     num_ops=int(ops),
     in_specs=in_specs,
   )

@@ -117,6 +117,7 @@ class Candidate:
       'stored micro-batch inputs': self.memory['stored_inputs'],
       'activations': self.memory['activations']
       + self.memory.get('backward_temporaries', 0),
+      'optimizer update temporaries': self.memory.get('update_temporaries', 0),
     }
     what = max(groups, key=groups.get)
     return what, groups[what]
@@ -159,6 +160,7 @@ def CellCosts(profile, splits, m, r, device):
         input_bytes=int(lps[0].in_bytes * frac),
         activation_bytes=int(sum(lp.activation_bytes for lp in lps) * frac),
         backward_bytes=int(max(lp.backward_bytes for lp in lps) * frac),
+        max_var_bytes=max(lp.max_var_bytes for lp in lps),
       )
     )
     start = end
@@ -191,8 +193,6 @@ def Evaluate(
       spec.link_latency_s + c.weight_bytes / spec.link_bytes_per_s
       for c in cells
     )
-  # The engine adds each micro-batch's gradients to a running sum
-  # (AccumulateNV2): both exist while one is added.
   sim = cost_model.Simulate(
     cells,
     m,
@@ -201,7 +201,6 @@ def Evaluate(
     optimizer_slots,
     start_s=sync_s,
     end_s=sync_s,
-    micro_batch_gradients=True,
   )
   free = cost_model.Simulate(
     cells,
@@ -225,7 +224,7 @@ def Evaluate(
     bubble=1.0 - sum(sim.busy_fraction) / k,
     peak_bytes=peaks,
     memory=cost_model.MemoryBreakdown(
-      cells[worst], m, recompute, optimizer_slots, micro_batch_gradients=True
+      cells[worst], m, recompute, optimizer_slots
     ),
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,

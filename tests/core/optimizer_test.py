@@ -287,3 +287,59 @@ def testSlotSpecsPredictCreatedSlots(params):
   assert {f'spec/w/{s}' for s, _, _ in specs} == {
     k for k in opt.slots() if k.startswith('spec/w/')
   }
+
+
+def _Ancestors(op):
+  """Names of the ops `op` waits for, through data and control inputs."""
+  seen, todo = set(), [op]
+  while todo:
+    cur = todo.pop()
+    for dep in [t.op for t in cur.inputs] + list(cur.control_inputs):
+      if dep.name not in seen:
+        seen.add(dep.name)
+        todo.append(dep)
+  return seen
+
+
+@pytest.mark.parametrize(
+  'params',
+  [
+    optimizer.Adam.Params(),
+    optimizer.Momentum.Params(),
+    optimizer.RMSProp.Params().Set(momentum=0.9, centered=True),
+    optimizer.Adafactor.Params().Set(beta1=0.9, min_dim_size_to_factor=2),
+  ],
+  ids=lambda p: p.name,
+)
+def testSlotReadsWaitForTheGradient(params):
+  # The update's temporaries that need only the slots (Adam's beta1 * m)
+  # must not be made before the gradient exists: they would be held through
+  # the whole step, on top of its activations.
+  var = tf.Variable(tf.ones([4, 4]), name='order/w')
+  opt = params.Instantiate()
+  opt.CreateSlots([var])
+
+  @tf.function
+  def Step(x):
+    grad = tf.identity(x * 2.0, name='the_grad')
+    opt.Apply(0.1, [(grad, var)])
+
+  graph = Step.get_concrete_function(tf.TensorSpec([4, 4])).graph
+  slot_handles = {
+    id(opt.GetSlot(var, name).handle) for name, _, _ in opt.SlotSpecs(var)
+  }
+  internal = {
+    inner.op.name
+    for outer, inner in graph.captures
+    if id(outer) in slot_handles
+  }
+  reads = [
+    op
+    for op in graph.get_operations()
+    if op.type == 'ReadVariableOp' and op.inputs[0].op.name in internal
+  ]
+  assert reads, 'no slot is read in the update'
+  for op in reads:
+    assert 'the_grad' in _Ancestors(op), (
+      f'{op.name} reads a slot before the gradient is ready'
+    )

@@ -59,24 +59,42 @@ def testTwoCellToyMemoryMatchesHandCount():
   assert res.peak_memory == [4000 + 4 * 60, 1600 + 4 * 50]
 
 
-def testMicroBatchGradientsCountASecondCopyWhenMIsAboveOne():
+def testGradientsCountOnceWhateverM():
+  # The engine adds each micro-batch's gradients into the running sum's
+  # buffer: one copy of the gradients, at M = 1 as at M = 4.
   cell = _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)
-  assert (
-    cost_model.PeakMemoryBytes(cell, 4, True, micro_batch_gradients=True)
-    == 5 * 1000 + 4 * 10 + 50
-  )
-  # One micro-batch: its gradients are the sum.
-  assert (
-    cost_model.PeakMemoryBytes(cell, 1, True, micro_batch_gradients=True)
-    == 4 * 1000 + 10 + 50
-  )
-  parts = cost_model.MemoryBreakdown(cell, 4, False, 0, True)
+  assert cost_model.PeakMemoryBytes(cell, 4, True) == 4 * 1000 + 4 * 10 + 50
+  assert cost_model.PeakMemoryBytes(cell, 1, True) == 4 * 1000 + 10 + 50
+  parts = cost_model.MemoryBreakdown(cell, 4, False, 0)
   assert parts == dict(
     weights=1000,
-    gradients=2000,
+    gradients=1000,
     optimizer_slots=0,
     stored_inputs=40,
     activations=200,
+  )
+
+
+def testUpdateTemporariesAreAPhaseOfTheirOwn():
+  # Adam's update of the largest variable (300 bytes) makes a new m, a new v
+  # and one temporary: 900 bytes, alive after the backward, not beside its
+  # activations (the update waits for the gradient).
+  cell = _Cell(
+    weight_bytes=1000,
+    input_bytes=10,
+    activation_bytes=50,
+    backward_bytes=20,
+    max_var_bytes=300,
+  )
+  parts = cost_model.MemoryBreakdown(cell, 4, True)
+  assert parts['update_temporaries'] == 900
+  assert cost_model.PeakMemoryBytes(cell, 4, True) == 4 * 1000 + 900
+  # Large activations: the forward and backward set the peak.
+  big = cell._replace(activation_bytes=5000)
+  assert cost_model.PeakMemoryBytes(big, 4, True) == 4000 + 40 + 5000 + 20
+  # SGD (no slot): one temporary.
+  assert cost_model.MemoryBreakdown(cell, 4, True, 0)['update_temporaries'] == (
+    300
   )
 
 
@@ -85,9 +103,7 @@ def testBadInput():
     cost_model.Simulate([], 4, _FREE_LINKS)
 
 
-def testSimulateCountsMicroBatchGradients():
-  cells = [_Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)] * 2
-  res = cost_model.Simulate(
-    cells, 4, _FREE_LINKS, recompute=True, micro_batch_gradients=True
-  )
-  assert res.peak_memory == [5 * 1000 + 4 * 10 + 50] * 2
+def testSimulatePeakIncludesTheUpdatePhase():
+  cells = [_Cell(weight_bytes=1000, input_bytes=10, max_var_bytes=500)] * 2
+  res = cost_model.Simulate(cells, 4, _FREE_LINKS, recompute=True)
+  assert res.peak_memory == [4 * 1000 + 3 * 500] * 2

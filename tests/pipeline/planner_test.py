@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.layers import activations
 from lingvo_gpipe.layers import transformer
 from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline import pipelining_layer
@@ -180,6 +181,29 @@ def testBackwardPeakBeyondSavedActivations():
   # At least the gradient of the block's input is alive at some point.
   assert lp.backward_bytes >= 8 * 16 * 64 * 4
   assert lp.backward_bytes < lp.activation_bytes * 4
+
+
+def testElementwiseBackwardReusesDyingBuffers():
+  # The backward of tanh(tanh(tanh(tanh(x)))): each TanhGrad writes into the
+  # buffer of the gradient it reads last, as TensorFlow's kernels do, so
+  # only one gradient of the activation's size is alive at a time (two if
+  # every op allocated its output).
+  seq = layers.SequentialLayer.Params().Set(
+    name='s',
+    sub=[
+      activations.ActivationLayer.Params().Set(name=f'a{i}', activation='TANH')
+      for i in range(4)
+    ],
+  )
+  lp = planner.ProfileLayers([seq], [[64, 1024]]).layers[0]
+  size = 64 * 1024 * 4
+  assert lp.activation_bytes == 4 * size
+  assert lp.backward_bytes == size
+
+
+def testLargestVariableIsProfiled():
+  lp = planner.ProfileLayers(_Fcs(1, 64), [[32, 64]]).layers[0]
+  assert lp.max_var_bytes == 64 * 64 * 4  # w, not b
 
 
 def testSlowLinksMakeATransferBoundPipeline():

@@ -29,6 +29,12 @@ def testUnknownFamilyAndConfigListTheValidOnes():
   out = _Run('--balance_by=weights')
   assert out.returncode == 2
   assert "'weights'" in out.stderr and 'memory, params' in out.stderr
+  out = _Run('--fixed=model_dims=128')
+  assert out.returncode == 2
+  assert "'model_dims'" in out.stderr and 'model_dim,' in out.stderr
+  out = _Run('--fixed=model_dim=big')
+  assert out.returncode == 2
+  assert "model_dim='big' is not an integer" in out.stderr
 
 
 def testGpuWithoutAGpuIsOneClearMessage():
@@ -62,6 +68,7 @@ def testTinySearchRunsEverySizeItReports(tmp_path):
     '--budget_mb=512',
     '--configs=pipeline-2',
     '--max_size=2',
+    '--fixed=seq_len=16',
     f'--json={path}',
     timeout=900,
   )
@@ -88,6 +95,8 @@ def testTinySearchRunsEverySizeItReports(tmp_path):
   p2 = largest['pipeline-2']
   assert p2['balance_by'] == 'memory'
   assert p2['num_micro_batches'] == 8 and len(p2['peak_bytes_per_device']) == 2
+  assert p2['fixed']['seq_len'] == 16 and p2['fixed']['model_dim'] == 64
+  assert len(p2['splits']) == 2  # the cells the trial ran with
   # Each device holds its own cell: both report memory of their own.
   assert min(p2['peak_bytes_per_device']) > 0
   assert p2['losses'][1] < p2['losses'][0]  # a real training step
