@@ -225,6 +225,7 @@ def _BuildModel(family, size, config, devices, fixed=None):
         recompute='always',
         balance_by=config.get('balance_by', 'memory'),
         input_shapes=input_shapes,
+        jit_compile=bool(config.get('jit_compile')),
       )
       .Instantiate()
     )
@@ -295,6 +296,7 @@ def RunTrial(spec):
       family=family,
       config=config['name'],
       balance_by=config.get('balance_by'),
+      jit_compile=bool(config.get('jit_compile')),
       num_stages=k,
       num_micro_batches=config['num_micro_batches'],
       recompute=config['recompute'],
@@ -435,7 +437,11 @@ class Searcher:
   def Trial(self, family, config, size, steps=1):
     with tempfile.TemporaryDirectory() as tmp:
       out = os.path.join(tmp, 'trial.json')
-      config = dict(config, balance_by=self.args.balance_by)
+      config = dict(
+        config,
+        balance_by=self.args.balance_by,
+        jit_compile=bool(getattr(self.args, 'jit_compile', False)),
+      )
       spec = dict(
         family=family,
         config=config,
@@ -705,6 +711,15 @@ def main(argv=None):
     help='How pipeline-K splits the layers into cells: memory (the '
     "largest device's estimated bytes, the default), params, flops or "
     'uniform.',
+  )
+  parser.add_argument(
+    '--jit_compile',
+    action='store_true',
+    help='pipeline-K: XLA-compile each cell (PipeliningLayer jit_compile). '
+    "The driver's graph then holds one call per cell and micro-batch "
+    'instead of every op of every layer for every micro-batch: about 6x '
+    'fewer ops, which is what lets 100+ layers at M=32 fit in the '
+    "driver's host memory.",
   )
   parser.add_argument(
     '--inter_op_threads',

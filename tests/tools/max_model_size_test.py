@@ -101,3 +101,24 @@ def testTinySearchRunsEverySizeItReports(tmp_path):
   assert min(p2['peak_bytes_per_device']) > 0
   assert p2['losses'][1] < p2['losses'][0]  # a real training step
   assert 'vs naive-1' in out.stdout
+
+
+def testJitCompiledCellsRunATrial(tmp_path):
+  # --jit_compile reaches the trial's PipeliningLayer: the record says so and
+  # the compiled cells train (the loss falls) within the budget.
+  path = tmp_path / 'r.json'
+  out = _Run(
+    '--family=transformer',
+    '--budget_mb=512',
+    '--configs=pipeline-2',
+    '--start_size=2',
+    '--max_size=2',
+    '--fixed=seq_len=16',
+    '--jit_compile',
+    f'--json={path}',
+    timeout=900,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (trial,) = json.loads(path.read_text())['trials']
+  assert trial['jit_compile'] and trial['fits'] and trial['size'] == 2
+  assert trial['losses'][1] < trial['losses'][0]
