@@ -57,7 +57,6 @@ Two ways to describe the cells:
 
 import functools
 
-from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
@@ -65,13 +64,14 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
+from lingvo_gpipe.pipeline import auto_plan
 from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.pipeline import cell_shapes
 from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import jit_cell
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
-from lingvo_gpipe.pipeline import planner
 from lingvo_gpipe.pipeline import schedule
 
 __all__ = [
@@ -318,58 +318,11 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _ResolveAuto(self):
     """Resolves num_stages / num_micro_batches = 'auto' with the planner."""
-    p = self.params
-    for name in ('num_stages', 'num_micro_batches'):
-      v = p.Get(name)
-      if v != 'auto' and v is not None and not isinstance(v, int):
-        raise ValueError(
-          f"Pipeline {p.name!r}: {name}={v!r}; use an int or 'auto'."
-        )
-    if p.num_micro_batches == 'auto' and p.micro_batch_size:
-      raise ValueError(
-        f"Pipeline {p.name!r}: num_micro_batches='auto' and "
-        f'micro_batch_size={p.micro_batch_size} both set M; give one.'
-      )
-    if p.cell_tpl:
-      if p.num_stages == 'auto':
-        raise ValueError(
-          f"Pipeline {p.name!r}: num_stages='auto' needs a flat `layers` "
-          f'list; cell_tpl fixes K={len(p.cell_tpl)} cells.'
-        )
-      layers, num_stages = list(p.cell_tpl), len(p.cell_tpl)
-    else:
-      layers = list(p.layers)
-      num_stages = p.num_stages
-    devices = list(p.devices) if p.devices else placement.DefaultDevices()
-    if num_stages is None:  # M is 'auto'; K as without it.
-      if isinstance(p.splits, int) and not isinstance(p.splits, bool):
-        num_stages = p.splits
-      elif p.splits:
-        num_stages = len(p.splits)
-      else:
-        num_stages = max(1, len(devices) // p.num_replicas) if p.devices else 1
-    device = p.planner_device or planner.DetectDevice(devices)
-    try:
-      k, m, _, text = planner.Resolve(
-        layers,
-        p.input_shapes,
-        max(1, len(devices)),
-        num_stages=num_stages,
-        num_micro_batches=p.num_micro_batches,
-        num_replicas=p.num_replicas,
-        recompute=p.recompute != 'never',
-        device=device,
-        memory_bytes=p.planner_memory_per_device,
-        batch_dim=p.batch_dim,
-        name=p.name,
-      )
-    except ValueError as e:
-      raise ValueError(f'PipeliningLayer {p.name!r}: {e}') from e
-    if p.num_stages == 'auto':
+    k, m, text = auto_plan.Resolve(self.params)
+    if self.params.num_stages == 'auto':
       self._auto_num_stages = k
     self._num_micro_batches = m
     self.plan_text = text
-    logging.info('Pipeline %r %s', p.name, text)
 
   def _Splits(self, layers):
     p = self.params
@@ -459,69 +412,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     return list(self._devices) if self._devices else None
 
   def _CheckCellShapes(self, cells, shapes=None, source=None):
-    """Feeds input shapes through the layers' FPropMeta, cell by cell.
-
-    Args:
-      cells: per cell, the list of its layers' Params.
-      shapes: the pipeline's input shapes; None: `input_shapes` (nothing to
-        check if that is None too).
-      source: where `shapes` come from, for the message.
-
-    Raises:
-      ValueError: naming the pipeline, the cell and the layer that cannot
-        take its input, and what it gets.
-    """
+    """`cell_shapes.Check` on `input_shapes` (or `shapes` from `source`)."""
     if shapes is None:
-      shapes = self.params.input_shapes
-      source = 'input_shapes'
+      shapes, source = self.params.input_shapes, 'input_shapes'
       if shapes is None:
         return
-    shapes = tuple(meta.ToShape(s) for s in shapes)
-    for k, cell in enumerate(cells):
-      for j, lp in enumerate(cell):
-        try:
-          m = lp.cls.FPropMeta(lp, *shapes)
-        except (ValueError, TypeError) as e:
-          raise ValueError(
-            self._ShapeError(cells, k, j, shapes, source, e)
-          ) from e
-        shapes = py_utils.AsTuple(m.out_shapes)
-
-  def _ShapeError(self, cells, k, j, shapes, source, error):
-    """The message of `_CheckCellShapes` for layer j of cell k."""
-
-    def Names(cell):
-      return ', '.join(c.name for c in cell)
-
-    lp = cells[k][j]
-    layer = f'{lp.name} ({lp.cls.__name__})'
-    reason = str(error).strip().rstrip('.')
-    got = tf.nest.map_structure(
-      lambda s: s.shape.as_list() if s.shape.rank is not None else '?',
-      [meta.ToSpec(x) for x in shapes],
-    )
-    got = got[0] if len(got) == 1 else got
-    head = f'Pipeline {self.path!r} cell {k} ({Names(cells[k])})'
-    if j == 0 and k == 0:
-      return (
-        f'{head} cannot take the pipeline input, of shapes {got} '
-        f'({source}): its first layer {layer} says: {reason}. Make '
-        f'{lp.name} accept the input'
-        + (', or fix input_shapes.' if source == 'input_shapes' else '.')
-      )
-    if j == 0:
-      last = cells[k - 1][-1].name
-      return (
-        f'{head} cannot take the output of cell {k - 1} '
-        f'({Names(cells[k - 1])}), of shapes {got}: its first layer '
-        f'{layer} says: {reason}. Make {lp.name} accept what {last}, the '
-        f'last layer of cell {k - 1}, returns.'
-      )
-    prev = cells[k][j - 1].name
-    return (
-      f'{head}: layer {layer} cannot take the output of {prev}, of shapes '
-      f'{got}: {reason}. Make {lp.name} accept what {prev} returns.'
-    )
+    cell_shapes.Check(self.path, cells, shapes, source)
 
   def _CellParams(self):
     """Per cell, the list of its layers' Params."""
