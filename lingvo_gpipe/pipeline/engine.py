@@ -148,9 +148,12 @@ class PipelineEngine:
     strict_order: run each device's work items in schedule order.
     name: the pipeline's name in error messages.
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
-    recompute_fprop: like `cell_fprop`, used for the re-materialization in
-      the backward pass (e.g. a function whose gradient recomputes the cell
-      and back-propagates in one compiled call); None: `cell_fprop`.
+    recompute_backward: fn(k, theta_k, args tuple, output gradients) ->
+      (gradients of theta_k, of args), None where there is none: the
+      re-materialization and backward pass of cell k in one call (e.g. one
+      compiled computation, `jit_cell.JitCells.RecomputeBackward`), run
+      under the micro-batch's step seed. None: re-run `cell_fprop` under a
+      gradient tape.
   """
 
   def __init__(
@@ -163,7 +166,7 @@ class PipelineEngine:
     strict_order=True,
     name='pipeline',
     schedule=schedule_lib.FillDrain,
-    recompute_fprop=None,
+    recompute_backward=None,
   ):
     if recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
@@ -177,7 +180,7 @@ class PipelineEngine:
     self._strict_order = strict_order
     self._name = name
     self._schedule = schedule
-    self._recompute_fprop = recompute_fprop or cell_fprop
+    self._recompute_backward = recompute_backward
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
@@ -514,7 +517,7 @@ class PipelineEngine:
     k = w.cell
     key = self._DeviceKey(k, r)
     with self._Device(k, r):
-      new_dy = self.CellBackward(
+      new_dy, summed = self.CellBackward(
         k,
         walk.thetas[r][k],
         walk.saved[(k, j)],
@@ -526,7 +529,7 @@ class PipelineEngine:
         input_grad=walk.input_grads or k > 0,
       )
       walk.grads[j] = new_dy
-      walk.last_on_device[key] = new_dy
+      walk.last_on_device[key] = (new_dy, summed)
 
   def _JoinGradients(self, inputs, walk):
     """[gradients of the input tensors] + [of thetas[0]], summed."""
@@ -573,6 +576,46 @@ class PipelineEngine:
         theta_grads.append(partial[0] if partial else None)
     return in_grads + theta_grads
 
+  def _RecomputeBackward(self, k, theta_k, x, seed, dy, finish):
+    """`recompute_backward` of cell k on one micro-batch; returns (flat
+    gradients of theta_k, of x). With `finish` (the last cell with a loss),
+    the cell's outputs are recomputed to differentiate the loss, and their
+    gradients go on to `recompute_backward`."""
+    if finish is not None:
+      _, _, out = self._RunCell(k, theta_k, x, seed, collect=False)
+      flat_out = tf.nest.flatten(out)
+      floats = [t for t in flat_out if _IsFloat(t)]
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(floats)
+        loss = tf.nest.flatten(finish(out))
+      pairs = [
+        (a, b)
+        for a, b in zip(loss, tf.nest.flatten(dy))
+        if _IsFloat(a) and b is not None
+      ]
+      grads = iter(
+        tape.gradient(
+          [a for a, _ in pairs], floats, output_gradients=[b for _, b in pairs]
+        )
+        if pairs and floats
+        else [None] * len(floats)
+      )
+      dy = tf.nest.pack_sequence_as(
+        out, [next(grads) if _IsFloat(t) else None for t in flat_out]
+      )
+    with py_utils.StepSeed(seed), py_utils.UpdateCollector():
+      th_g, x_g = self._recompute_backward(k, theta_k, x, dy)
+    return tf.nest.flatten(th_g), tf.nest.flatten(x_g)
+
+  def _SumsAsItGoes(self):
+    """Whether each micro-batch's weight gradients are added to the running
+    sum before the device's next backward starts (see `CellBackward`)."""
+    return (
+      self._strict_order
+      and self._recompute_backward is not None
+      and not tf.executing_eagerly()
+    )
+
   def CellBackward(
     self,
     k,
@@ -587,9 +630,16 @@ class PipelineEngine:
   ):
     """Back-propagates one micro-batch through cell k.
 
-    Adds the weight gradients to the lists in `theta_acc`; returns the
+    Adds the weight gradients to the lists in `theta_acc`; returns (the
     gradient of the cell's input (zeros, without computing it, when
-    `input_grad` is False).
+    `input_grad` is False), [running sums the device's next backward waits
+    for]).
+
+    A compiled cell (`recompute_backward`) returns all of its weight
+    gradients at once, and with `strict_order` they are added to the
+    running sum before the device's next backward starts: otherwise an
+    executor with one thread ran every micro-batch's backward first and
+    kept each one's weight gradients alive until the end.
     """
     x, tape, y, seed_m, finish = saved
     if self._strict_order and after is not None:
@@ -599,6 +649,11 @@ class PipelineEngine:
       start, (dy, x_after) = graph_ops.Stamp((dy, x))
       if tape is None:
         x = x_after
+    flat_th = tf.nest.flatten(theta_k)
+    flat_x = tf.nest.flatten(x)
+    sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
+    if input_grad:
+      sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
     if tape is None:  # Re-materialize: same inputs, same seed.
       # Fresh copies of the inputs and the seed, made once the output
       # gradient has arrived: otherwise the executor would recompute every
@@ -607,47 +662,52 @@ class PipelineEngine:
       # subexpression elimination), keeping every forward activation alive
       # until the backward pass.
       x, seed_m = graph_ops.FreshCopies((x, seed_m), dy)
-      tape = tf.GradientTape(watch_accessed_variables=False)
-      with tape:
-        tape.watch(
-          [
-            t
-            for t in tf.nest.flatten((theta_k, x) if input_grad else theta_k)
-            if _IsFloat(t)
-          ]
-        )
-        y, _, _ = self._RunCell(
-          k,
-          theta_k,
-          x,
-          seed_m,
-          collect=False,
-          finish=finish,
-          fprop=self._recompute_fprop,
-        )
-    flat_y, flat_dy = tf.nest.flatten(y), tf.nest.flatten(dy)
-    pairs = [
-      (a, b) for a, b in zip(flat_y, flat_dy) if _IsFloat(a) and b is not None
-    ]
-    flat_th = tf.nest.flatten(theta_k)
-    flat_x = tf.nest.flatten(x)
-    sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
-    if input_grad:
-      sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
-    sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
-    if pairs and sources:
-      g = tape.gradient(
-        [a for a, _ in pairs], sources, output_gradients=[b for _, b in pairs]
-      )
+      flat_x = tf.nest.flatten(x)
+    if tape is None and self._recompute_backward is not None:
+      g = self._RecomputeBackward(k, theta_k, x, seed_m, dy, finish)
+      g = [g[0][i] if w == 't' else g[1][i] for w, i in sources_idx]
     else:
-      g = [None] * len(sources)
+      if tape is None:
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+          tape.watch(
+            [
+              t
+              for t in tf.nest.flatten((theta_k, x) if input_grad else theta_k)
+              if _IsFloat(t)
+            ]
+          )
+          y, _, _ = self._RunCell(
+            k, theta_k, x, seed_m, collect=False, finish=finish
+          )
+      pairs = [
+        (a, b)
+        for a, b in zip(tf.nest.flatten(y), tf.nest.flatten(dy))
+        if _IsFloat(a) and b is not None
+      ]
+      sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
+      if pairs and sources:
+        g = tape.gradient(
+          [a for a, _ in pairs],
+          sources,
+          output_gradients=[b for _, b in pairs],
+        )
+      else:
+        g = [None] * len(sources)
     dx = [None] * len(flat_x)
     computed = [gi for gi in g if gi is not None]
+    summed = []
     for (w, i), gi in zip(sources_idx, g):
       if w == 't':
         if gi is not None:
           acc = theta_acc[i]
-          theta_acc[i] = [gi] if acc is None else acc + [gi]
+          if acc is not None and self._SumsAsItGoes():
+            # The running sum: the next micro-batch's backward on this
+            # device waits for it (`summed`).
+            theta_acc[i] = [graph_ops.SumGradients(acc + [gi])]
+            summed.append(theta_acc[i][0])
+          else:
+            theta_acc[i] = [gi] if acc is None else acc + [gi]
       else:
         dx[i] = gi
     # An input without a gradient (integer ids, labels) gets a zero made
@@ -661,4 +721,4 @@ class PipelineEngine:
     if tracer is not None:
       end, new_dy = graph_ops.Stamp(new_dy)
       tracer.Record(trace_key, start, end)
-    return new_dy
+    return new_dy, summed

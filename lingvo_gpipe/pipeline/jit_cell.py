@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import graph_ops
 
 __all__ = ['JitCells']
 
@@ -41,6 +42,25 @@ def _IsFloat(t):
 
 def _Spec(t):
   return tf.TensorSpec(t.shape, t.dtype)
+
+
+def _Anchored(flat):
+  """The outputs of a compiled call, made safe to be used only as control
+  dependencies (`strict_order` chains a device's next work item on them).
+
+  Where the pipeline's outputs are not used (a step that returns only
+  gradients), Grappler's dependency optimizer turns a call whose outputs
+  feed nothing but control edges into a NoOp, yet keeps its
+  `_XlaMustCompile` attribute, and the step then fails with "Function NoOp
+  is not defined". A one-element copy of the first output, a stateful op
+  that the optimizer keeps, gives the call a data consumer as long as
+  anything depends on its outputs.
+  """
+  if not flat or tf.executing_eagerly() or _tf_internal.InXlaContext():
+    return flat
+  keep = tf.raw_ops.DeepCopy(x=tf.reshape(flat[0], [-1])[:1])
+  _tf_internal.RunIndependently(keep.op)
+  return graph_ops.After(list(flat), [keep])
 
 
 class _Layout:
@@ -109,14 +129,16 @@ class JitCells:
       self._fns[key] = (tf.function(Forward, jit_compile=True), meta)
     return self._fns[key]
 
-  def _Grad(self, k, layout, is_eval):
-    key = ('grad', k, is_eval, layout.key)
+  def _Grad(self, k, layout, is_eval, present):
+    """The recompute-and-backward of cell k; `present[i]`: whether the
+    gradient of output i is given (the function takes just those)."""
+    key = ('grad', k, is_eval, layout.key, present)
     if key not in self._fns:
       meta = {}
 
       def Grad(*tensors):
         n = len(layout.tensors)
-        inputs, dys = tensors[:n], tensors[n:]
+        inputs, given = tensors[:n], list(tensors[n:])
         sources = [t for t in inputs if _IsFloat(t)]
         # (The XLA check traces this inside tf.init_scope, which stops tapes.)
         with (
@@ -128,7 +150,7 @@ class JitCells:
             k, layout, inputs, is_eval, py_utils.UpdateCollector()
           )
         pairs = [
-          (y, dy) for y, dy in zip(tf.nest.flatten(out), dys) if _IsFloat(y)
+          (y, given.pop(0)) for y, p in zip(tf.nest.flatten(out), present) if p
         ]
         grads = tape.gradient(
           [y for y, _ in pairs],
@@ -209,7 +231,7 @@ class JitCells:
     is_eval = py_utils.IsEval()
     fn, meta = self._Forward(k, layout, is_eval)
     self._Check(k, fn, meta, layout.tensors, ('forward', k, is_eval))
-    flat = fn(*layout.tensors)
+    flat = _Anchored(fn(*layout.tensors))
     out_flat = tf.nest.flatten(meta['out'])
     out = tf.nest.pack_sequence_as(meta['out'], flat[: len(out_flat)])
     rest = flat[len(out_flat) :]
@@ -221,37 +243,32 @@ class JitCells:
       rest = rest[n:]
     return out
 
-  def RecomputeFProp(self, k, theta_k, args):
-    """Cell k for re-materialization: its gradient recomputes the forward
-    pass and back-propagates in one XLA computation."""
+  def RecomputeBackward(self, k, theta_k, args, dys):
+    """Re-materializes cell k on one micro-batch and back-propagates `dys`
+    (the gradients of its outputs, None where there is none) in one XLA
+    computation. Returns (gradients of theta_k, of args), structured like
+    them, None where there is none.
+
+    Nothing of the forward computation is kept or re-run outside the
+    compiled call: the forward values live only inside it.
+    """
     layout = _Layout(theta_k, args, py_utils.CurrentStepSeed())
     is_eval = py_utils.IsEval()
-    fwd, fwd_meta = self._Forward(k, layout, is_eval)
-    grad, grad_meta = self._Grad(k, layout, is_eval)
-    tensors = list(layout.tensors)
-    float_pos = [i for i, t in enumerate(tensors) if _IsFloat(t)]
-
-    @tf.custom_gradient
-    def Cell(*floats):
-      full = list(tensors)
-      for i, t in zip(float_pos, floats):
-        full[i] = t
-      # Only a target for the gradient: nothing uses these outputs, so the
-      # executor prunes this call; the gradient recomputes.
-      flat = fwd(*full)
-      n_out = len(tf.nest.flatten(fwd_meta['out']))
-      outs = list(flat[:n_out])
-
-      def Backward(*dys):
-
-        dys = [
-          tf.zeros_like(y) if dy is None else dy for y, dy in zip(outs, dys)
-        ]
-        self._Check(k, grad, grad_meta, full + dys, ('grad', k, is_eval))
-        got = list(grad(*full, *dys))
-        return [got.pop(0) if p else None for p in grad_meta['present']]
-
-      return outs, Backward
-
-    outs = Cell(*[tensors[i] for i in float_pos])
-    return tf.nest.pack_sequence_as(fwd_meta['out'], outs)
+    flat_dys = tf.nest.flatten(dys)
+    present = tuple(dy is not None and _IsFloat(dy) for dy in flat_dys)
+    if not any(present):
+      return tf.nest.map_structure(lambda _: None, (theta_k, tuple(args)))
+    grad, grad_meta = self._Grad(k, layout, is_eval, present)
+    given = [dy for dy, p in zip(flat_dys, present) if p]
+    self._Check(
+      k, grad, grad_meta, layout.tensors + given, ('grad', k, is_eval, present)
+    )
+    got = list(grad(*layout.tensors, *given))
+    flat = [got.pop(0) if p else None for p in grad_meta['present']]
+    # Float inputs in order, then back to (theta_k, args, seed).
+    tensors = [None] * len(layout.tensors)
+    float_pos = [i for i, t in enumerate(layout.tensors) if _IsFloat(t)]
+    for i, g in zip(float_pos, flat):
+      tensors[i] = g
+    theta_grads, arg_grads, _ = layout.Unpack(tensors)
+    return theta_grads, arg_grads

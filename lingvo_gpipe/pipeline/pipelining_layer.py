@@ -573,7 +573,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       strict_order=p.strict_order,
       name=self.path,
       schedule=self.ScheduleFn(),
-      recompute_fprop=jit.RecomputeFProp if jit else None,
+      recompute_backward=jit.RecomputeBackward if jit else None,
     )
 
   def ScheduleFn(self):

@@ -16,6 +16,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.models import transformer_lm
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import pipeline_layers as plt
 
@@ -156,3 +157,30 @@ def testLayerXlaCannotCompileIsNamed():
     r"cell 1: layer 'pipe/no_xla' uses DeepCopy.*jit_compile=False",
   ):
     plt.LossAndGrads(pipe, (x,), w)
+
+
+@pytest.mark.parametrize('policy', ['always', 'except_last_micro_batch'])
+def testStepThatReturnsOnlyGradients(policy):
+  # The pipeline's outputs feed nothing but the order of the next work item
+  # on each device. Grappler turned such compiled calls into NoOps that kept
+  # their XLA attribute ("Function NoOp is not defined") until they got a
+  # data consumer.
+  lm = transformer_lm.LayerParams(
+    num_layers=1, model_dim=16, hidden_dim=32, num_heads=1, vocab_size=64
+  )
+  ids = tf.random.stateless_uniform([8, 4], [1, 2], maxval=64, dtype=tf.int32)
+  grads = []
+  for jit in (True, False):
+    pipe = _Pipe(lm, 2, 2, policy, jit)
+    variables = pipe.trainable_variables
+
+    @tf.function
+    def Step(pipe=pipe, variables=variables):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(pipe(ids, ids))
+      return tape.gradient(loss, variables)
+
+    grads.append(dict(zip([v.name for v in variables], Step())))
+  assert sorted(grads[0]) == sorted(grads[1]) and grads[0]
+  for name, g in grads[1].items():
+    np.testing.assert_allclose(grads[0][name], g, rtol=1e-4, atol=1e-7)
