@@ -50,21 +50,26 @@ goes to <logdir>/error_traceback.txt), 130 on SIGINT during start-up.
 docs/reliability.md lists what survives which fault.
 """
 
+import logging as std_logging
 import os
 import re
 import signal
 import sys
 import threading
 
+from lingvo_gpipe.core import quiet_start
+
 
 def _StartupSignal(signum, unused_frame):
   """SIGINT/SIGTERM while TensorFlow loads: one line, exit 128 + signum."""
   name = signal.Signals(signum).name
-  sys.stderr.write(
-    f'ERROR: {name} during start-up: exiting before anything was trained '
-    'or saved.\n'
-  )
   sys.stderr.flush()
+  # Straight to the real stderr: TensorFlow's import may be filtering fd 2.
+  os.write(
+    quiet_start.StderrFd(),
+    f'ERROR: {name} during start-up: exiting before anything was trained '
+    'or saved.\n'.encode(),
+  )
   os._exit(128 + signum)  # pylint: disable=protected-access
 
 
@@ -80,10 +85,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-# TensorFlow's C++ INFO lines (the CPU-feature banner, "Sharding callback
-# duration" at every checkpoint) are noise in the trainer's log; warnings and
-# errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+# TensorFlow's C++ INFO lines (the start-up banner) are noise in the
+# trainer's log; warnings and errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
+quiet_start.ImportTensorFlow(min_log_level='1')
 
 # pylint: disable=g-import-not-at-top
 import tensorflow as tf
@@ -113,6 +117,7 @@ __all__ = [
   'UserError',
   'OneLine',
   'LogdirOverrides',
+  'SetUpLogging',
 ]
 
 FLAGS = flags.FLAGS
@@ -1164,7 +1169,32 @@ def _Exit(status, message=None):
   os._exit(status)  # pylint: disable=protected-access
 
 
+# TensorFlow's Python INFO lines that are noise in the trainer's log: its
+# checkpoint saver's timing at every save, and the ~20-line session config
+# that connecting to remote workers (--cluster_spec) dumps.
+_NOISE = ('Sharding callback duration', 'default session config:')
+
+
+class _DropNoise(std_logging.Filter):
+  """Drops the log records whose message starts with one of `_NOISE`."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith(_NOISE)
+
+
+_DROP_NOISE = _DropNoise()
+
+
+def SetUpLogging():
+  """The trainer's log filters, in one place: drops TensorFlow's `_NOISE`
+  lines (its Python logger's records reach absl's handler)."""
+  for logger in (tf.get_logger(), logging.get_absl_logger()):
+    if _DROP_NOISE not in logger.filters:
+      logger.addFilter(_DROP_NOISE)
+
+
 def _Run(argv):
+  SetUpLogging()
   try:
     _Main(argv)
   except KeyboardInterrupt:

@@ -7,6 +7,7 @@ tests that only read its logdir; tests that write copy it first.
 """
 
 import glob
+import logging as std_logging
 import os
 import random
 import shutil
@@ -86,6 +87,37 @@ def testTrainWritesParamsCheckpointsEvents(trained):
   progress = [ln for ln in log.splitlines() if 'step      30/30' in ln][0]
   assert 'loss' in progress and 'examples/s' in progress
   assert 'ms/step' in progress and 'ETA' in progress
+  # Quiet: no TensorFlow start-up banner, no saver timing at each checkpoint.
+  for noise in (
+    'oneDNN custom operations',
+    'absl::InitializeLog()',
+    'Sharding callback duration',
+  ):
+    assert noise not in log, noise
+
+
+def testSetUpLoggingDropsTensorFlowNoiseOnly():
+  records = []
+
+  class Keep(std_logging.Handler):
+    def emit(self, record):
+      records.append(record.getMessage())
+
+  handler = Keep()
+  logger = tf.get_logger()
+  logger.addHandler(handler)
+  try:
+    trainer.SetUpLogging()
+    trainer.SetUpLogging()  # Idempotent: one filter.
+    logger.warning('default session config: device_count {')
+    logger.warning('Sharding callback duration: 12 microseconds')
+    logger.warning('Saved checkpoint /tmp/x/ckpt-1 in 0.1s.')
+  finally:
+    logger.removeHandler(handler)
+  assert records == ['Saved checkpoint /tmp/x/ckpt-1 in 0.1s.']
+  assert (
+    sum(isinstance(f, type(trainer._DROP_NOISE)) for f in logger.filters) == 1
+  )
 
 
 def testResumeContinuesFromSavedStep(trained, tmp_path):

@@ -40,6 +40,7 @@ rows have K * virtual_stages cells (`num_cells`) on K devices.
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -65,6 +66,10 @@ def _WantsCpuStats(argv):
 if __name__ == '__main__' and _WantsCpuStats(sys.argv[1:]):
   # CPU allocator statistics must be switched on before the first op.
   device_memory.EnableCpuStats()
+
+from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
+
+quiet_start.ImportTensorFlow(min_log_level='2')
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -834,9 +839,32 @@ def main(argv=None):
       print(f'Wrote {args.json}')
   finally:
     if local is not None:
+      _ReleaseFunctions(devices)
       local.Stop()
   return 0
 
 
+def _ReleaseFunctions(devices):
+  """Frees this process's functions while the workers still run.
+
+  Every tf.function is registered on the workers too, and freeing one sends
+  them a request to remove it. A Bench's step closes over the Bench (a
+  cycle), so only the garbage collector frees it: after `local.Stop()`, at
+  interpreter exit, its requests met stopped workers and TensorFlow logged
+  "Failed to remove function remotely due to Socket closed". So: collect
+  now, then one op on each worker, whose answer comes after the removals
+  (requests to a worker are handled in order).
+  """
+  gc.collect()
+  for d in devices:
+    with tf.device(d):
+      tf.zeros([]).numpy()  # Runs on the worker.
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  status = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Without interpreter shutdown: the workers are gone, and freeing what is
+  # left of TensorFlow's state would only ask them to remove functions.
+  os._exit(status)  # pylint: disable=protected-access
