@@ -316,22 +316,11 @@ class UserError(Exception):
 _BUILD_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
-def _TracingMessage(error):
-  """The message of `error` without the frames that tf.function adds to
-  errors raised while tracing ("in user code: File ...")."""
-  text = str(error).strip()
-  if 'in user code:' in text:
-    marker = f'{type(error).__name__}: '
-    if marker in text:
-      text = text[text.rindex(marker) + len(marker) :].strip()
-  return ' '.join(text.split('\n')).strip() or type(error).__name__
-
-
 def _BuildError(what, error):
-  """A UserError for `error` raised while `what`; the traceback is logged
-  at verbosity 1 (--v=1)."""
+  """A UserError for `error`, a mistake in the model raised while `what`;
+  the traceback is logged at verbosity 1 (--v=1)."""
   logging.vlog(1, 'Traceback of the error while %s:', what, exc_info=error)
-  return UserError(f'{_TracingMessage(error)} (while {what})')
+  return UserError(f'{OneLine(error, is_user_error=True)} (while {what})')
 
 
 def _CheckBatchSizes(model, iterator):
@@ -1131,10 +1120,27 @@ def _TensorFlowText(error):
   return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line).strip()
 
 
-def OneLine(error, logdir=None):
-  """The one-line message the trainer exits with for `error`."""
-  if isinstance(error, _KNOWN_ERRORS):
-    return ' '.join(str(error).split('\n'))
+def OneLine(error, logdir=None, is_user_error=False):
+  """The one-line message the trainer exits with for `error`.
+
+  Args:
+    error: the exception.
+    logdir: where an unexpected error's traceback goes
+      (error_traceback.txt), if it exists.
+    is_user_error: `error` is a mistake in the flags or the model, as the
+      `_KNOWN_ERRORS` are: its whole message, no traceback.
+
+  An error raised while tf.function traced a step carries the frames of the
+  user's code ("in user code: File ..."); the message is what follows its
+  last "<ErrorType>: ".
+  """
+  text = str(error).strip()
+  if 'in user code:' in text:
+    marker = f'{type(error).__name__}: '
+    if marker in text:
+      text = text[text.rindex(marker) + len(marker) :].strip()
+  if is_user_error or isinstance(error, _KNOWN_ERRORS):
+    return ' '.join(text.split('\n')).strip() or type(error).__name__
   if isinstance(error, tf.errors.OpError):
     message = imagenet.ErrorMessage(error)
     if message:
@@ -1154,7 +1160,7 @@ def OneLine(error, logdir=None):
     except OSError:
       pass
   logging.vlog(1, '%s', ''.join(traceback.format_exception(error)))
-  first = str(error).strip().split('\n')[0]
+  first = text.split('\n')[0]
   return f'{type(error).__name__}: {first} (traceback in {where})'
 
 

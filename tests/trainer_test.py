@@ -96,6 +96,31 @@ def testTrainWritesParamsCheckpointsEvents(trained):
     assert noise not in log, noise
 
 
+def testOneLineStripsTheFramesOfTracing(tmp_path):
+  # What tf.function raises for an error in the traced code.
+  traced = ValueError(
+    'in user code:\n\n    File "/x/model.py", line 3, in FProp  *\n'
+    '        raise ValueError(\n\n    ValueError: dim=5 does not match\n'
+    '    the input width 4\n'
+  )
+  assert (
+    trainer.OneLine(traced, is_user_error=True)
+    == 'dim=5 does not match     the input width 4'
+  )
+  assert trainer.OneLine(trainer.UserError('a\nb')) == 'a b'
+  # Unexpected: its first line, and the traceback in the logdir.
+  line = trainer.OneLine(traced, str(tmp_path))
+  assert line == (
+    'ValueError: dim=5 does not match (traceback in '
+    f'{tmp_path / "error_traceback.txt"})'
+  )
+  error = trainer._BuildError('building the model', traced)
+  assert isinstance(error, trainer.UserError)
+  assert str(error) == (
+    'dim=5 does not match     the input width 4 (while building the model)'
+  )
+
+
 def testSetUpLoggingDropsTensorFlowNoiseOnly():
   records = []
 
