@@ -458,6 +458,8 @@ def EvaluateBleuCheckpoint(
   max_batches=None,
   checkpoint=None,
   overrides=None,
+  progress=None,
+  progress_every_s=10.0,
 ):
   """Restores a checkpoint of an MT `model` and scores BLEU on `dataset`.
 
@@ -474,6 +476,8 @@ def EvaluateBleuCheckpoint(
     max_batches: decode at most this many batches.
     checkpoint: a checkpoint prefix; None: the latest in <logdir>/train.
     overrides: Params text ("a.b : value" lines) applied to the model Params.
+    progress: None, or a function of one line of decoding progress, called
+      at most every `progress_every_s` seconds and at the end.
 
   Returns:
     (the checkpoint's step, bleu.BleuReport).
@@ -495,5 +499,7 @@ def EvaluateBleuCheckpoint(
   ckpt_lib.Checkpointer(
     train_dir, built.VariablesByName(), writable=False
   ).RestoreFrom(prefix, strict=False)
-  report = evaluation.EvaluateBleu(built.GetTask(), max_batches)
+  report = evaluation.EvaluateBleu(
+    built.GetTask(), max_batches, progress, progress_every_s
+  )
   return ckpt_lib.StepOf(prefix), report
