@@ -458,8 +458,7 @@ def EvaluateBleuCheckpoint(
   max_batches=None,
   checkpoint=None,
   overrides=None,
-  progress=None,
-  progress_every_s=10.0,
+  **decode,
 ):
   """Restores a checkpoint of an MT `model` and scores BLEU on `dataset`.
 
@@ -467,17 +466,14 @@ def EvaluateBleuCheckpoint(
                                           '/tmp/mt', dataset='Test')
     print(report)          # BLEU per language, average, corpus
 
-
   Args:
     model: registry key, e.g. 'mt.multilingual.TransformerTiny'.
     logdir: the training logdir (its train/ holds the checkpoints).
     dataset: 'Dev' or 'Test'.
     beam_size: overrides the task's beam_size (1: greedy).
-    max_batches: decode at most this many batches.
+    max_batches, **decode: as DecodeColumns' (progress, progress_every_s).
     checkpoint: a checkpoint prefix; None: the latest in <logdir>/train.
     overrides: Params text ("a.b : value" lines) applied to the model Params.
-    progress: None, or a function of one line of decoding progress, called
-      at most every `progress_every_s` seconds and at the end.
 
   Returns:
     (the checkpoint's step, bleu.BleuReport).
@@ -499,7 +495,5 @@ def EvaluateBleuCheckpoint(
   ckpt_lib.Checkpointer(
     train_dir, built.VariablesByName(), writable=False
   ).RestoreFrom(prefix, strict=False)
-  report = evaluation.EvaluateBleu(
-    built.GetTask(), max_batches, progress, progress_every_s
-  )
+  report = evaluation.EvaluateBleu(built.GetTask(), max_batches, **decode)
   return ckpt_lib.StepOf(prefix), report
