@@ -16,8 +16,13 @@ setuptools.setup(
   long_description=open('README.md', encoding='utf-8').read(),
   long_description_content_type='text/markdown',
   python_requires='>=3.11',
-  packages=setuptools.find_packages(
-    include=['lingvo_gpipe', 'lingvo_gpipe.*', 'params', 'params.*']
+  # Every folder under params/ is installed, with an __init__.py or without
+  # (a namespace package), so a new topic folder needs no edit here.
+  packages=(
+    setuptools.find_packages(include=['lingvo_gpipe', 'lingvo_gpipe.*'])
+    + setuptools.find_namespace_packages(
+      include=['params', 'params.*'], exclude=['*.__pycache__']
+    )
   ),
   install_requires=[
     'numpy>=1.26',

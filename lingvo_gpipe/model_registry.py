@@ -15,7 +15,9 @@ named 'params' is dropped.
 Lookups are lazy: `GetClass('image.digits.MlpDigitsTiny')` imports
 `params.image.digits` (or `image.digits`) if the key is not registered yet,
 so tools need not import every config. `ImportAllParams()` imports every
-module under `params` (e.g. to list all experiments).
+module under `params` (e.g. to list all experiments). A topic folder under
+`params/` is found with an `__init__.py` or without one (a namespace
+package): `params/mytopic/mymodel.py` gives keys `mytopic.mymodel.<Class>`.
 
 The trainer's contract:
 
@@ -27,7 +29,7 @@ The trainer's contract:
 
 import difflib
 import importlib
-import pkgutil
+import os
 import threading
 
 from absl import logging
@@ -131,20 +133,43 @@ def ImportAllParams(ignore_errors=False):
       f'({e}); run from the repository root or put it on PYTHONPATH.'
     ) from e
   names = []
-  for info in pkgutil.walk_packages(package.__path__, PARAMS_PACKAGE + '.'):
-    if info.name.rsplit('.', 1)[-1].endswith('_test'):
-      continue
+  for name in _ModuleNames(package):
     try:
-      importlib.import_module(info.name)
-      names.append(info.name)
+      importlib.import_module(name)
+      names.append(name)
     except Exception as e:  # pylint: disable=broad-except
       if not ignore_errors:
         raise ImportError(
-          f'Importing experiment module {info.name!r} failed: '
+          f'Importing experiment module {name!r} failed: '
           f'{type(e).__name__}: {e}'
         ) from e
-      logging.warning('Skipping %s: %s', info.name, e)
+      logging.warning('Skipping %s: %s', name, e)
   return names
+
+
+def _ModuleNames(package):
+  """Dotted names of the modules and packages under `package`'s folders,
+  those without an __init__.py included (pkgutil skips them), tests not."""
+  names = set()
+  for top in package.__path__:
+    for folder, subdirs, files in os.walk(top):
+      subdirs[:] = [
+        d for d in subdirs if d.isidentifier() and d != '__pycache__'
+      ]
+      rel = os.path.relpath(folder, top)
+      parts = [package.__name__] + ([] if rel == '.' else rel.split(os.sep))
+      if rel != '.':
+        names.add('.'.join(parts))
+      for f in files:
+        stem = f[: -len('.py')]
+        if (
+          f.endswith('.py')
+          and stem.isidentifier()
+          and stem != '__init__'
+          and not stem.endswith('_test')
+        ):
+          names.add('.'.join(parts + [stem]))
+  return sorted(names)
 
 
 def _LazyImport(key):

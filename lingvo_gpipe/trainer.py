@@ -50,21 +50,26 @@ goes to <logdir>/error_traceback.txt), 130 on SIGINT during start-up.
 docs/reliability.md lists what survives which fault.
 """
 
+import logging as std_logging
 import os
 import re
 import signal
 import sys
 import threading
 
+from lingvo_gpipe.core import quiet_start
+
 
 def _StartupSignal(signum, unused_frame):
   """SIGINT/SIGTERM while TensorFlow loads: one line, exit 128 + signum."""
   name = signal.Signals(signum).name
-  sys.stderr.write(
-    f'ERROR: {name} during start-up: exiting before anything was trained '
-    'or saved.\n'
-  )
   sys.stderr.flush()
+  # Straight to the real stderr: TensorFlow's import may be filtering fd 2.
+  os.write(
+    quiet_start.StderrFd(),
+    f'ERROR: {name} during start-up: exiting before anything was trained '
+    'or saved.\n'.encode(),
+  )
   os._exit(128 + signum)  # pylint: disable=protected-access
 
 
@@ -80,10 +85,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-# TensorFlow's C++ INFO lines (the CPU-feature banner, "Sharding callback
-# duration" at every checkpoint) are noise in the trainer's log; warnings and
-# errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+# TensorFlow's C++ INFO lines (the start-up banner) are noise in the
+# trainer's log; warnings and errors stay. TF_CPP_MIN_LOG_LEVEL=0 shows them.
+quiet_start.ImportTensorFlow(min_log_level='1')
 
 # pylint: disable=g-import-not-at-top
 import tensorflow as tf
@@ -113,6 +117,7 @@ __all__ = [
   'UserError',
   'OneLine',
   'LogdirOverrides',
+  'SetUpLogging',
 ]
 
 FLAGS = flags.FLAGS
@@ -311,22 +316,11 @@ class UserError(Exception):
 _BUILD_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
-def _TracingMessage(error):
-  """The message of `error` without the frames that tf.function adds to
-  errors raised while tracing ("in user code: File ...")."""
-  text = str(error).strip()
-  if 'in user code:' in text:
-    marker = f'{type(error).__name__}: '
-    if marker in text:
-      text = text[text.rindex(marker) + len(marker) :].strip()
-  return ' '.join(text.split('\n')).strip() or type(error).__name__
-
-
 def _BuildError(what, error):
-  """A UserError for `error` raised while `what`; the traceback is logged
-  at verbosity 1 (--v=1)."""
+  """A UserError for `error`, a mistake in the model raised while `what`;
+  the traceback is logged at verbosity 1 (--v=1)."""
   logging.vlog(1, 'Traceback of the error while %s:', what, exc_info=error)
-  return UserError(f'{_TracingMessage(error)} (while {what})')
+  return UserError(f'{OneLine(error, is_user_error=True)} (while {what})')
 
 
 def _CheckBatchSizes(model, iterator):
@@ -1126,10 +1120,27 @@ def _TensorFlowText(error):
   return re.sub(r'\s*\[Op:[^\]]*\].*$', '', line).strip()
 
 
-def OneLine(error, logdir=None):
-  """The one-line message the trainer exits with for `error`."""
-  if isinstance(error, _KNOWN_ERRORS):
-    return ' '.join(str(error).split('\n'))
+def OneLine(error, logdir=None, is_user_error=False):
+  """The one-line message the trainer exits with for `error`.
+
+  Args:
+    error: the exception.
+    logdir: where an unexpected error's traceback goes
+      (error_traceback.txt), if it exists.
+    is_user_error: `error` is a mistake in the flags or the model, as the
+      `_KNOWN_ERRORS` are: its whole message, no traceback.
+
+  An error raised while tf.function traced a step carries the frames of the
+  user's code ("in user code: File ..."); the message is what follows its
+  last "<ErrorType>: ".
+  """
+  text = str(error).strip()
+  if 'in user code:' in text:
+    marker = f'{type(error).__name__}: '
+    if marker in text:
+      text = text[text.rindex(marker) + len(marker) :].strip()
+  if is_user_error or isinstance(error, _KNOWN_ERRORS):
+    return ' '.join(text.split('\n')).strip() or type(error).__name__
   if isinstance(error, tf.errors.OpError):
     message = imagenet.ErrorMessage(error)
     if message:
@@ -1149,7 +1160,7 @@ def OneLine(error, logdir=None):
     except OSError:
       pass
   logging.vlog(1, '%s', ''.join(traceback.format_exception(error)))
-  first = str(error).strip().split('\n')[0]
+  first = text.split('\n')[0]
   return f'{type(error).__name__}: {first} (traceback in {where})'
 
 
@@ -1164,7 +1175,32 @@ def _Exit(status, message=None):
   os._exit(status)  # pylint: disable=protected-access
 
 
+# TensorFlow's Python INFO lines that are noise in the trainer's log: its
+# checkpoint saver's timing at every save, and the ~20-line session config
+# that connecting to remote workers (--cluster_spec) dumps.
+_NOISE = ('Sharding callback duration', 'default session config:')
+
+
+class _DropNoise(std_logging.Filter):
+  """Drops the log records whose message starts with one of `_NOISE`."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith(_NOISE)
+
+
+_DROP_NOISE = _DropNoise()
+
+
+def SetUpLogging():
+  """The trainer's log filters, in one place: drops TensorFlow's `_NOISE`
+  lines (its Python logger's records reach absl's handler)."""
+  for logger in (tf.get_logger(), logging.get_absl_logger()):
+    if _DROP_NOISE not in logger.filters:
+      logger.addFilter(_DROP_NOISE)
+
+
 def _Run(argv):
+  SetUpLogging()
   try:
     _Main(argv)
   except KeyboardInterrupt:

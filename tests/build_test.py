@@ -94,23 +94,52 @@ def testConsoleScriptsAreBuildBinaries():
     ), f'{name} ({path}) has no py_binary in BUILD'
 
 
-def testEveryPackageIsInstalled():
+def InstalledPackages(root):
+  """The packages setup.py installs from the tree at `root` (its
+  `packages=` expression, evaluated there)."""
   import setuptools  # pylint: disable=g-import-not-at-top
 
-  found = set(
-    setuptools.find_packages(
-      ROOT, include=['lingvo_gpipe', 'lingvo_gpipe.*', 'params', 'params.*']
+  expr = ast.Expression(_SetupCall()['packages'])
+  cwd = os.getcwd()
+  os.chdir(root)
+  try:
+    return set(
+      eval(compile(expr, 'setup.py', 'eval'), {'setuptools': setuptools})
     )
-  )
+  finally:
+    os.chdir(cwd)
+
+
+def testEveryPackageIsInstalled():
+  found = InstalledPackages(ROOT)
   dirs = {
     os.path.dirname(f).replace('/', '.')
     for f in _Files('lingvo_gpipe/**/*.py') + _Files('params/**/*.py')
   }
   missing = sorted(d for d in dirs if d not in found)
   assert not missing, (
-    f'Folders with modules but no __init__.py, so setup.py '
-    f'would not install them: {missing}'
+    f'Folders with modules that setup.py would not install: {missing}. '
+    'Give a folder under lingvo_gpipe/ an __init__.py.'
   )
+  assert not [p for p in found if '__pycache__' in p], found
+
+
+def testNewParamsTopicFoldersAreInstalled(tmp_path):
+  """A topic folder under params/ is installed with or without an
+  __init__.py: no edit of setup.py."""
+  for topic, init in (('mytopic', True), ('bare', False)):
+    folder = tmp_path / 'params' / topic
+    folder.mkdir(parents=True)
+    (folder / 'mymodel.py').write_text('')
+    if init:
+      (folder / '__init__.py').write_text('')
+  (tmp_path / 'params' / '__init__.py').write_text('')
+  (tmp_path / 'params' / 'bare' / '__pycache__').mkdir()
+  assert InstalledPackages(tmp_path) == {
+    'params',
+    'params.mytopic',
+    'params.bare',
+  }
 
 
 def testBuildDepsAreTheImports():

@@ -1,5 +1,6 @@
 """Tests for lingvo_gpipe.model_registry and base_model_params."""
 
+import sys
 import textwrap
 import uuid
 
@@ -82,6 +83,47 @@ def testImportAllParams():
   names = model_registry.ImportAllParams()
   assert 'params.image.digits' in names
   assert 'image.digits.MlpDigitsTiny' in model_registry.GetRegisteredKeys()
+
+
+def testNewParamsTopicFoldersAreFound(tmp_path, monkeypatch):
+  """params/<topic>/<module>.py, with an __init__.py or without: found by
+  key and by ImportAllParams."""
+  import params  # pylint: disable=g-import-not-at-top
+
+  suffix = uuid.uuid4().hex[:8]
+  topics = {f'withinit_{suffix}': True, f'bare_{suffix}': False}
+  for topic, init in topics.items():
+    folder = tmp_path / topic
+    folder.mkdir()
+    if init:
+      (folder / '__init__.py').write_text('')
+    (folder / 'mymodel.py').write_text(
+      textwrap.dedent("""
+        from lingvo_gpipe import model_registry
+        from lingvo_gpipe.core import base_model_params
+
+        @model_registry.RegisterSingleTaskModel
+        class MyParams(base_model_params.SingleTaskModelParams):
+          pass
+        """)
+    )
+  # As if the folders were under the repository's params/.
+  monkeypatch.setattr(
+    params, '__path__', list(params.__path__) + [str(tmp_path)]
+  )
+  try:
+    bare, with_init = sorted(topics, key=topics.get)
+    cls = model_registry.GetClass(f'{bare}.mymodel.MyParams')
+    assert cls.__module__ == f'params.{bare}.mymodel'
+    names = model_registry.ImportAllParams()
+    assert f'params.{with_init}.mymodel' in names
+    assert f'params.{bare}.mymodel' in names
+    assert 'params.image.digits' in names
+    assert f'{with_init}.mymodel.MyParams' in model_registry.GetRegisteredKeys()
+  finally:
+    for name in list(sys.modules):
+      if any(name.startswith(f'params.{t}') for t in topics):
+        del sys.modules[name]
 
 
 def testGetParamsSetsTheDatasetInput():

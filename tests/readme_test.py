@@ -102,7 +102,15 @@ _EXPECT = {
 }
 
 # What no command's output may show: noise and tracebacks.
-_NEVER = ['Traceback', 'Sharding callback duration', 'flops_registry']
+_NEVER = [
+  'Traceback',
+  'Sharding callback duration',
+  'flops_registry',
+  'oneDNN custom operations',  # TensorFlow's start-up banner
+  'absl::InitializeLog()',
+  'default session config',
+  'Failed to remove function remotely',
+]
 
 # The README's commands in groups that run in order in one directory; the
 # fast groups run by default, the others with `pytest -m slow`.

@@ -183,6 +183,8 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
     f'worker /job:worker/task:1 ({local.addresses[1]}) accepts connections '
     'but does not answer'
   ) in log, log[-3000:]
+  # Connecting to the workers logged no session-config dump.
+  assert 'default session config' not in log, log[-3000:]
 
 
 def testBadDeviceFlagsFailInOneLine(tmp_path):

@@ -7,6 +7,7 @@ tests that only read its logdir; tests that write copy it first.
 """
 
 import glob
+import logging as std_logging
 import os
 import random
 import shutil
@@ -86,6 +87,62 @@ def testTrainWritesParamsCheckpointsEvents(trained):
   progress = [ln for ln in log.splitlines() if 'step      30/30' in ln][0]
   assert 'loss' in progress and 'examples/s' in progress
   assert 'ms/step' in progress and 'ETA' in progress
+  # Quiet: no TensorFlow start-up banner, no saver timing at each checkpoint.
+  for noise in (
+    'oneDNN custom operations',
+    'absl::InitializeLog()',
+    'Sharding callback duration',
+  ):
+    assert noise not in log, noise
+
+
+def testOneLineStripsTheFramesOfTracing(tmp_path):
+  # What tf.function raises for an error in the traced code.
+  traced = ValueError(
+    'in user code:\n\n    File "/x/model.py", line 3, in FProp  *\n'
+    '        raise ValueError(\n\n    ValueError: dim=5 does not match\n'
+    '    the input width 4\n'
+  )
+  assert (
+    trainer.OneLine(traced, is_user_error=True)
+    == 'dim=5 does not match     the input width 4'
+  )
+  assert trainer.OneLine(trainer.UserError('a\nb')) == 'a b'
+  # Unexpected: its first line, and the traceback in the logdir.
+  line = trainer.OneLine(traced, str(tmp_path))
+  assert line == (
+    'ValueError: dim=5 does not match (traceback in '
+    f'{tmp_path / "error_traceback.txt"})'
+  )
+  error = trainer._BuildError('building the model', traced)
+  assert isinstance(error, trainer.UserError)
+  assert str(error) == (
+    'dim=5 does not match     the input width 4 (while building the model)'
+  )
+
+
+def testSetUpLoggingDropsTensorFlowNoiseOnly():
+  records = []
+
+  class Keep(std_logging.Handler):
+    def emit(self, record):
+      records.append(record.getMessage())
+
+  handler = Keep()
+  logger = tf.get_logger()
+  logger.addHandler(handler)
+  try:
+    trainer.SetUpLogging()
+    trainer.SetUpLogging()  # Idempotent: one filter.
+    logger.warning('default session config: device_count {')
+    logger.warning('Sharding callback duration: 12 microseconds')
+    logger.warning('Saved checkpoint /tmp/x/ckpt-1 in 0.1s.')
+  finally:
+    logger.removeHandler(handler)
+  assert records == ['Saved checkpoint /tmp/x/ckpt-1 in 0.1s.']
+  assert (
+    sum(isinstance(f, type(trainer._DROP_NOISE)) for f in logger.filters) == 1
+  )
 
 
 def testResumeContinuesFromSavedStep(trained, tmp_path):

@@ -33,7 +33,9 @@ import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
+
+quiet_start.ImportTensorFlow(min_log_level='2')
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

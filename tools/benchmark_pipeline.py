@@ -37,9 +37,15 @@ computes each micro-batch's share of the loss on the last cell
 (`PipeliningLayer.FPropWithLoss`). 'interleaved' puts --virtual_stages cells
 on each of the configuration's K devices (cell k on device k mod K), so its
 rows have K * virtual_stages cells (`num_cells`) on K devices.
+
+Progress goes to stderr (stdout holds only the table and the notes): a line
+at each phase (building, warming up, timing) and, within one, at most one
+every --progress_every_s seconds, e.g. "[  42.0 s] transformer: K=2 M=8:
+step 3/5".
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -65,6 +71,10 @@ def _WantsCpuStats(argv):
 if __name__ == '__main__' and _WantsCpuStats(sys.argv[1:]):
   # CPU allocator statistics must be switched on before the first op.
   device_memory.EnableCpuStats()
+
+from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
+
+quiet_start.ImportTensorFlow(min_log_level='2')
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -467,8 +477,43 @@ def ParseConfigs(text):
   return out
 
 
-def RunBenchmark(args, devices, worker_pids=(), status=None):
+class Progress:
+  """Progress lines on stderr (stdout keeps the table): one at each phase,
+  and within a phase at most one every `every_s` seconds."""
+
+  def __init__(self, every_s, stream=None):
+    self.every_s = every_s
+    self._stream = stream
+    self._start = self._last = time.perf_counter()
+
+  def Say(self, text, force=False):
+    now = time.perf_counter()
+    if not force and now - self._last < self.every_s:
+      return
+    self._last = now
+    print(
+      f'[{now - self._start:6.1f} s] {text}',
+      file=self._stream or sys.stderr,
+      flush=True,
+    )
+
+
+def ConfigName(key):
+  """'K=2 M=8 recompute' for a Bench key; 'plain' for the plain model."""
+  _, k, m, recompute, reps, jit, name = key
+  if k == 0:
+    text = 'plain'
+  else:
+    text = f'K={k} M={m}'
+    text += f' R={reps}' if reps > 1 else ''
+    text += ' recompute' if recompute else ''
+    text += f' {name}' if name != 'gpipe' else ''
+  return text + (' xla' if jit else '')
+
+
+def RunBenchmark(args, devices, worker_pids=(), status=None, progress=None):
   records = []
+  progress = progress or Progress(args.progress_every_s)
   for model_name in args.model.split(','):
     configs = [
       c for c in DEFAULT_CONFIGS if max(c[0], 1) * c[3] <= len(devices)
@@ -479,6 +524,7 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
       str(args.jit_compile)
     ]
     benches = []
+    progress.Say(f'{model_name}: building the configurations', force=True)
     for j in jits:
       for i, name in enumerate(ParseSchedules(args.schedules)):
         for k, m, r, reps in configs:
@@ -499,16 +545,37 @@ def RunBenchmark(args, devices, worker_pids=(), status=None):
               schedule_name=name if k else 'gpipe',
             )
           )
-    for b in benches:  # compile and warm up
-      for _ in range(args.warmup):
+          progress.Say(
+            f'{model_name}: built {ConfigName(benches[-1].key)} '
+            f'({len(benches)} so far)'
+          )
+    progress.Say(
+      f'{model_name}: compiling and warming up {len(benches)} '
+      f'configurations ({args.warmup} steps each)',
+      force=True,
+    )
+    for i, b in enumerate(benches):  # compile and warm up
+      for s in range(args.warmup):
         b.Run()
+        progress.Say(
+          f'{model_name}: warm-up {ConfigName(b.key)}: step '
+          f'{s + 1}/{args.warmup} (configuration {i + 1}/{len(benches)})'
+        )
     times = {b.key: [] for b in benches}
     sent = {b.key: [] for b in benches}
     sockets = SocketBytes(worker_pids)
-    for _ in range(args.steps):  # interleaved rounds
+    progress.Say(
+      f'{model_name}: timing {args.steps} rounds of {len(benches)} '
+      'configurations',
+      force=True,
+    )
+    for step in range(args.steps):  # interleaved rounds
       for b in benches:
         before = sockets.Snapshot() if sockets.available else None
         times[b.key].append(b.Run()[0])
+        progress.Say(
+          f'{model_name}: {ConfigName(b.key)}: step {step + 1}/{args.steps}'
+        )
         if before is not None:
           after = sockets.Snapshot()
           sent[b.key].append((after[0] - before[0], after[1] - before[1]))
@@ -764,6 +831,13 @@ def main(argv=None):
   parser.add_argument(
     '--no_benchmark', action='store_true', help='Only write the trace.'
   )
+  parser.add_argument(
+    '--progress_every_s',
+    type=float,
+    default=10.0,
+    help='A progress line on stderr at most this often within a phase '
+    '(0: after every step); the table and --json are unchanged.',
+  )
   args = parser.parse_args(argv)
   try:
     ParseSchedules(args.schedules)
@@ -834,9 +908,32 @@ def main(argv=None):
       print(f'Wrote {args.json}')
   finally:
     if local is not None:
+      _ReleaseFunctions(devices)
       local.Stop()
   return 0
 
 
+def _ReleaseFunctions(devices):
+  """Frees this process's functions while the workers still run.
+
+  Every tf.function is registered on the workers too, and freeing one sends
+  them a request to remove it. A Bench's step closes over the Bench (a
+  cycle), so only the garbage collector frees it: after `local.Stop()`, at
+  interpreter exit, its requests met stopped workers and TensorFlow logged
+  "Failed to remove function remotely due to Socket closed". So: collect
+  now, then one op on each worker, whose answer comes after the removals
+  (requests to a worker are handled in order).
+  """
+  gc.collect()
+  for d in devices:
+    with tf.device(d):
+      tf.zeros([]).numpy()  # Runs on the worker.
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  status = main()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Without interpreter shutdown: the workers are gone, and freeing what is
+  # left of TensorFlow's state would only ask them to remove functions.
+  os._exit(status)  # pylint: disable=protected-access

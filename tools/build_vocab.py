@@ -13,10 +13,9 @@ vocab_size must equal --vocab_size.
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from lingvo_gpipe.core import quiet_start
 
 
 def Sentences(specs):
@@ -33,6 +32,7 @@ def Sentences(specs):
 
 
 def main(argv=None):
+  quiet_start.ImportTensorFlow(min_log_level='2')
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument(
     '--corpora', default='', help='Comma-separated SRC-TGT:FILE_PATTERN specs.'

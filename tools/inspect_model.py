@@ -27,12 +27,13 @@ weight_bytes, slot_bytes}], pipelines: [...]}.
 
 import argparse
 import json
-import os
 import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-
 # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.core import quiet_start
+
+quiet_start.ImportTensorFlow(min_log_level='2')
+
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import hyperparams

@@ -27,7 +27,11 @@ import signal
 import sys
 import time
 
-from lingvo_gpipe.core import cluster
+from lingvo_gpipe.core import quiet_start
+
+quiet_start.ImportTensorFlow(min_log_level='2')
+
+from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 
 
 def main(argv=None):

@@ -12,13 +12,13 @@ missing (with its vocab_size); use this tool to inspect or customize it.
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from lingvo_gpipe.core import quiet_start
 
 
 def main(argv=None):
+  quiet_start.ImportTensorFlow(min_log_level='2')
   from lingvo_gpipe.input import mt_demo  # pylint: disable=g-import-not-at-top
 
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])

@@ -55,6 +55,8 @@ import sys
 import tempfile
 import time
 
+from lingvo_gpipe.core import quiet_start
+
 MIB = 2**20
 
 FAMILIES = {
@@ -647,6 +649,7 @@ def Breakdown(r):
 
 
 def main(argv=None):
+  quiet_start.ImportTensorFlow(min_log_level='2')
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -30,7 +30,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
+
+quiet_start.ImportTensorFlow(min_log_level='2')
 
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top

@@ -36,7 +36,6 @@ also falls back to the newest complete checkpoint when the pointer is missing
 or names a broken one.
 """
 
-import logging as std_logging
 import os
 import re
 import time
@@ -71,18 +70,6 @@ from lingvo_gpipe.runners.checkpoint_names import ReadCheckpointVariables
 from lingvo_gpipe.runners.checkpoint_names import RestoreReport
 from lingvo_gpipe.runners.checkpoint_names import UnescapeName
 from lingvo_gpipe.runners.checkpoint_names import VariableKey
-
-
-class _QuietSaves(std_logging.Filter):
-  """Drops TensorFlow's "Sharding callback duration" INFO line, which its
-  saver logs at every checkpoint."""
-
-  def filter(self, record):
-    return 'Sharding callback duration' not in record.getMessage()
-
-
-for _logger in (tf.get_logger(), logging.get_absl_logger()):
-  _logger.addFilter(_QuietSaves())
 
 
 __all__ = [

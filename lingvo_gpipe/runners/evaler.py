@@ -458,6 +458,7 @@ def EvaluateBleuCheckpoint(
   max_batches=None,
   checkpoint=None,
   overrides=None,
+  **decode,
 ):
   """Restores a checkpoint of an MT `model` and scores BLEU on `dataset`.
 
@@ -465,13 +466,12 @@ def EvaluateBleuCheckpoint(
                                           '/tmp/mt', dataset='Test')
     print(report)          # BLEU per language, average, corpus
 
-
   Args:
     model: registry key, e.g. 'mt.multilingual.TransformerTiny'.
     logdir: the training logdir (its train/ holds the checkpoints).
     dataset: 'Dev' or 'Test'.
     beam_size: overrides the task's beam_size (1: greedy).
-    max_batches: decode at most this many batches.
+    max_batches, **decode: as DecodeColumns' (progress, progress_every_s).
     checkpoint: a checkpoint prefix; None: the latest in <logdir>/train.
     overrides: Params text ("a.b : value" lines) applied to the model Params.
 
@@ -495,5 +495,5 @@ def EvaluateBleuCheckpoint(
   ckpt_lib.Checkpointer(
     train_dir, built.VariablesByName(), writable=False
   ).RestoreFrom(prefix, strict=False)
-  report = evaluation.EvaluateBleu(built.GetTask(), max_batches)
+  report = evaluation.EvaluateBleu(built.GetTask(), max_batches, **decode)
   return ckpt_lib.StepOf(prefix), report

@@ -65,7 +65,9 @@ def main(argv=None):
       ':', 1
     )[0]
     status = device_memory.StatusServer(args.status_port, host=host).Start()
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
+
+  tf = quiet_start.ImportTensorFlow(min_log_level='2')
 
   spec = json.loads(args.cluster_spec)
   config = tf.compat.v1.ConfigProto(

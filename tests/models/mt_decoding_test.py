@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import nested_map
 from lingvo_gpipe.models.mt import bleu
 from lingvo_gpipe.models.mt import decoding
+from lingvo_gpipe.models.mt import evaluation
 from tests.testing import mt
 
 BOS, EOS, PAD = 1, 2, 0
@@ -215,6 +218,55 @@ def testPostProcessReportsBleuPerLanguage(task):
   metrics = report.Metrics()
   assert metrics['bleu'] == report.average and 'bleu_de-en' in metrics
   assert 'de-en' in str(report) and 'average' in str(report)
+
+
+class _EvalInput:
+  """5 sentences in batches of 2, the last padded (weight 0)."""
+
+  def __init__(self):
+    self.params = hyperparams.Params()
+    self.params.Define('num_epochs', 1, 'Passes over the data.')
+
+  def GetDataset(self):
+    return tf.data.Dataset.from_tensor_slices(
+      dict(ids=np.arange(6), weight=np.array([1, 1, 1, 1, 1, 0]))
+    ).batch(2)
+
+
+class _EvalTask:
+  input_generator = _EvalInput()
+
+
+def _Decode(batch):
+  return nested_map.NestedMap(hyp_ids=batch['ids'] * 10)
+
+
+def testDecodeColumnsReportsProgress():
+  lines = []
+  columns = evaluation.DecodeColumns(
+    _EvalTask(), decode_fn=_Decode, progress=lines.append, progress_every_s=0
+  )
+  assert columns['hyp_ids'].tolist() == [0, 10, 20, 30, 40]
+  assert [ln.rsplit(', ', 1)[0] for ln in lines] == [
+    'decoded batch 1/3 (2 sentences)',
+    'decoded batch 2/3 (4 sentences)',
+    'decoded batch 3/3 (5 sentences)',
+    'decoded 5 sentences in 3 batches',
+  ]
+  assert all(ln.endswith(' s') for ln in lines)
+  # At most one line a minute: only the last one here; max_batches bounds
+  # the count.
+  lines.clear()
+  evaluation.DecodeColumns(
+    _EvalTask(),
+    max_batches=2,
+    decode_fn=_Decode,
+    progress=lines.append,
+    progress_every_s=60,
+  )
+  assert [ln.rsplit(', ', 1)[0] for ln in lines] == [
+    'decoded 4 sentences in 2 batches'
+  ]
 
 
 # -- BLEU ----------------------------------------------------------------------

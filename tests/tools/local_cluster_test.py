@@ -132,6 +132,7 @@ def testBenchmarkDataParallelRowsReportBytesBetweenWorkers(tmp_path):
       '--num_blocks=4',
       '--steps=1',
       '--warmup=1',
+      '--progress_every_s=0',
       f'--json={out_json}',
     ],
     env=env,
@@ -150,6 +151,20 @@ def testBenchmarkDataParallelRowsReportBytesBetweenWorkers(tmp_path):
   assert by[(1, 2)]['bytes_between_workers_per_step'] >= 2 * weights
   assert by[(2, 1)]['bytes_between_workers_per_step'] > 0
   assert 'bytes_between_workers_per_step' in res.stdout
+  # Progress on stderr, each phase and every step; stdout is the table.
+  for line in (
+    'mlp: building the configurations',
+    'mlp: compiling and warming up 3 configurations (1 steps each)',
+    'mlp: warm-up K=1 M=1 R=2: step 1/1 (configuration 2/3)',
+    'mlp: timing 1 rounds of 3 configurations',
+    'mlp: plain: step 1/1',
+    'mlp: K=2 M=2 recompute: step 1/1',
+  ):
+    assert line in res.stderr, (line, res.stderr[-3000:])
+  assert res.stdout.splitlines()[0].split()[:2] == ['model', 'mode']
+  assert 'step 1/1' not in res.stdout
+  # The functions were freed while the workers still ran: no error at exit.
+  assert 'Failed to remove function remotely' not in res.stderr, res.stderr
 
 
 def testBenchmarkReportsPeakBytesPerWorker(tmp_path):
