@@ -198,6 +198,54 @@ def testStuckWorkerEndsTheTrainerWithinTheStepTimeout(tmp_path):
   ) in log, log[-3000:]
 
 
+def testDefaultStepTimeoutEndsTheTrainerWhenAWorkerStops(tmp_path):
+  """Without --step_timeout_s the bound is max(--min_step_timeout_s, 10 x the
+  median step): a stopped worker ends the trainer with status 1 soon after
+  the floor, one line naming the worker, and the slow step in the log."""
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+    proc = trainer_process.Proc(
+      str(tmp_path / 'log.txt'),
+      f'--logdir={logdir}',
+      '--cluster_spec=worker=' + ','.join(local.addresses),
+      '--worker_split_size=2',
+      '--min_step_timeout_s=4',
+      '--max_steps=100000',
+      '--model_params_override=task.train.save_interval_steps : 5',
+    )
+    stopped = False
+    try:
+      proc.WaitFor(lambda: trainer_process.Latest(train_dir) >= 5, timeout=180)
+      os.kill(local.pids[1], signal.SIGSTOP)
+      stopped = True
+      t0 = time.time()
+      proc.proc.wait(timeout=120)
+      elapsed = time.time() - t0
+    finally:
+      if stopped:
+        os.kill(local.pids[1], signal.SIGCONT)
+      proc.Close()
+  log = proc.Log()
+  assert proc.proc.returncode == 1, log[-3000:]
+  # The 4 s bound, the 3 s handshake probe, and the process's exit.
+  assert 4 < elapsed < 30, elapsed
+  assert 'Step timeout: the default step timeout, max(4 s' in log, log[-3000:]
+  assert 'has been running for' in log, log[-3000:]  # Logged while stuck.
+  errors = [ln for ln in log.splitlines() if ln.startswith('ERROR:')]
+  assert len(errors) == 1, log[-3000:]
+  assert 'Traceback' not in log, log[-3000:]
+  assert 'did not finish within' in errors[0]
+  assert '(--min_step_timeout_s), 10 x the median step time)' in errors[0]
+  assert (
+    f'worker /job:worker/task:1 ({local.addresses[1]}) accepts connections '
+    'but does not answer'
+  ) in errors[0], errors[0]
+  last = checkpointer.LatestCheckpoint(str(train_dir))
+  assert last and trainer_process.Latest(train_dir) >= 5
+  assert f'The last checkpoint is {last};' in errors[0], errors[0]
+
+
 def testBadDeviceFlagsFailInOneLine(tmp_path):
   port = cluster.FreePorts(1)[0]
   cases = [
