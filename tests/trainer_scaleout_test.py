@@ -246,6 +246,53 @@ def testDefaultStepTimeoutEndsTheTrainerWhenAWorkerStops(tmp_path):
   assert f'The last checkpoint is {last};' in errors[0], errors[0]
 
 
+def testSecondSigtermEndsATrainerBlockedOnAStoppedWorker(tmp_path):
+  """A step blocked on a stopped worker (the step timeout far away) cannot
+  save: the first SIGTERM is logged at once, the second ends the process
+  within seconds with one line and status 128 + SIGTERM."""
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+    proc = trainer_process.Proc(
+      str(tmp_path / 'log.txt'),
+      f'--logdir={logdir}',
+      '--cluster_spec=worker=' + ','.join(local.addresses),
+      '--worker_split_size=2',
+      '--step_timeout_s=600',
+      '--max_steps=100000',
+      '--model_params_override=task.train.save_interval_steps : 5',
+    )
+    stopped = False
+    try:
+      proc.WaitFor(lambda: trainer_process.Latest(train_dir) >= 5, timeout=180)
+      os.kill(local.pids[1], signal.SIGSTOP)
+      stopped = True
+      time.sleep(1.0)  # The next step now waits on the stopped worker.
+      assert proc.proc.poll() is None
+      proc.proc.send_signal(signal.SIGTERM)
+      proc.WaitFor(lambda: 'SIGTERM received: saving' in proc.Log(), timeout=10)
+      time.sleep(0.5)
+      assert proc.proc.poll() is None  # Blocked: the save cannot happen.
+      t0 = time.time()
+      proc.proc.send_signal(signal.SIGTERM)
+      proc.proc.wait(timeout=30)
+      elapsed = time.time() - t0
+    finally:
+      if stopped:
+        os.kill(local.pids[1], signal.SIGCONT)
+      proc.Close()
+  log = proc.Log()
+  assert proc.proc.returncode == 128 + signal.SIGTERM, log[-3000:]
+  assert elapsed < 5, elapsed
+  errors = [ln for ln in log.splitlines() if ln.startswith('ERROR:')]
+  assert errors == [
+    'ERROR: Second SIGTERM: exiting now without saving; the last checkpoint '
+    'stays the one to resume from.'
+  ], log[-3000:]
+  assert 'Traceback' not in log, log[-3000:]
+  assert trainer_process.Latest(train_dir) >= 5  # Still there, restorable.
+
+
 def testBadDeviceFlagsFailInOneLine(tmp_path):
   port = cluster.FreePorts(1)[0]
   cases = [
