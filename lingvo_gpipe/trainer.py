@@ -236,9 +236,17 @@ flags.DEFINE_float(
   None,
   'Exit with status 1, naming the dead or silent workers, if one training '
   'step (with its checkpoint) takes longer (the first step: 4 times '
-  'longer). Default with --cluster_spec/TF_CONFIG: max(60 s, 10 x the '
-  'running median step time), 900 s for the first step; off on one host. '
+  'longer). Default with --cluster_spec/TF_CONFIG: max('
+  '--min_step_timeout_s (60 s), 10 x the running median step time), 900 s '
+  'for the first step; off on one host. '
   '0: off.',
+)
+flags.DEFINE_float(
+  'min_step_timeout_s',
+  60.0,
+  'The floor of the default step timeout: max(this, 10 x the running '
+  'median step time). Ignored with --step_timeout_s.',
+  lower_bound=1.0,
 )
 flags.DEFINE_float(
   'max_weight_abs',
@@ -879,10 +887,12 @@ def _Watchdog(train_dir):
   timeout = _StepTimeout()
   if timeout == 0:
     return None
+  floor = FLAGS.min_step_timeout_s
   rule = (
     f'--step_timeout_s={timeout:g}'
     if timeout is not None
-    else 'the default step timeout, max(60 s, 10 x the median step time)'
+    else f'the default step timeout, max({floor:g} s '
+    '(--min_step_timeout_s), 10 x the median step time)'
   )
 
   def OnTimeout(step, elapsed, bound):
@@ -920,7 +930,7 @@ def _Watchdog(train_dir):
     'Step timeout: %s.',
     rule if timeout is not None else rule + ', 900 s for the first step',
   )
-  return train_loop.StepWatchdog(timeout, OnTimeout)
+  return train_loop.StepWatchdog(timeout, OnTimeout, min_timeout_s=floor)
 
 
 # What TensorFlow raises when a remote worker goes away during a step.

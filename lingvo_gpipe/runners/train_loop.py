@@ -84,22 +84,20 @@ class StopRequest:
   def InstallSignalHandlers(self, signums=(signal.SIGINT, signal.SIGTERM)):
     """SIGINT/SIGTERM set the flag; a second one ends the process at once.
 
-    The second signal is seen by a thread that reads the interpreter's
-    signal wake-up file, so it ends the process (status 128 + signal number,
-    after one log line) within a second even while the main thread is
-    blocked inside a TensorFlow call, where Python handlers cannot run.
+    The signals are counted by a thread that reads the interpreter's signal
+    wake-up file, not by the Python handlers, which run only when the main
+    thread is back in Python: so the first signal is logged (and the flag
+    set) at once, and the second ends the process (status 128 + signal
+    number, after one line) within a second, even while the main thread is
+    blocked inside a TensorFlow call (a step waiting on a stopped worker).
     Must be called from the main thread.
     """
     signums = tuple(signums)
 
     def Handler(signum, unused_frame):
-      name = signal.Signals(signum).name
-      if self.requested:
-        _ExitNow(signum)
-      logging.info(
-        '%s received: saving a checkpoint after this step, then exiting.', name
-      )
-      self.Set(name)
+      # Replaces the default action (KeyboardInterrupt, termination); the
+      # watcher below has already counted and logged this signal.
+      self.Set(signal.Signals(signum).name)
 
     for signum in signums:
       signal.signal(signum, Handler)
@@ -114,12 +112,21 @@ class StopRequest:
         if not data:
           return
         for signum in data:
-          if signum in signums:
-            count += 1
-            if count >= 2:
-              _ExitNow(signum)
+          if signum not in signums:
+            continue
+          count += 1
+          if count >= 2:
+            _ExitNow(signum)
+          name = signal.Signals(signum).name
+          logging.info(
+            '%s received: saving a checkpoint after this step, then '
+            'exiting (a second %s exits at once, without saving).',
+            name,
+            name,
+          )
+          self.Set(name)
 
-    threading.Thread(target=Watch, name='second_signal', daemon=True).start()
+    threading.Thread(target=Watch, name='signal_watch', daemon=True).start()
 
 
 def _ExitNow(signum):
