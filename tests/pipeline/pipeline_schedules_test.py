@@ -109,6 +109,31 @@ def testFPropWithLossOfGPipeEqualsFProp(reference, num_stages):
     assert plt.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
 
 
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'interleaved'])
+def testFPropWithLossWithCompiledCells(reference, schedule):
+  """With jit_compile the last cell's loss is differentiated outside its
+  compiled backward call, which then takes the outputs' gradients."""
+  _, x, w, (ref_out, ref_loss, ref_grads, ref_in) = reference
+  num_stages = 4 if schedule == 'interleaved' else 2
+  pipe = _Pipe(schedule, num_stages=num_stages, jit_compile=True)
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      loss, out = pipe.FPropWithLoss(
+        pipe.theta, x, loss_fn=plt.WeightedSum, loss_inputs=w
+      )
+    return out, loss, tape.gradient(loss, (pipe.trainable_variables, x))
+
+  out, loss, (grads, in_grad) = Step(x)
+  plt.AssertClose(out, ref_out)
+  plt.AssertClose(loss, ref_loss)
+  plt.AssertClose(in_grad, ref_in)
+  for v, g in zip(pipe.trainable_variables, grads):
+    assert plt.MaxRelDiff(g, ref_grads[v.name]) <= 1e-5, v.name
+
+
 @pytest.fixture(scope='module')
 def reference():
   x, w = plt.Inputs()
