@@ -56,6 +56,7 @@ import re
 import signal
 import sys
 import threading
+import time
 
 from lingvo_gpipe.core import quiet_start
 
@@ -870,9 +871,11 @@ def _RunTrainer(p, logdir, stop):
   finally:
     if watchdog is not None:
       watchdog.Stop()
-    evaler.WriteTrainerState(
-      train_dir, running=False, step=int(model.global_step.numpy())
-    )
+    try:
+      step = int(model.global_step.numpy())
+    except tf.errors.OpError:  # On a worker that is gone: the error above
+      step = None  # says so; do not replace it with this one.
+    evaler.WriteTrainerState(train_dir, running=False, step=step)
 
 
 def _StepTimeout():
@@ -943,6 +946,9 @@ _LOST_WORKER_ERRORS = (
 )
 
 
+_LOST_WORKER_GRACE_S = 5.0
+
+
 def _RaiseIfWorkerLost(error, train_dir):
   """Turns the error of a step that lost a remote worker into a UserError
   naming the worker (the trainer then exits with status 1)."""
@@ -953,6 +959,12 @@ def _RaiseIfWorkerLost(error, train_dir):
   ):
     return
   lost = _CLUSTER.UnreachableWorkers()
+  # A worker killed mid-step can fail the step a moment before its port
+  # closes (the process is still being torn down): look again for a while.
+  deadline = time.time() + _LOST_WORKER_GRACE_S
+  while not lost and time.time() < deadline:
+    time.sleep(0.25)
+    lost = _CLUSTER.UnreachableWorkers()
   if not lost:
     return
   last = checkpointer.LatestCheckpoint(train_dir)

@@ -121,6 +121,36 @@ def testOneLineStripsTheFramesOfTracing(tmp_path):
   )
 
 
+class _DyingCluster:
+  """A remote cluster whose worker 1 stops accepting connections only on
+  the third look (its process is still being torn down)."""
+
+  is_remote = True
+
+  def __init__(self):
+    self.looks = 0
+
+  def UnreachableWorkers(self):
+    self.looks += 1
+    return ['/job:worker/task:1 (127.0.0.1:1)'] if self.looks >= 3 else []
+
+
+def testWorkerLostAMomentAfterTheStepFailedIsNamed(tmp_path, monkeypatch):
+  cluster = _DyingCluster()
+  monkeypatch.setattr(trainer, '_CLUSTER', cluster)
+  error = tf.errors.InternalError(None, None, '2 root error(s) found.')
+  with pytest.raises(
+    trainer.UserError, match=r'Lost worker /job:worker/task:1 .*InternalError'
+  ):
+    trainer._RaiseIfWorkerLost(error, str(tmp_path))
+  assert cluster.looks == 3
+  # An error of a cluster whose workers are all there passes on (after the
+  # grace period).
+  monkeypatch.setattr(trainer, '_LOST_WORKER_GRACE_S', 0.3)
+  cluster.looks = -100
+  trainer._RaiseIfWorkerLost(error, str(tmp_path))
+
+
 def testSetUpLoggingDropsTensorFlowNoiseOnly():
   records = []
 
