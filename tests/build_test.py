@@ -209,6 +209,8 @@ def _Layer(path):
   parts = path[: -len('.py')].split('/')
   if parts[0] == 'params':
     return 'params'
+  if len(parts) == 2 and parts[1].startswith('trainer_'):
+    return 'trainer'  # The binary's own modules: trainer_flags.py, ...
   return parts[1]
 
 
@@ -244,16 +246,20 @@ def testLayerCheckSeesAnUpwardImport():
   gpipe = 'lingvo_gpipe/core/gpipe.py'
   evaluation = 'lingvo_gpipe/models/mt/evaluation.py'
   checkpointer = 'lingvo_gpipe/runners/checkpointer.py'
+  trainer_errors = 'lingvo_gpipe/trainer_errors.py'
   graph = {
     cluster: {placement},
     placement: {cluster},
     gpipe: {placement},
     evaluation: {checkpointer},
+    checkpointer: {trainer_errors},
+    trainer_errors: {'lingvo_gpipe/trainer.py', checkpointer},
     'params/mt/multilingual.py': {evaluation, 'lingvo_gpipe/trainer.py'},
   }
   assert _UpwardImports(graph) == [
     f'{cluster} -> {placement}',
     f'{evaluation} -> {checkpointer}',
+    f'{checkpointer} -> {trainer_errors}',
   ]
 
 

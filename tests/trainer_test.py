@@ -22,6 +22,7 @@ from tensorflow.core.util import event_pb2
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import trainer
+from lingvo_gpipe import trainer_errors
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from tests.testing import trainer_process
@@ -114,7 +115,7 @@ def testOneLineStripsTheFramesOfTracing(tmp_path):
     'ValueError: dim=5 does not match (traceback in '
     f'{tmp_path / "error_traceback.txt"})'
   )
-  error = trainer._BuildError('building the model', traced)
+  error = trainer_errors.BuildError('building the model', traced)
   assert isinstance(error, trainer.UserError)
   assert str(error) == (
     'dim=5 does not match     the input width 4 (while building the model)'
@@ -137,18 +138,17 @@ class _DyingCluster:
 
 def testWorkerLostAMomentAfterTheStepFailedIsNamed(tmp_path, monkeypatch):
   cluster = _DyingCluster()
-  monkeypatch.setattr(trainer, '_CLUSTER', cluster)
   error = tf.errors.InternalError(None, None, '2 root error(s) found.')
   with pytest.raises(
     trainer.UserError, match=r'Lost worker /job:worker/task:1 .*InternalError'
   ):
-    trainer._RaiseIfWorkerLost(error, str(tmp_path))
+    trainer_errors.RaiseIfWorkerLost(error, str(tmp_path), cluster)
   assert cluster.looks == 3
   # An error of a cluster whose workers are all there passes on (after the
   # grace period).
-  monkeypatch.setattr(trainer, '_LOST_WORKER_GRACE_S', 0.3)
+  monkeypatch.setattr(trainer_errors, '_LOST_WORKER_GRACE_S', 0.3)
   cluster.looks = -100
-  trainer._RaiseIfWorkerLost(error, str(tmp_path))
+  trainer_errors.RaiseIfWorkerLost(error, str(tmp_path), cluster)
 
 
 def testSetUpLoggingDropsTensorFlowNoiseOnly():
@@ -171,7 +171,8 @@ def testSetUpLoggingDropsTensorFlowNoiseOnly():
     logger.removeHandler(handler)
   assert records == ['Saved checkpoint /tmp/x/ckpt-1 in 0.1s.']
   assert (
-    sum(isinstance(f, type(trainer._DROP_NOISE)) for f in logger.filters) == 1
+    sum(isinstance(f, type(trainer_errors._DROP_NOISE)) for f in logger.filters)
+    == 1
   )
 
 
