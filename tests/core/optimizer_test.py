@@ -343,3 +343,48 @@ def testSlotReadsWaitForTheGradient(params):
     assert 'the_grad' in _Ancestors(op), (
       f'{op.name} reads a slot before the gradient is ready'
     )
+
+
+def _ConstantsWaitingForTheGradient(params, num_vars):
+  """The constants of an update that have a control input."""
+  variables = [
+    tf.Variable(tf.ones([8, 8]), name=f'consts{num_vars}/w{i}')
+    for i in range(num_vars)
+  ]
+  opt = params.Instantiate()
+  opt.CreateSlots(variables)
+
+  @tf.function
+  def Step():
+    opt.Apply(0.1, [(tf.identity(v * 2.0), v) for v in variables])
+
+  graph = Step.get_concrete_function().graph
+  return [
+    op.name
+    for op in graph.get_operations()
+    if op.type == 'Const' and op.control_inputs
+  ]
+
+
+@pytest.mark.parametrize(
+  'params',
+  [
+    optimizer.SGD.Params(),
+    optimizer.Momentum.Params().Set(use_nesterov=True),
+    optimizer.RMSProp.Params().Set(momentum=0.9, centered=True),
+    optimizer.Adam.Params(),
+    optimizer.Adafactor.Params().Set(
+      beta1=0.9, min_dim_size_to_factor=2, multiply_by_parameter_scale=True
+    ),
+    optimizer.Adafactor.Params().Set(decay_exponent_pow=None),
+  ],
+  ids=lambda p: p.name,
+)
+def testHyperParametersAreSharedConstants(params):
+  # A constant made under the gradient's control dependency is a node of its
+  # own for every variable, and each keeps a buffer for as long as the step
+  # function lives (Adam's: 1.5 KiB per variable). The only one allowed is
+  # the step counter's increment, once per step.
+  two = _ConstantsWaitingForTheGradient(params, 2)
+  five = _ConstantsWaitingForTheGradient(params, 5)
+  assert len(two) == len(five) <= 1, (two, five)
