@@ -34,7 +34,6 @@ import tensorflow as tf
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import convolutions
-from lingvo_gpipe.layers import softmax as softmax_lib
 from lingvo_gpipe.models import amoebanet_cells
 from lingvo_gpipe.models import amoebanet_heads
 from lingvo_gpipe.models import amoebanet_ops
@@ -366,11 +365,11 @@ class AmoebaNetTask(classifier.ClassifierTask):
     p.Define('aux_loss_weight', 0.4, "Weight of the auxiliary head's loss.")
     return p
 
-  def ComputePredictions(self, theta, input_batch):
-    """NestedMap(logits [b, C][, aux_logits [b, C]])."""
-    x = self._Get(input_batch, self.params.input_key, 'input')
-    out = self.network.FProp(theta.network, x)
-    aux = None
+  def _NetworkOutput(self, out):
+    """(features [b, dim], NestedMap(aux_logits) or an empty one)."""
+    if isinstance(out, tuple) and len(out) == 1:
+      out = out[0]
+    others = NestedMap()
     if isinstance(out, dict):
       if 'features' not in out:
         raise ValueError(
@@ -379,41 +378,42 @@ class AmoebaNetTask(classifier.ClassifierTask):
           'NestedMap(features, aux_logits). End it with an AmoebaHead '
           'without num_classes.'
         )
-      aux = out.get('aux_logits')
+      if out.get('aux_logits') is not None:
+        others.aux_logits = out['aux_logits']
       out = out['features']
     if out.shape.rank != 2:
       raise ValueError(
         f'AmoebaNetTask {self.path!r}: the network returned '
         f'{out.shape}; it must return features [batch, dim].'
       )
-    preds = NestedMap(logits=self.softmax.Logits(theta.softmax, out))
-    if aux is not None:
-      preds.aux_logits = aux
-    return preds
+    return out, others
+
+  def _AuxLoss(self, aux_logits, labels, weights, total):
+    aux = self._Xent(aux_logits, labels)
+    return tf.math.divide_no_nan(tf.reduce_sum(aux * weights), total)
+
+  def _LossShare(self, logits, others, labels, weights, total):
+    """The main loss plus aux_loss_weight x the auxiliary head's."""
+    main = super()._LossShare(logits, others, labels, weights, total)
+    if 'aux_logits' not in others:
+      return main
+    aux = self._AuxLoss(others.aux_logits, labels, weights, total)
+    return main + self.params.aux_loss_weight * aux
 
   def ComputeLoss(self, theta, predictions, input_batch):
     metrics, per_example = super().ComputeLoss(theta, predictions, input_batch)
     if 'aux_logits' not in predictions:
       return metrics, per_example
-    p = self.params
-    labels = tf.cast(input_batch[p.label_key], tf.int32)
-    if labels.shape.rank == 2:
-      labels = tf.squeeze(labels, -1)
-    if 'weight' in input_batch:
-      weights = tf.cast(input_batch['weight'], tf.float32)
-    else:
-      weights = tf.ones(tf.shape(labels), tf.float32)
+    labels, weights = self._LabelsAndWeights(input_batch)
     total = tf.reduce_sum(weights)
-    aux = softmax_lib.SoftmaxCrossEntropyWithLabelSmoothing(
-      tf.cast(predictions.aux_logits, tf.float32),
-      class_ids=labels,
-      label_smoothing=p.label_smoothing,
+    main = classifier.ClassifierTask._LossShare(
+      self, predictions.logits, predictions, labels, weights, total
     )
-    aux_loss = tf.math.divide_no_nan(tf.reduce_sum(aux * weights), total)
-    main = metrics.loss[0]
     metrics.main_loss = (main, total)
-    metrics.aux_loss = (aux_loss, total)
-    metrics.loss = (main + p.aux_loss_weight * aux_loss, total)
+    metrics.aux_loss = (
+      self._AuxLoss(predictions.aux_logits, labels, weights, total),
+      total,
+    )
     return metrics, per_example
 
 

@@ -17,6 +17,12 @@ key is honored):
                         over the batches of an evaluation)
 per_example: NestedMap(loss=[b], argmax=int32 [b]).
 Weight decay comes from the learner (p.train.l2_regularizer_weight).
+
+With a pipelined network whose schedule is '1f1b', training computes the
+loss on the pipeline's last cell, one micro-batch at a time
+(`PipeliningLayer.FPropWithLoss`): the softmax runs there with its weights
+handed to the pipeline, so a micro-batch's backward pass can start before
+the other micro-batches' forwards; the gradients are the same.
 """
 
 import tensorflow as tf
@@ -110,27 +116,47 @@ class ClassifierTask(base_model.BaseTask):
       )
     return batch[key]
 
-  def ComputePredictions(self, theta, input_batch):
-    """NestedMap(logits=[batch, num_classes])."""
-    x = self._Get(input_batch, self.params.input_key, 'input')
-    features = self.network.FProp(theta.network, x)
-    if isinstance(features, tuple) and len(features) == 1:
-      features = features[0]
-    if not isinstance(features, tf.Tensor) or features.shape.rank != 2:
-      shape = getattr(features, 'shape', type(features).__name__)
+  def _LossOnLastCell(self):
+    """Whether training computes the loss on the network's last cell (a
+    pipeline with schedule '1f1b'): the softmax then runs there, per
+    micro-batch, with its weights handed to the pipeline."""
+    net = self.network
+    return (
+      not self.do_eval
+      and hasattr(net, 'FPropWithLoss')
+      and net.params.schedule == '1f1b'
+    )
+
+  def _NetworkOutput(self, out):
+    """(features [b, dim], NestedMap of the network's other outputs)."""
+    if isinstance(out, tuple) and len(out) == 1:
+      out = out[0]
+    if not isinstance(out, tf.Tensor) or out.shape.rank != 2:
+      shape = getattr(out, 'shape', type(out).__name__)
       raise ValueError(
         f'ClassifierTask {self.path!r}: the network returned {shape}; '
         'it must return features [batch, dim]. End it with a FlattenLayer '
         'or a GlobalPoolingLayer.'
       )
-    logits = self.softmax.Logits(theta.softmax, features)
-    return NestedMap(logits=logits)
+    return out, NestedMap()
 
-  def ComputeLoss(self, theta, predictions, input_batch):
-    """(metrics, per_example). See the module docstring."""
-    del theta
+  def _Xent(self, logits, labels):
+    return softmax_lib.SoftmaxCrossEntropyWithLabelSmoothing(
+      tf.cast(logits, tf.float32),
+      class_ids=labels,
+      label_smoothing=self.params.label_smoothing,
+    )
+
+  def _LossShare(self, logits, others, labels, weights, total):
+    """The training loss of these examples, as a share of a batch whose
+    weights sum to `total` (the shares of its micro-batches add up)."""
+    del others
+    xent = self._Xent(logits, labels)
+    return tf.math.divide_no_nan(tf.reduce_sum(xent * weights), total)
+
+  def _LabelsAndWeights(self, input_batch):
+    """(int32 labels [b], float32 weights [b]) of a batch."""
     p = self.params
-    logits = tf.cast(predictions.logits, tf.float32)
     labels = tf.cast(self._Get(input_batch, p.label_key, 'label'), tf.int32)
     if labels.shape.rank == 2 and labels.shape[-1] == 1:
       labels = tf.squeeze(labels, -1)
@@ -143,10 +169,48 @@ class ClassifierTask(base_model.BaseTask):
       weights = tf.cast(input_batch['weight'], tf.float32)
     else:
       weights = tf.ones(tf.shape(labels), tf.float32)
+    return labels, weights
+
+  def ComputePredictions(self, theta, input_batch):
+    """NestedMap(logits=[batch, num_classes], the network's other outputs);
+    with the loss on the last cell (schedule '1f1b') also `loss`, the
+    training loss."""
+    x = self._Get(input_batch, self.params.input_key, 'input')
+    if not self._LossOnLastCell():
+      features, others = self._NetworkOutput(
+        self.network.FProp(theta.network, x)
+      )
+      others.logits = self.softmax.Logits(theta.softmax, features)
+      return others
+    labels, weights = self._LabelsAndWeights(input_batch)
     total = tf.reduce_sum(weights)
-    xent = softmax_lib.SoftmaxCrossEntropyWithLabelSmoothing(
-      logits, class_ids=labels, label_smoothing=p.label_smoothing
+
+    def LossFn(out, mb, softmax_theta):
+      features, others = self._NetworkOutput(out)
+      logits = self.softmax.Logits(softmax_theta, features)
+      return self._LossShare(logits, others, mb.labels, mb.weights, total)
+
+    loss, out = self.network.FPropWithLoss(
+      theta.network,
+      x,
+      loss_fn=LossFn,
+      loss_inputs=NestedMap(labels=labels, weights=weights),
+      loss_theta=theta.softmax,
     )
+    # For the metrics: no gradient flows through them.
+    features, others = self._NetworkOutput(out)
+    others.logits = self.softmax.Logits(theta.softmax, features)
+    preds = tf.nest.map_structure(tf.stop_gradient, others)
+    preds.loss = loss
+    return preds
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    """(metrics, per_example). See the module docstring."""
+    del theta
+    logits = tf.cast(predictions.logits, tf.float32)
+    labels, weights = self._LabelsAndWeights(input_batch)
+    total = tf.reduce_sum(weights)
+    xent = self._Xent(logits, labels)
     plain = tf.nn.sparse_softmax_cross_entropy_with_logits(
       labels=labels, logits=logits
     )
@@ -155,8 +219,12 @@ class ClassifierTask(base_model.BaseTask):
       return tf.math.divide_no_nan(tf.reduce_sum(x * weights), total)
 
     acc1 = TopKAccuracy(1, logits, labels, weights)
+    if 'loss' in predictions:  # computed on the last cell
+      loss = predictions.loss
+    else:
+      loss = self._LossShare(logits, predictions, labels, weights, total)
     metrics = NestedMap(
-      loss=(Mean(xent), total),
+      loss=(loss, total),
       log_pplx=(Mean(plain), total),
       accuracy=(acc1, total),
       error=(1.0 - acc1, total),

@@ -30,6 +30,8 @@ With R data-parallel replicas, every work item runs on each replica's own
 devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch.
 """
 
+import collections
+
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
@@ -50,6 +52,12 @@ RECOMPUTE_POLICIES = (
 
 def _IsFloat(x):
   return py_utils.IsTensor(x) and x.dtype.is_floating
+
+
+class _CellAndLoss(collections.namedtuple('_CellAndLoss', ['cell', 'loss'])):
+  """The last cell's theta with the weights its loss uses (e.g. a softmax
+  outside the pipeline): both are differentiated, and their gradients summed
+  over the micro-batches, as one cell's weights."""
 
 
 def CheckSchedule(work, num_cells, num_micro_batches):
@@ -211,14 +219,18 @@ class PipelineEngine:
     """Runs cell k; returns (outputs tuple, [(layer, stats)], raw outputs).
 
     With `finish` (the last cell with a loss), the outputs tuple is
-    (finish(raw outputs),), and raw the cell's own outputs.
+    (finish(raw outputs, the loss's weights or None),), and raw the cell's
+    own outputs.
     """
+    loss_theta = None
+    if isinstance(theta_k, _CellAndLoss):
+      theta_k, loss_theta = theta_k
     collector = py_utils.UpdateCollector()
     with py_utils.StepSeed(seed), collector:
       out = (fprop or self._cell_fprop)(k, theta_k, args)
       raw = out
       if finish is not None:
-        out = (finish(out),)
+        out = (finish(out, loss_theta),)
     return out, (collector.updates if collect else []), raw
 
   def _Recomputes(self, k, m, num_micro_batches):
@@ -368,7 +380,15 @@ class PipelineEngine:
       )
 
   def ForwardBackwardWithLoss(
-    self, thetas, args, num_mb, seed, loss_fn, train=True, input_grads=True
+    self,
+    thetas,
+    args,
+    num_mb,
+    seed,
+    loss_fn,
+    train=True,
+    input_grads=True,
+    loss_thetas=None,
   ):
     """Runs the whole schedule, forward and backward items in list order,
     with each micro-batch's loss computed on the last cell.
@@ -378,16 +398,26 @@ class PipelineEngine:
       args: the pipeline's inputs, batch along `batch_dim`.
       num_mb: micro-batches per replica M.
       seed: the step seed (micro-batch j runs with MixSeed(seed, j)).
-      loss_fn: fn(j, outputs tuple of the last cell on micro-batch j) ->
-        scalar, micro-batch j's share of the loss (the shares are summed).
+      loss_fn: fn(j, outputs tuple of the last cell on micro-batch j, the
+        loss's weights or None) -> scalar, micro-batch j's share of the loss
+        (the shares are summed).
       train: build the backward items; False: the forwards only.
       input_grads: compute the gradients of the inputs (see `Backward`).
+      loss_thetas: None, or [replica] weights that loss_fn uses besides the
+        cells' (e.g. a softmax outside the pipeline), each on its replica's
+        last device; differentiated as part of the last cell.
 
     Returns:
       (loss, outputs of the last cell for the whole mini-batch, updates,
-      gradients of [input tensors] + [flat thetas[0]] or None).
+      gradients of [input tensors] + [flat thetas[0]] (the loss's weights
+      after the last cell's) or None).
     """
     last = self._num_cells - 1
+    if loss_thetas is not None:
+      thetas = [
+        th[:last] + [_CellAndLoss(th[last], lt)]
+        for th, lt in zip(thetas, loss_thetas)
+      ]
     work = self.Work(num_mb)
     if not train:
       work = self._Pass(work, schedule_lib.FORWARD)
@@ -425,8 +455,10 @@ class PipelineEngine:
     return loss, outs, walk.updates, grads
 
   def _LossOf(self, j, loss_fn):
-    def Finish(outputs):
-      loss = tf.convert_to_tensor(loss_fn(j, py_utils.Unwrap(outputs)))
+    def Finish(outputs, loss_theta):
+      loss = tf.convert_to_tensor(
+        loss_fn(j, py_utils.Unwrap(outputs), loss_theta)
+      )
       if loss.shape.rank != 0 or not loss.dtype.is_floating:
         raise ValueError(
           f'The loss function of pipeline {self._name!r} returned '
@@ -437,13 +469,16 @@ class PipelineEngine:
 
     return Finish
 
-  def WithLoss(self, thetas, args, num_mb, seed, loss_fn):
+  def WithLoss(self, thetas, args, num_mb, seed, loss_fn, loss_thetas=None):
     """`ForwardBackwardWithLoss`, recorded on the gradient tape as one
-    operation from the inputs and weights to the loss; returns (loss,
-    outputs). Outside a gradient tape only the forwards (and losses) run."""
+    operation from the inputs and weights (the cells', then the loss's) to
+    the loss; returns (loss, outputs). Outside a gradient tape only the
+    forwards (and losses) run."""
     flat_args = tf.nest.flatten(args)
     inputs = [x for x in flat_args if py_utils.IsTensor(x)]
     flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
+    if loss_thetas is not None:
+      flat_thetas += tf.nest.flatten(loss_thetas[0])
     train = _tf_internal.CouldPossiblyRecord()
     with _tf_internal.VariableWatcher() as watcher:
       loss, outs, updates, grads = self.ForwardBackwardWithLoss(
@@ -454,6 +489,7 @@ class PipelineEngine:
         loss_fn,
         train=train,
         input_grads=_tf_internal.ShouldRecordBackprop(inputs),
+        loss_thetas=loss_thetas,
       )
     self._CheckNoDirectReads(watcher)
     with self._Device(self._num_cells - 1):
@@ -580,14 +616,20 @@ class PipelineEngine:
     """`recompute_backward` of cell k on one micro-batch; returns (flat
     gradients of theta_k, of x). With `finish` (the last cell with a loss),
     the cell's outputs are recomputed to differentiate the loss, and their
-    gradients go on to `recompute_backward`."""
+    gradients go on to `recompute_backward`; the gradients of the loss's
+    own weights (a `_CellAndLoss` theta) follow the cell's."""
+    loss_theta, loss_g = None, []
+    if isinstance(theta_k, _CellAndLoss):
+      theta_k, loss_theta = theta_k
     if finish is not None:
       _, _, out = self._RunCell(k, theta_k, x, seed, collect=False)
       flat_out = tf.nest.flatten(out)
       floats = [t for t in flat_out if _IsFloat(t)]
+      flat_lt = tf.nest.flatten(loss_theta)
+      lt_floats = [t for t in flat_lt if _IsFloat(t)]
       with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(floats)
-        loss = tf.nest.flatten(finish(out))
+        tape.watch(floats + lt_floats)
+        loss = tf.nest.flatten(finish(out, loss_theta))
       pairs = [
         (a, b)
         for a, b in zip(loss, tf.nest.flatten(dy))
@@ -595,17 +637,20 @@ class PipelineEngine:
       ]
       grads = iter(
         tape.gradient(
-          [a for a, _ in pairs], floats, output_gradients=[b for _, b in pairs]
+          [a for a, _ in pairs],
+          floats + lt_floats,
+          output_gradients=[b for _, b in pairs],
         )
-        if pairs and floats
-        else [None] * len(floats)
+        if pairs and floats + lt_floats
+        else [None] * len(floats + lt_floats)
       )
       dy = tf.nest.pack_sequence_as(
         out, [next(grads) if _IsFloat(t) else None for t in flat_out]
       )
+      loss_g = [next(grads) if _IsFloat(t) else None for t in flat_lt]
     with py_utils.StepSeed(seed), py_utils.UpdateCollector():
       th_g, x_g = self._recompute_backward(k, theta_k, x, dy)
-    return tf.nest.flatten(th_g), tf.nest.flatten(x_g)
+    return tf.nest.flatten(th_g) + loss_g, tf.nest.flatten(x_g)
 
   def _SumsAsItGoes(self):
     """Whether each micro-batch's weight gradients are added to the running

@@ -670,7 +670,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     return thetas, num_mb, py_utils.CurrentStepSeed()
 
   @tf.autograph.experimental.do_not_convert
-  def FPropWithLoss(self, theta, *args, loss_fn, loss_inputs=None):
+  def FPropWithLoss(
+    self, theta, *args, loss_fn, loss_inputs=None, loss_theta=None
+  ):
     """Runs the pipeline with each micro-batch's loss on the last cell.
 
     Every schedule works this way; '1f1b' needs it for training. The
@@ -683,20 +685,28 @@ class PipeliningLayer(base_layer.BaseLayer):
     Args:
       theta: this layer's theta.
       *args: inputs of the first cell, as for FProp.
-      loss_fn: fn(outputs) -> float scalar, or fn(outputs, loss_inputs) with
-        `loss_inputs`: one micro-batch's share of the mini-batch loss, given
-        the last cell's outputs on that micro-batch (as FProp returns them).
-        The shares are summed, so a mean over the mini-batch divides by the
-        mini-batch's size (or total weight), e.g.
-        `lambda out: tf.reduce_sum(out) / batch_size`.
+      loss_fn: one micro-batch's share of the mini-batch loss, a float
+        scalar, given the last cell's outputs on that micro-batch (as FProp
+        returns them): fn(outputs); fn(outputs, loss_inputs) with
+        `loss_inputs`; fn(outputs, loss_inputs, loss_theta) with
+        `loss_theta` (loss_inputs None if not given). The shares are
+        summed, so a mean over the mini-batch divides by the mini-batch's
+        size (or total weight), e.g. `lambda out: tf.reduce_sum(out) /
+        batch_size`.
       loss_inputs: optional structure of tensors with the batch along
         `batch_dim` (labels, weights), split into micro-batches like the
         inputs and passed to loss_fn.
+      loss_theta: optional structure of weights (float tensors, e.g. the
+        theta of a softmax layer outside the pipeline) that loss_fn uses;
+        they go to the last cell's device, and their gradients (summed over
+        the micro-batches) flow back through the returned loss like the
+        cells'. loss_fn must use them, not read variables.
 
     Returns:
-      (loss, outputs): the summed loss (differentiable w.r.t. theta and the
-      float inputs) and the last cell's outputs for the whole mini-batch
-      (no gradient flows back through them; use them for metrics).
+      (loss, outputs): the summed loss (differentiable w.r.t. theta,
+      loss_theta and the float inputs) and the last cell's outputs for the
+      whole mini-batch (no gradient flows back through them; use them for
+      metrics).
     """
     if not callable(loss_fn):
       raise TypeError(
@@ -704,27 +714,41 @@ class PipeliningLayer(base_layer.BaseLayer):
         f'-> scalar; got {loss_fn!r}.'
       )
     with self._placement.Call():
-      return self._FPropWithLoss(theta, args, loss_fn, loss_inputs)
+      return self._FPropWithLoss(theta, args, loss_fn, loss_inputs, loss_theta)
 
   @tf.autograph.experimental.do_not_convert
-  def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs):
+  def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs, loss_theta):
     p = self.params
     thetas, num_mb, seed = self._Prepare(theta, args)
     num_j = len(thetas) * num_mb
-    if loss_inputs is None:
-
-      def LossFn(j, outputs):
-        del j
-        return loss_fn(outputs)
-
-    else:
-      with self._Device(self.num_stages - 1):
+    last = self.num_stages - 1
+    loss_mbs = None
+    if loss_inputs is not None:
+      with self._Device(last):
         loss_mbs = microbatch.Split(loss_inputs, num_j, p.batch_dim)
+    loss_thetas = None
+    if loss_theta is not None:
+      # Like the cells' weights: read once per step onto the last device of
+      # each replica.
+      with self._Device(last):
+        loss_thetas = [
+          self._Place(tf.nest.map_structure(tf.identity, loss_theta), last)
+        ]
+      for r in range(1, len(thetas)):
+        with self._Device(last, r):
+          loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
 
-      def LossFn(j, outputs):
+    def LossFn(j, outputs, loss_theta_r):
+      if loss_thetas is not None:
+        mb = None if loss_mbs is None else loss_mbs[j]
+        return loss_fn(outputs, mb, loss_theta_r)
+      if loss_mbs is not None:
         return loss_fn(outputs, loss_mbs[j])
+      return loss_fn(outputs)
 
-    return self.engine.WithLoss(thetas, args, num_mb, seed, LossFn)
+    return self.engine.WithLoss(
+      thetas, args, num_mb, seed, LossFn, loss_thetas=loss_thetas
+    )
 
   def _NumSplits(self, batch):
     """(replicas R, micro-batches per replica M) for a batch of `batch`."""

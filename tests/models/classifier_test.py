@@ -96,6 +96,45 @@ def testOneVsTwoStagesSameLossAndGrads(batch_norm):
     )
 
 
+@pytest.mark.parametrize('batch_norm', [False, True])
+def testOneFOneBTrainsThroughTheLossOnTheLastCell(batch_norm):
+  """Schedule '1f1b': the softmax and loss run on the last cell per
+  micro-batch (FPropWithLoss, the softmax's weights handed to the pipeline);
+  loss, gradients (the softmax's included) and the update are those of
+  'gpipe'."""
+  batch = _Batch()
+  batch.weight = tf.constant(np.linspace(0.5, 1.5, 64), tf.float32)
+  tasks = {}
+  for schedule in ('gpipe', '1f1b'):
+    p = _TaskParams(batch_norm=batch_norm)
+    p.label_smoothing = 0.1
+    p.network.schedule = schedule
+    tasks[schedule] = p.Instantiate()
+  assert tasks['1f1b']._LossOnLastCell()
+  assert not tasks['gpipe']._LossOnLastCell()
+  loss_g, grads_g = _LossAndGrads(tasks['gpipe'], batch)
+  loss_1, grads_1 = _LossAndGrads(tasks['1f1b'], batch)
+  np.testing.assert_allclose(loss_1, loss_g, rtol=1e-6)
+  assert sorted(grads_1) == sorted(grads_g)
+  assert any('softmax' in name for name in grads_1)
+  for name, g in grads_g.items():
+    assert grads_1[name] is not None, name
+    np.testing.assert_allclose(
+      grads_1[name].numpy(), g.numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+    )
+  out_g = tasks['gpipe'].TrainStep(batch)
+  out_1 = tasks['1f1b'].TrainStep(batch)
+  for key in ('loss', 'accuracy', 'log_pplx'):
+    np.testing.assert_allclose(
+      float(out_1[key]), float(out_g[key]), rtol=1e-6, err_msg=key
+    )
+  after_g = tasks['gpipe'].VariablesByName()
+  for name, v in tasks['1f1b'].VariablesByName().items():
+    np.testing.assert_allclose(
+      v.numpy(), after_g[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+    )
+
+
 def testMetricsHonorEvalWeights():
   task = _TaskParams().Instantiate()
   full = _Batch(n=64)

@@ -271,3 +271,74 @@ def testATracedStepKeepsTheGradients(reference, schedule, recompute):
   plt.AssertClose(loss, ref_loss)
   assert all(g is not None for g in grads)
   plt.AssertClose(grads, ref_grads)
+
+
+@pytest.mark.parametrize(
+  'schedule, recompute, jit, num_replicas',
+  [
+    ('1f1b', 'always', False, 1),
+    ('1f1b', 'never', False, 1),
+    ('1f1b', 'always', True, 1),
+    ('gpipe', 'except_last_cell', False, 1),
+    ('interleaved', 'always', False, 1),
+    ('1f1b', 'always', False, 2),
+  ],
+)
+def testLossThetaGetsTheGradientsOfTheSequentialModel(
+  schedule, recompute, jit, num_replicas
+):
+  """Weights the loss uses outside the cells (a softmax after the pipeline)
+  are differentiated on the last cell and summed over the micro-batches."""
+  x, w = plt.Inputs()
+  head = tf.Variable(
+    np.random.RandomState(3).randn(6, 5).astype(np.float32), name='head'
+  )
+  labels = tf.constant(np.arange(8) % 5, tf.int32)
+  ref = plt.Stack.Params().Set(name='pipe', layers=plt.DenseLayers())
+  ref = ref.Instantiate()
+
+  def Loss(out, labels, head_w):
+    logits = tf.matmul(out, head_w)
+    return (
+      tf.reduce_sum(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+      )
+      / 8.0
+    )
+
+  with tf.GradientTape() as tape:
+    ref_loss = Loss(ref(x), labels, head)
+  ref_grads = tape.gradient(ref_loss, list(ref.trainable_variables) + [head])
+  ref_by_name = {
+    v.name: g for v, g in zip(list(ref.trainable_variables) + [head], ref_grads)
+  }
+  num_stages = 4 if schedule == 'interleaved' else 2
+  devices = plt.Devices(schedule, num_stages)
+  if num_replicas == 2:
+    devices = DEVICES[:4]
+  pipe = _Pipe(
+    schedule,
+    num_stages=num_stages,
+    devices=devices,
+    recompute=recompute,
+    jit_compile=jit,
+    num_replicas=num_replicas,
+  )
+
+  @tf.function
+  def Step():
+    with tf.GradientTape() as tape:
+      loss, _ = pipe.FPropWithLoss(
+        pipe.theta,
+        x,
+        loss_fn=lambda out, li, lt: Loss(out, li, lt.w),
+        loss_inputs=labels,
+        loss_theta=py_utils.NestedMap(w=tf.convert_to_tensor(head)),
+      )
+    return loss, tape.gradient(loss, list(pipe.trainable_variables) + [head])
+
+  loss, grads = Step()
+  plt.AssertClose(loss, ref_loss)
+  for v, g in zip(list(pipe.trainable_variables) + [head], grads):
+    assert g is not None, v.name
+    assert plt.MaxRelDiff(g, ref_by_name[v.name]) <= 1e-5, v.name
