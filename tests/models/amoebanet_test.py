@@ -496,6 +496,44 @@ def testTaskAddsTheAuxLoss():
   assert 0 <= metrics.accuracy[0].numpy() <= 1 and 'acc5' in metrics
 
 
+def testTaskAddsTheAuxLossOnTheLastCellWithOneFOneB():
+  """With schedule '1f1b' the main and auxiliary losses are computed on the
+  last cell per micro-batch; metrics and gradients are GPipe's."""
+  batch = NestedMap(
+    image=_Rand([4, 32, 32, 1]), label=tf.constant([0, 3, 9, 1])
+  )
+  results = {}
+  for schedule in ('gpipe', '1f1b'):
+    net = _Tiny(use_aux_head=True, num_classes=10)
+    p = amoebanet.AmoebaNetTask.Params().Set(
+      name='amoebanet', num_classes=10, label_smoothing=0.1, random_seed=5
+    )
+    p.network = net.PipelineParams(
+      num_stages=2, num_micro_batches=2, devices=DEVICES[:2]
+    ).Set(schedule=schedule)
+    p.softmax.input_dim = net.FeatureDim()
+    with base_layer.DetachedBuild():
+      task = p.Instantiate()
+    assert task._LossOnLastCell() == (schedule == '1f1b')
+    variables = {k: v for k, v in task.VariablesByName().items() if v.trainable}
+    with py_utils.StepSeed(7), py_utils.UpdateCollector():
+      with tf.GradientTape() as tape:
+        metrics, _ = task.FPropDefaultTheta(batch)
+      grads = tape.gradient(metrics.loss[0], list(variables.values()))
+    results[schedule] = metrics, dict(zip(variables, grads))
+  (m_g, g_g), (m_1, g_1) = results['gpipe'], results['1f1b']
+  for key in ('loss', 'main_loss', 'aux_loss', 'accuracy'):
+    np.testing.assert_allclose(
+      m_1[key][0].numpy(), m_g[key][0].numpy(), rtol=1e-5, err_msg=key
+    )
+  assert any('aux' in name for name in g_g)
+  for name, g in g_g.items():
+    assert g is not None and g_1[name] is not None, name
+    np.testing.assert_allclose(
+      g_1[name].numpy(), g.numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+    )
+
+
 def _LossAndGrads(net, num_stages, num_micro_batches, x, labels):
   pipe = _Build(
     net.PipelineParams(
