@@ -513,6 +513,7 @@ def ValidateCapacity(data, args):
       splits=splits,
       split_by='params',
       memory_bytes=2**40,
+      compiled=bool(trial.get('jit_compile')),
     )
     measured = list(trial['peak_bytes_per_device'])
     predicted = list(cand.peak_bytes)

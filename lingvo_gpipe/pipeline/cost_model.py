@@ -218,10 +218,12 @@ def _TransferS(nbytes, spec):
   return spec.link_latency_s + nbytes / spec.link_bytes_per_s
 
 
-def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
+def MemoryBreakdown(
+  cell, num_micro_batches, recompute, optimizer_slots=2, compiled=False
+):
   """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
-  'activations'[, 'backward_temporaries'][, 'update_temporaries']}: bytes
-  of one device holding `cell`.
+  'activations'[, 'backward_temporaries'][, 'compiled_gradients']
+  [, 'update_temporaries']}: bytes of one device holding `cell`.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
@@ -231,7 +233,11 @@ def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
   variable allocates (a new value per slot and one temporary, each the size
   of the largest variable). The update of a variable waits for its
   gradient, so they are alive after the backward pass, not beside the
-  activations: see `PeakMemoryBytes`.
+  activations: see `PeakMemoryBytes`. A `compiled` cell (XLA,
+  `PipeliningLayer.Params().jit_compile`) returns all of its weight
+  gradients at once from one call, which are alive beside the running sum
+  until added to it: 'compiled_gradients', one more copy of the weights in
+  the backward pass when M > 1.
   """
   m = num_micro_batches
   out = {
@@ -243,6 +249,8 @@ def MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots=2):
   out['activations'] = cell.activation_bytes * (1 if recompute else m)
   if cell.backward_bytes:
     out['backward_temporaries'] = cell.backward_bytes
+  if compiled and m > 1:
+    out['compiled_gradients'] = cell.weight_bytes
   if cell.max_var_bytes:
     out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
   return out
@@ -262,17 +270,22 @@ def PeakOfBreakdown(parts):
   return held + max(step, update)
 
 
-def PeakMemoryBytes(cell, num_micro_batches, recompute, optimizer_slots=2):
+def PeakMemoryBytes(
+  cell, num_micro_batches, recompute, optimizer_slots=2, compiled=False
+):
   """Peak bytes of one device holding `cell`.
 
   Weights + gradients (one per weight) + optimizer slots (Adam: 2 per
   weight), plus the larger of: with recompute, the input of every
   micro-batch and the activations of the one micro-batch being recomputed
   (without recompute, the activations of every micro-batch), with the
-  backward's temporaries; or the update temporaries of the optimizer.
+  backward's temporaries (and a compiled cell's gradients); or the update
+  temporaries of the optimizer.
   """
   return PeakOfBreakdown(
-    MemoryBreakdown(cell, num_micro_batches, recompute, optimizer_slots)
+    MemoryBreakdown(
+      cell, num_micro_batches, recompute, optimizer_slots, compiled
+    )
   )
 
 
@@ -284,6 +297,7 @@ def Simulate(
   optimizer_slots=2,
   start_s=0.0,
   end_s=0.0,
+  compiled=False,
 ):
   """Simulates one training step; returns a SimResult (lists per device).
 
@@ -298,6 +312,7 @@ def Simulate(
       weights).
     end_s: seconds after the last backward (e.g. replicas returning their
       gradients).
+    compiled: XLA-compiled cells (memory only; see `MemoryBreakdown`).
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
@@ -354,7 +369,8 @@ def Simulate(
     busy_fraction=[b / step for b in busy],
     bytes_sent=sent,
     peak_memory=[
-      PeakMemoryBytes(c, m, r, optimizer_slots) for c, r in zip(cells, per_cell)
+      PeakMemoryBytes(c, m, r, optimizer_slots, compiled)
+      for c, r in zip(cells, per_cell)
     ],
     events=events,
   )

@@ -113,6 +113,7 @@ class Candidate:
     groups = {
       'weights, gradients and optimizer slots': self.memory['weights']
       + self.memory['gradients']
+      + self.memory.get('compiled_gradients', 0)
       + self.memory['optimizer_slots'],
       'stored micro-batch inputs': self.memory['stored_inputs'],
       'activations': self.memory['activations']
@@ -178,8 +179,10 @@ def Evaluate(
   split_by='time',
   memory_bytes=None,
   optimizer_slots=2,
+  compiled=False,
 ):
-  """Predicts one configuration; returns a `Candidate`."""
+  """Predicts one configuration; returns a `Candidate` (`compiled`: the
+  cells are XLA-compiled, see `cost_model.MemoryBreakdown`)."""
   k, m, r = num_stages, num_micro_batches, num_replicas
   if splits is None:
     splits = _Splits(profile, k, split_by, device, optimizer_slots)
@@ -201,6 +204,7 @@ def Evaluate(
     optimizer_slots,
     start_s=sync_s,
     end_s=sync_s,
+    compiled=compiled,
   )
   free = cost_model.Simulate(
     cells,
@@ -224,7 +228,7 @@ def Evaluate(
     bubble=1.0 - sum(sim.busy_fraction) / k,
     peak_bytes=peaks,
     memory=cost_model.MemoryBreakdown(
-      cells[worst], m, recompute, optimizer_slots
+      cells[worst], m, recompute, optimizer_slots, compiled
     ),
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,

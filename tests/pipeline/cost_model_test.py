@@ -107,3 +107,27 @@ def testSimulatePeakIncludesTheUpdatePhase():
   cells = [_Cell(weight_bytes=1000, input_bytes=10, max_var_bytes=500)] * 2
   res = cost_model.Simulate(cells, 4, _FREE_LINKS, recompute=True)
   assert res.peak_memory == [4 * 1000 + 3 * 500] * 2
+
+
+def testCompiledCellsHoldOneMoreCopyOfTheGradientsInTheBackward():
+  # A compiled cell's backward returns all of its weight gradients at once,
+  # alive beside the running sum until added to it (M > 1); not in the
+  # update phase, which comes after.
+  cell = _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)
+  parts = cost_model.MemoryBreakdown(cell, 4, True, compiled=True)
+  assert parts['compiled_gradients'] == 1000
+  assert cost_model.PeakMemoryBytes(cell, 4, True, compiled=True) == (
+    4 * 1000 + 1000 + 4 * 10 + 50
+  )
+  assert 'compiled_gradients' not in cost_model.MemoryBreakdown(
+    cell, 1, True, compiled=True
+  )
+  res = cost_model.Simulate(
+    [cell, cell], 4, _FREE_LINKS, recompute=True, compiled=True
+  )
+  assert res.peak_memory == [5000 + 40 + 50] * 2
+  # Large update temporaries set the peak after the backward, as without.
+  wide = cell._replace(max_var_bytes=3000)
+  assert cost_model.PeakMemoryBytes(wide, 4, True, compiled=True) == (
+    4000 + 9000
+  )
