@@ -296,6 +296,7 @@ def RunPlan(args):
       num_replicas=args.num_replicas,
       recompute=recompute,
       max_micro_batches=args.max_micro_batches,
+      compiled=args.jit_compile,
     )
   except ValueError as e:
     raise UserError(str(e)) from e
@@ -785,6 +786,12 @@ def ParseArgs(argv):
     '--recompute', default='search', choices=['search', 'yes', 'no']
   )
   parser.add_argument('--max_micro_batches', type=int, default=64)
+  parser.add_argument(
+    '--jit_compile',
+    action='store_true',
+    help='The cells are XLA-compiled (PipeliningLayer jit_compile): their '
+    'backward holds one more copy of the gradients.',
+  )
   parser.add_argument(
     '--optimizer_slots',
     type=int,

@@ -71,6 +71,7 @@ def Resolve(p):
       memory_bytes=p.planner_memory_per_device,
       batch_dim=p.batch_dim,
       name=p.name,
+      compiled=bool(p.jit_compile),
     )
   except ValueError as e:
     raise ValueError(f'PipeliningLayer {p.name!r}: {e}') from e

@@ -397,6 +397,7 @@ def Plan(
   recompute=None,
   max_micro_batches=64,
   split_by=('time', 'memory'),
+  compiled=False,
 ):
   """Predicts every candidate; returns a `PlanResult`.
 
@@ -410,6 +411,7 @@ def Plan(
       (None: search).
     max_micro_batches: the largest M tried.
     split_by: how cells are balanced: by 'time' and/or by 'memory'.
+    compiled: the cells are XLA-compiled (`jit_compile`; memory only).
   """
   num_layers = profile.num_layers
   CheckShape(num_layers, num_devices, num_stages, num_replicas)
@@ -453,6 +455,7 @@ def Plan(
                 by,
                 memory_bytes,
                 optimizer_slots,
+                compiled,
               )
             )
   if not cands:
@@ -514,6 +517,7 @@ def Resolve(
   batch_dim=0,
   name='pipeline',
   split_by=('time',),
+  compiled=False,
 ):
   """Chooses K and/or M for a pipeline; returns (K, M, Candidate, text).
 
@@ -542,6 +546,7 @@ def Resolve(
     num_replicas=num_replicas,
     recompute=recompute,
     split_by=split_by,
+    compiled=compiled,
   )
   best = result.best
   if best is None:

@@ -74,6 +74,18 @@ def testPlanRanksAndExplainsRejections():
   assert 'Feasible, best first' in text and 'does not fit' in text
 
 
+def testCompiledCellsNeedOneMoreCopyOfTheirGradients():
+  # 8 layers of 1 MiB weights on 2 cells: 4 MiB of weights per device.
+  prof = planner.ProfileLayers(_Fcs(8, 512), [[256, 512]])
+  device = cost_model.GetPreset('cpu')
+  kw = dict(num_stages=2, num_micro_batches=4, recompute=True)
+  plain = planner.Plan(prof, device, 2, **kw).best
+  compiled = planner.Plan(prof, device, 2, compiled=True, **kw).best
+  assert compiled.memory['compiled_gradients'] == plain.memory['weights']
+  assert compiled.max_peak_bytes > plain.max_peak_bytes
+  assert compiled.step_s == plain.step_s
+
+
 def testModelThatFitsNothingNamesItsSmallestNeed():
   prof = planner.ProfileLayers(_Fcs(2, 512), [[64, 512]])
   res = planner.Plan(prof, cost_model.GetPreset('cpu'), 2, memory_bytes=MIB)
