@@ -649,7 +649,6 @@ def Breakdown(r):
 
 
 def main(argv=None):
-  quiet_start.ImportTensorFlow(min_log_level='2')
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -748,6 +747,9 @@ def main(argv=None):
   parser.add_argument('--trial', default='', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.trial:
+    # A trial's process runs the model; the search's stays free of
+    # TensorFlow (its checks answer at once).
+    quiet_start.ImportTensorFlow(min_log_level='2')
     return _TrialMain(args.trial)
   try:
     if args.family not in FAMILIES:
