@@ -29,8 +29,6 @@ without allocating weights:
 `AmoebaNetTask` is a `ClassifierTask` that adds the auxiliary head's loss.
 """
 
-import tensorflow as tf
-
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import convolutions
@@ -388,33 +386,16 @@ class AmoebaNetTask(classifier.ClassifierTask):
       )
     return out, others
 
-  def _AuxLoss(self, aux_logits, labels, weights, total):
-    aux = self._Xent(aux_logits, labels)
-    return tf.math.divide_no_nan(tf.reduce_sum(aux * weights), total)
-
-  def _LossShare(self, logits, others, labels, weights, total):
-    """The main loss plus aux_loss_weight x the auxiliary head's."""
-    main = super()._LossShare(logits, others, labels, weights, total)
-    if 'aux_logits' not in others:
-      return main
-    aux = self._AuxLoss(others.aux_logits, labels, weights, total)
-    return main + self.params.aux_loss_weight * aux
-
-  def ComputeLoss(self, theta, predictions, input_batch):
-    metrics, per_example = super().ComputeLoss(theta, predictions, input_batch)
-    if 'aux_logits' not in predictions:
-      return metrics, per_example
-    labels, weights = self._LabelsAndWeights(input_batch)
-    total = tf.reduce_sum(weights)
-    main = classifier.ClassifierTask._LossShare(
-      self, predictions.logits, predictions, labels, weights, total
-    )
-    metrics.main_loss = (main, total)
-    metrics.aux_loss = (
-      self._AuxLoss(predictions.aux_logits, labels, weights, total),
-      total,
-    )
-    return metrics, per_example
+  def _LossTerms(self, xent, others, labels, weights, total):
+    """The main loss and, with an auxiliary head, its label-smoothed
+    cross-entropy weighted by aux_loss_weight."""
+    terms = super()._LossTerms(xent, others, labels, weights, total)
+    if 'aux_logits' in others:
+      aux = classifier.Share(
+        self._Xent(others.aux_logits, labels), weights, total
+      )
+      terms.append(('aux_loss', aux, self.params.aux_loss_weight))
+    return terms
 
 
 def BenchmarkCells(args):

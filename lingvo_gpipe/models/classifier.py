@@ -31,7 +31,13 @@ from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import softmax as softmax_lib
 
-__all__ = ['ClassifierTask', 'TopKAccuracy']
+__all__ = ['ClassifierTask', 'Share', 'TopKAccuracy']
+
+
+def Share(x, weights, total):
+  """The weighted sum of per-example `x` over `total`, the weight of the
+  whole batch: a mean over it, or one micro-batch's share of that mean."""
+  return tf.math.divide_no_nan(tf.reduce_sum(x * weights), total)
 
 
 def TopKAccuracy(k, logits, labels, weights):
@@ -147,12 +153,22 @@ class ClassifierTask(base_model.BaseTask):
       label_smoothing=self.params.label_smoothing,
     )
 
-  def _LossShare(self, logits, others, labels, weights, total):
-    """The training loss of these examples, as a share of a batch whose
-    weights sum to `total` (the shares of its micro-batches add up)."""
-    del others
-    xent = self._Xent(logits, labels)
-    return tf.math.divide_no_nan(tf.reduce_sum(xent * weights), total)
+  def _LossTerms(self, xent, others, labels, weights, total):
+    """[(metric name, share, weight)]: the terms of these examples' training
+    loss, which is their weighted sum. Each is a share of a batch whose
+    weights sum to `total`, so the shares of its micro-batches add up.
+    `xent`: the examples' label-smoothed cross-entropy; `others`: the
+    network's other outputs (subclasses add terms for them)."""
+    del others, labels
+    return [('main_loss', Share(xent, weights, total), 1.0)]
+
+  @staticmethod
+  def _SumTerms(terms):
+    loss = None
+    for _, share, weight in terms:
+      part = share if weight == 1.0 else weight * share
+      loss = part if loss is None else loss + part
+    return loss
 
   def _LabelsAndWeights(self, input_batch):
     """(int32 labels [b], float32 weights [b]) of a batch."""
@@ -187,8 +203,10 @@ class ClassifierTask(base_model.BaseTask):
 
     def LossFn(out, mb, softmax_theta):
       features, others = self._NetworkOutput(out)
-      logits = self.softmax.Logits(softmax_theta, features)
-      return self._LossShare(logits, others, mb.labels, mb.weights, total)
+      xent = self._Xent(self.softmax.Logits(softmax_theta, features), mb.labels)
+      return self._SumTerms(
+        self._LossTerms(xent, others, mb.labels, mb.weights, total)
+      )
 
     loss, out = self.network.FPropWithLoss(
       theta.network,
@@ -215,17 +233,15 @@ class ClassifierTask(base_model.BaseTask):
       labels=labels, logits=logits
     )
 
-    def Mean(x):
-      return tf.math.divide_no_nan(tf.reduce_sum(x * weights), total)
-
     acc1 = TopKAccuracy(1, logits, labels, weights)
+    terms = self._LossTerms(xent, predictions, labels, weights, total)
     if 'loss' in predictions:  # computed on the last cell
       loss = predictions.loss
     else:
-      loss = self._LossShare(logits, predictions, labels, weights, total)
+      loss = self._SumTerms(terms)
     metrics = NestedMap(
       loss=(loss, total),
-      log_pplx=(Mean(plain), total),
+      log_pplx=(Share(plain, weights, total), total),
       accuracy=(acc1, total),
       error=(1.0 - acc1, total),
       num_preds=(total, tf.constant(1.0)),
@@ -234,6 +250,9 @@ class ClassifierTask(base_model.BaseTask):
       acc5 = TopKAccuracy(5, logits, labels, weights)
       metrics.acc5 = (acc5, total)
       metrics.error5 = (1.0 - acc5, total)
+    if len(terms) > 1:  # the loss's parts, e.g. main_loss and aux_loss
+      for name, share, _ in terms:
+        metrics[name] = (share, total)
     per_example = NestedMap(
       loss=xent, argmax=tf.argmax(logits, -1, output_type=tf.int32)
     )
