@@ -10,8 +10,10 @@ previous task is done and the input has arrived over its own link.
 
 Output per device: step time, peak memory (weights, gradients, optimizer
 slots, stored inputs of every micro-batch, live activations of the cell being
-recomputed, or the optimizer's update temporaries once the backward is done),
-busy fraction and bytes sent.
+recomputed, the output gradients that arrived from the next cell before the
+device could start their backward, or the optimizer's update temporaries once
+the backward is done; plus what the device's allocator rounds up), busy
+fraction and bytes sent.
 """
 
 import collections
@@ -31,9 +33,18 @@ __all__ = [
   'MemoryBreakdown',
 ]
 
+# allocator_overhead: the fraction of the bytes of the buffers a step
+# allocates that the device's allocator adds on top (see `Device`).
 DeviceSpec = collections.namedtuple(
   'DeviceSpec',
-  ['memory_bytes', 'link_bytes_per_s', 'link_latency_s', 'op_overhead_s'],
+  [
+    'memory_bytes',
+    'link_bytes_per_s',
+    'link_latency_s',
+    'op_overhead_s',
+    'allocator_overhead',
+  ],
+  defaults=[0.0],
 )
 
 # Per micro-batch costs of one cell:
@@ -68,7 +79,7 @@ CellCost = collections.namedtuple(
 
 SimResult = collections.namedtuple(
   'SimResult',
-  ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory', 'events'],
+  ['step_s', 'busy_fraction', 'bytes_sent', 'peak_memory', 'events', 'memory'],
 )
 
 _GB = 1e9
@@ -90,6 +101,15 @@ class Device:
     op_overhead_s: fixed cost of launching one op.
     flops_efficiency: the fraction of peak_flops that training reaches
       (an assumption, the same for every preset unless measured).
+    allocator_overhead: what the device's allocator adds to the buffers
+      that a re-materialized cell frees and allocates again for every
+      micro-batch, as a fraction of their bytes. TensorFlow's BFC allocator
+      (CPU and GPU) gives a buffer a free chunk of up to twice its size
+      without splitting it, and counts the whole chunk as in use; traced at
+      the peak of pipelined training steps on this host's workers, the live
+      buffers took 1.12-1.19x their bytes (1.06x without
+      re-materialization; docs/planner.md). XLA on TPU assigns buffers
+      ahead of time: 0.
   """
 
   name: str
@@ -101,6 +121,7 @@ class Device:
   link_latency_s: float
   op_overhead_s: float
   flops_efficiency: float = 0.5
+  allocator_overhead: float = 0.0
 
   def Spec(self, memory_bytes=None):
     """The `DeviceSpec` the simulator takes (per-op overhead is charged
@@ -110,6 +131,7 @@ class Device:
       link_bytes_per_s=self.link_bytes_per_s,
       link_latency_s=self.link_latency_s,
       op_overhead_s=0.0,
+      allocator_overhead=self.allocator_overhead,
     )
 
   def ComputeS(self, flops, bytes_touched, num_ops):
@@ -120,12 +142,17 @@ class Device:
     return max(compute, traffic) + num_ops * self.op_overhead_s
 
 
+# What TensorFlow's BFC allocator adds to the buffers of a step, measured on
+# this host's CPU workers (`Device.allocator_overhead`). GPUs use the same
+# allocator; the fraction there is assumed, not measured.
+BFC_OVERHEAD = 0.15
+
 # Published peak numbers (per device: one TPU core, one GPU). Links are the
 # one-way bandwidth of the inter-chip link between two neighbours: TPU ICI
 # (Jouppi et al., "A domain-specific supercomputer for training deep neural
 # networks", CACM 2020: 4 links of 496 Gbit/s on v2, 656 Gbit/s on v3),
 # NVLink for GPUs. flops_efficiency 0.5 is an assumption, not a published
-# figure.
+# figure; so is the GPUs' allocator_overhead.
 PRESETS = {
   d.name: d
   for d in [
@@ -162,6 +189,7 @@ PRESETS = {
       link_bytes_per_s=50 * _GB,
       link_latency_s=10e-6,
       op_overhead_s=5e-6,
+      allocator_overhead=BFC_OVERHEAD,
     ),
     Device(
       'a100',
@@ -173,6 +201,7 @@ PRESETS = {
       link_bytes_per_s=300 * _GB,
       link_latency_s=10e-6,
       op_overhead_s=5e-6,
+      allocator_overhead=BFC_OVERHEAD,
     ),
     Device(
       'h100',
@@ -184,6 +213,7 @@ PRESETS = {
       link_bytes_per_s=450 * _GB,
       link_latency_s=10e-6,
       op_overhead_s=5e-6,
+      allocator_overhead=BFC_OVERHEAD,
     ),
     Device(
       'cpu',
@@ -197,6 +227,7 @@ PRESETS = {
       link_bytes_per_s=1 * _GB,
       link_latency_s=200e-6,
       op_overhead_s=20e-6,
+      allocator_overhead=BFC_OVERHEAD,
     ),
   ]
 }
@@ -219,11 +250,18 @@ def _TransferS(nbytes, spec):
 
 
 def MemoryBreakdown(
-  cell, num_micro_batches, recompute, optimizer_slots=2, compiled=False
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  compiled=False,
+  received_bytes=0,
+  allocator_overhead=0.0,
 ):
   """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
   'activations'[, 'backward_temporaries'][, 'compiled_gradients']
-  [, 'update_temporaries']}: bytes of one device holding `cell`.
+  [, 'received_gradients'][, 'update_temporaries']
+  [, 'allocator_rounding']}: bytes of one device holding `cell`.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
@@ -237,7 +275,16 @@ def MemoryBreakdown(
   `PipeliningLayer.Params().jit_compile`) returns all of its weight
   gradients at once from one call, which are alive beside the running sum
   until added to it: 'compiled_gradients', one more copy of the weights in
-  the backward pass when M > 1.
+  the backward pass when M > 1. 'received_gradients' (`received_bytes`)
+  are the output gradients that arrived from the next cell while the device
+  was still busy, held beside the backward pass (see `Simulate`).
+  'allocator_rounding' is `allocator_overhead` times the step's share of
+  the peak (all but the weights and slots) of a re-materialized cell: its
+  buffers are freed and allocated again for every micro-batch, and the
+  device's allocator gives them free chunks larger than they are (see
+  `Device.allocator_overhead`). Without re-materialization the step
+  allocates its activations once, and a compiled cell's activations are
+  one buffer of XLA's: neither is rounded up.
   """
   m = num_micro_batches
   out = {
@@ -251,8 +298,15 @@ def MemoryBreakdown(
     out['backward_temporaries'] = cell.backward_bytes
   if compiled and m > 1:
     out['compiled_gradients'] = cell.weight_bytes
+  if received_bytes:
+    out['received_gradients'] = int(received_bytes)
   if cell.max_var_bytes:
     out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
+  if allocator_overhead and recompute and not compiled:
+    held = out['weights'] + out['optimizer_slots']
+    out['allocator_rounding'] = int(
+      allocator_overhead * (PeakOfBreakdown(out) - held)
+    )
   return out
 
 
@@ -262,16 +316,24 @@ _HELD = ('weights', 'gradients', 'optimizer_slots')
 def PeakOfBreakdown(parts):
   """The peak bytes of a `MemoryBreakdown`: what is held through the step
   (weights, gradients, slots) plus the larger of the two phases, the
-  forward and backward (stored inputs, activations, backward temporaries)
-  or the optimizer's update (its temporaries)."""
+  forward and backward (stored inputs, activations, backward temporaries,
+  received gradients) or the optimizer's update (its temporaries), plus
+  the allocator's rounding."""
   held = sum(parts.get(k, 0) for k in _HELD)
   update = parts.get('update_temporaries', 0)
-  step = sum(v for k, v in parts.items() if k not in _HELD) - update
-  return held + max(step, update)
+  rounding = parts.get('allocator_rounding', 0)
+  step = sum(v for k, v in parts.items() if k not in _HELD) - update - rounding
+  return held + max(step, update) + rounding
 
 
 def PeakMemoryBytes(
-  cell, num_micro_batches, recompute, optimizer_slots=2, compiled=False
+  cell,
+  num_micro_batches,
+  recompute,
+  optimizer_slots=2,
+  compiled=False,
+  received_bytes=0,
+  allocator_overhead=0.0,
 ):
   """Peak bytes of one device holding `cell`.
 
@@ -279,13 +341,31 @@ def PeakMemoryBytes(
   weight), plus the larger of: with recompute, the input of every
   micro-batch and the activations of the one micro-batch being recomputed
   (without recompute, the activations of every micro-batch), with the
-  backward's temporaries (and a compiled cell's gradients); or the update
-  temporaries of the optimizer.
+  backward's temporaries (and a compiled cell's gradients, and the output
+  gradients received ahead of their backward); or the update temporaries of
+  the optimizer. A re-materialized cell's step share times
+  1 + `allocator_overhead`.
   """
   return PeakOfBreakdown(
     MemoryBreakdown(
-      cell, num_micro_batches, recompute, optimizer_slots, compiled
+      cell,
+      num_micro_batches,
+      recompute,
+      optimizer_slots,
+      compiled,
+      received_bytes,
+      allocator_overhead,
     )
+  )
+
+
+def _ReceivedAhead(arrivals, starts, ends):
+  """The most output gradients a device holds at the start of one of its
+  backward tasks: those that have arrived (`arrivals[j]`) and whose backward
+  has not ended (`ends[j]`), at each start time `starts[j]`."""
+  return max(
+    sum(1 for i in arrivals if arrivals[i] <= t and ends[i] > t)
+    for t in starts.values()
   )
 
 
@@ -316,7 +396,7 @@ def Simulate(
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
-    peak_memory; events: (pass, cell, micro-batch, start_s, end_s) of every
+    peak_memory and its `MemoryBreakdown` (memory); events: (pass, cell, micro-batch, start_s, end_s) of every
     task, as `timeline.PlotTimeline` takes them.
   """
   k_cells = len(cells)
@@ -348,13 +428,18 @@ def Simulate(
     fwd_done[(k, mb)] = free[k]
     events.append(('forward', k, mb, ready, free[k]))
   bwd_done = {}
+  # Per device: when each micro-batch's output gradient arrived, and when
+  # its backward started and ended.
+  arrived = [{} for _ in cells]
+  started = [{} for _ in cells]
   for _, k, mb in schedule.BackwardOrder(k_cells, m):
     ready = free[k]
     if k < k_cells - 1:
       # The gradient of the cell's output has the output's size.
-      ready = max(
-        ready, bwd_done[(k + 1, mb)] + _TransferS(cells[k].out_bytes, spec)
+      arrived[k][mb] = bwd_done[(k + 1, mb)] + _TransferS(
+        cells[k].out_bytes, spec
       )
+      ready = max(ready, arrived[k][mb])
       sent[k + 1] += cells[k].out_bytes
     dur = cells[k].bprop_s + spec.op_overhead_s
     if per_cell[k]:
@@ -362,15 +447,31 @@ def Simulate(
     free[k] = ready + dur
     busy[k] += dur
     bwd_done[(k, mb)] = free[k]
+    started[k][mb] = ready
     events.append(('backward', k, mb, ready, free[k]))
   step = max(free) + end_s
+  memory = []
+  for k, (c, r) in enumerate(zip(cells, per_cell)):
+    received = 0
+    if arrived[k]:
+      ends = {mb: bwd_done[(k, mb)] for mb in arrived[k]}
+      received = c.out_bytes * _ReceivedAhead(arrived[k], started[k], ends)
+    memory.append(
+      MemoryBreakdown(
+        c,
+        m,
+        r,
+        optimizer_slots,
+        compiled,
+        received,
+        spec.allocator_overhead,
+      )
+    )
   return SimResult(
     step_s=step,
     busy_fraction=[b / step for b in busy],
     bytes_sent=sent,
-    peak_memory=[
-      PeakMemoryBytes(c, m, r, optimizer_slots, compiled)
-      for c, r in zip(cells, per_cell)
-    ],
+    peak_memory=[PeakOfBreakdown(x) for x in memory],
     events=events,
+    memory=memory,
   )

@@ -118,6 +118,9 @@ class Candidate:
       'stored micro-batch inputs': self.memory['stored_inputs'],
       'activations': self.memory['activations']
       + self.memory.get('backward_temporaries', 0),
+      'output gradients received ahead of their backward': self.memory.get(
+        'received_gradients', 0
+      ),
       'optimizer update temporaries': self.memory.get('update_temporaries', 0),
     }
     what = max(groups, key=groups.get)
@@ -227,9 +230,7 @@ def Evaluate(
     busy_fraction=list(sim.busy_fraction),
     bubble=1.0 - sum(sim.busy_fraction) / k,
     peak_bytes=peaks,
-    memory=cost_model.MemoryBreakdown(
-      cells[worst], m, recompute, optimizer_slots, compiled
-    ),
+    memory=sim.memory[worst],
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,
     events=sim.events,

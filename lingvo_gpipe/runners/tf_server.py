@@ -46,6 +46,14 @@ def main(argv=None):
     'this many MiB, like an accelerator of that memory.',
   )
   parser.add_argument(
+    '--profiler_port',
+    type=int,
+    default=0,
+    help="Serve TensorFlow's profiler on this port (0: none), so that "
+    'tf.profiler.experimental.client.trace (or TensorBoard) can record '
+    "this worker's ops and, with --allocator_stats, its allocations.",
+  )
+  parser.add_argument(
     '--cpus',
     default='',
     help='Comma list of CPU cores this process may use, '
@@ -85,6 +93,8 @@ def main(argv=None):
     config=config,
     start=True,
   )
+  if args.profiler_port:
+    tf.profiler.experimental.server.start(args.profiler_port)
   if status:
     status.MarkBaseline()
   status_text = f', memory status on port {status.port}' if status else ''

@@ -131,3 +131,47 @@ def testCompiledCellsHoldOneMoreCopyOfTheGradientsInTheBackward():
   assert cost_model.PeakMemoryBytes(wide, 4, True, compiled=True) == (
     4000 + 9000
   )
+
+
+def _PileCells(bprop0_s):
+  return [
+    _Cell(fprop_s=1.0, bprop_s=bprop0_s, out_bytes=100),
+    _Cell(fprop_s=1.0, bprop_s=1.0),
+  ]
+
+
+def testOutputGradientsPileUpAheadOfASlowerCell():
+  # Cell 1's backwards end at 6, 7, 8 and 9 s. Cell 0 takes 4 s each, from
+  # 6 s: when it starts its second one (10 s) the other three gradients
+  # have arrived and wait beside it.
+  res = cost_model.Simulate(_PileCells(4.0), 4, _FREE_LINKS, recompute=False)
+  assert res.memory[0]['received_gradients'] == 3 * 100
+  assert res.peak_memory[0] == 3 * 100
+  assert 'received_gradients' not in res.memory[1]  # the loss's, not sent
+  # As fast as cell 1: each gradient is used as it arrives.
+  res = cost_model.Simulate(_PileCells(1.0), 4, _FREE_LINKS, recompute=False)
+  assert res.memory[0]['received_gradients'] == 100
+
+
+def testAllocatorRoundsUpTheReMaterializedStep():
+  spec = _FREE_LINKS._replace(allocator_overhead=0.1)
+  cell = _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)
+  res = cost_model.Simulate([cell], 4, spec, recompute=True)
+  # Weights and slots are not reallocated per micro-batch; the step's share
+  # (gradients 1000 + inputs 40 + activations 50) is rounded up by 10%.
+  assert res.memory[0]['allocator_rounding'] == 109
+  assert res.peak_memory == [3000 + 1090 + 109]
+  # Activations allocated once (no re-materialization), or one buffer of a
+  # compiled cell's: no rounding.
+  res = cost_model.Simulate([cell], 4, spec, recompute=False)
+  assert 'allocator_rounding' not in res.memory[0]
+  res = cost_model.Simulate([cell], 4, spec, recompute=True, compiled=True)
+  assert 'allocator_rounding' not in res.memory[0]
+
+
+def testAllocatorOverheadOfThePresets():
+  # TensorFlow's BFC allocator (CPU, GPU) rounds buffers up; XLA on TPU
+  # assigns them ahead of time.
+  assert cost_model.GetPreset('cpu').Spec().allocator_overhead > 0
+  assert cost_model.GetPreset('h100').Spec().allocator_overhead > 0
+  assert cost_model.GetPreset('tpu_v3').Spec().allocator_overhead == 0
