@@ -396,8 +396,9 @@ def Simulate(
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
-    peak_memory and its `MemoryBreakdown` (memory); events: (pass, cell, micro-batch, start_s, end_s) of every
-    task, as `timeline.PlotTimeline` takes them.
+    peak_memory and its `MemoryBreakdown` (memory); events: (pass, cell,
+    micro-batch, start_s, end_s) of every task, as `timeline.PlotTimeline`
+    takes them.
   """
   k_cells = len(cells)
   m = num_micro_batches
