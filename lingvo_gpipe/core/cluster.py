@@ -377,6 +377,7 @@ class LocalCluster:
     pin_cpus=False,
     memory_stats=False,
     memory_limit_mb=None,
+    profiler=False,
   ):
     """Args:
     num_workers: number of server processes.
@@ -391,6 +392,10 @@ class LocalCluster:
       figures on `status_addresses[i]` (lingvo_gpipe.runners.device_memory).
     memory_limit_mb: with memory_stats, each worker refuses allocations
       beyond this many MiB, like an accelerator of that memory.
+    profiler: each worker serves TensorFlow's profiler on
+      `profiler_addresses[i]` (for tf.profiler.experimental.client.trace;
+      with memory_stats the trace has every allocation, see
+      tools/memory_trace.py).
     """
     self.num_workers = num_workers
     self._pin = pin_cpus
@@ -399,10 +404,20 @@ class LocalCluster:
     self._timeout = startup_timeout_s
     self._procs = []
     self._memory = (memory_stats or bool(memory_limit_mb), memory_limit_mb)
-    ports = FreePorts(num_workers * (2 if self._memory[0] else 1))
-    self.addresses = [f'127.0.0.1:{p}' for p in ports[:num_workers]]
+    n = num_workers
+    ports = FreePorts(n * (1 + bool(self._memory[0]) + bool(profiler)))
+    self.addresses = [f'127.0.0.1:{p}' for p in ports[:n]]
     # The HTTP memory-status endpoint of each worker (empty without stats).
-    self.status_addresses = [f'127.0.0.1:{p}' for p in ports[num_workers:]]
+    rest = ports[n:]
+    if self._memory[0]:
+      self.status_addresses, rest = (
+        [f'127.0.0.1:{p}' for p in rest[:n]],
+        rest[n:],
+      )
+    else:
+      self.status_addresses = []
+    # The profiler service of each worker (empty without profiler).
+    self.profiler_addresses = [f'127.0.0.1:{p}' for p in rest]
     self.cluster_spec = {job: list(self.addresses)}
 
   @property
@@ -437,6 +452,9 @@ class LocalCluster:
       cmd += ['--allocator_stats', f'--status_port={port}']
       if self._memory[1]:
         cmd.append(f'--memory_limit_mb={int(self._memory[1])}')
+    if self.profiler_addresses:
+      port = self.profiler_addresses[task].rsplit(':', 1)[1]
+      cmd.append(f'--profiler_port={port}')
     if self._pin:
       cores = sorted(os.sched_getaffinity(0))
       cmd.append(f'--cpus={cores[task % len(cores)]}')
