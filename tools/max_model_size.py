@@ -308,6 +308,8 @@ def RunTrial(spec):
       num_cells=NumCells(family, k),
       budget_bytes=spec['budget_mb'] * MIB,
       devices=devices,
+      inter_op_threads=spec.get('inter_op_threads', 2),
+      intra_op_threads=spec.get('intra_op_threads', 0),
     )
     try:
       layer, inputs_fn = _BuildModel(

@@ -351,11 +351,19 @@ def Validate(args):
     raise UserError(f'--validate={args.validate}: cannot read it: {e}') from e
   if isinstance(data, dict) and 'trials' in data and 'records' not in data:
     return ValidateCapacity(data, args)
+  if (
+    isinstance(data, list)
+    and data
+    and all(isinstance(r, dict) and 'peak_bytes_per_device' in r for r in data)
+  ):
+    # tools/max_model_size.py --train_steps writes its trials as a list.
+    return ValidateCapacity(dict(trials=data), args)
   records = data.get('records') if isinstance(data, dict) else None
   if not records:
     raise UserError(
       f'--validate={args.validate} has no "records"; give the JSON that '
-      'tools/benchmark_pipeline.py --json writes.'
+      'tools/benchmark_pipeline.py --json or tools/max_model_size.py --json '
+      'writes.'
     )
   bench_args = dict(
     num_blocks=args.num_blocks,

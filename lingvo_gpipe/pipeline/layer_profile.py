@@ -12,6 +12,7 @@ the transfer bandwidth between two local TensorFlow server workers, and
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -34,6 +35,7 @@ __all__ = [
   'MeasureLink',
   'MeasuredDevice',
   'FormatBytes',
+  'InputDuplicateBytes',
 ]
 
 # Op types whose outputs alias their inputs or hold no activation.
@@ -150,6 +152,12 @@ class LayerProfile:
     in_specs: TensorSpecs of the inputs (for measuring).
     measured: (forward fixed s, forward s per example, backward fixed s,
       backward s per example) measured on this host, or None.
+    input_unary_bytes: ((flat input index, op type, bytes), ...) of the
+      saved activations that are one element-wise op of one input (a ReLU
+      of an input state): the same op of the same tensor in the next layer
+      is merged with it by the graph optimizer (see `InputDuplicateBytes`).
+    passthrough: per flat output, the flat input it is (a state the layer
+      passes on unchanged), or None.
   """
 
   name: str
@@ -164,6 +172,8 @@ class LayerProfile:
   max_var_bytes: int = 0
   in_specs: object = None
   measured: tuple = None
+  input_unary_bytes: tuple = ()
+  passthrough: tuple = ()
 
   def TimesS(self, frac, batch, device):
     """(forward s, backward s) for `frac` of the batch on `device`."""
@@ -294,7 +304,61 @@ def _SavedBytes(fn, theta_spec, specs):
     merged.setdefault(key, t)
   saved = {t.ref(): t for t in merged.values()}
   total = sum(_Bytes(t) for t in saved.values())
-  return total, _BackwardExtra(graph, saved, total)
+  num_theta = len(tf.nest.flatten(theta_spec))
+  inputs = {t.ref(): i for i, t in enumerate(graph.inputs[num_theta:])}
+  unary = []
+  for t in saved.values():
+    if t.op.type in _FORWARDING_OPS and len(t.op.inputs) == 1:
+      i = inputs.get(_Unaliased(t.op.inputs[0]).ref())
+      if i is not None:
+        unary.append((i, t.op.type, _Bytes(t)))
+  return total, _BackwardExtra(graph, saved, total), tuple(sorted(unary))
+
+
+def _Unaliased(t):
+  """The tensor `t` is a view of (following reshapes and identities)."""
+  while t.op.type in _ALIAS_OPS and t.op.inputs:
+    t = t.op.inputs[0]
+  return t
+
+
+def _Passthrough(graph, num_theta):
+  """Per flat output of a traced FProp graph: the flat input it is, or
+  None."""
+  inputs = {t.ref(): i for i, t in enumerate(graph.inputs[num_theta:])}
+  return tuple(inputs.get(_Unaliased(t).ref()) for t in graph.outputs)
+
+
+def InputDuplicateBytes(layers):
+  """Bytes of the saved activations of `layers` (consecutive
+  `LayerProfile`s, one cell) that repeat one in an earlier layer of the
+  same cell: the same element-wise op of the same tensor, which a layer
+  passed on unchanged (AmoebaNet's cells take the previous cell's input as
+  their own, and both apply a ReLU to it). TensorFlow's graph optimizer
+  computes it once; a profile, tracing one layer at a time, counts it in
+  both."""
+  seen = set()
+  dup = 0
+  ids = itertools.count()
+  origins = {}  # flat input of the current layer -> the tensor it is
+  for lp in layers:
+    cur = dict(origins)
+
+    def Origin(i, cur=cur):
+      if i not in cur:
+        cur[i] = next(ids)
+      return cur[i]
+
+    for i, op_type, nbytes in lp.input_unary_bytes:
+      key = (Origin(i), op_type)
+      if key in seen:
+        dup += nbytes
+      else:
+        seen.add(key)
+    origins = {
+      j: Origin(i) for j, i in enumerate(lp.passthrough) if i is not None
+    }
+  return dup
 
 
 def _Bytes(t):
@@ -354,8 +418,9 @@ def _BackwardExtra(graph, saved, saved_bytes):
 
 
 def _TraceLayer(p, specs):
-  """(flops, out specs, activation bytes, num ops, in specs) of `p`'s FProp
-  traced abstractly; None if it cannot be traced from shapes alone."""
+  """(flops, out specs, activation bytes, backward bytes, num ops, in
+  specs, input unary bytes, passthrough) of `p`'s FProp traced abstractly
+  (see `LayerProfile`); None if it cannot be traced from shapes alone."""
   layer = p.cls.AbstractInstance(p)
   theta_spec = layer.vars.Transform(lambda v: v.ToSpec())
 
@@ -379,13 +444,24 @@ def _TraceLayer(p, specs):
     out_specs = tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape, t.dtype), outs
     )
+    unary = ()
     try:
-      act, extra = _SavedBytes(Fn, theta_spec, cand)
+      act, extra, unary = _SavedBytes(Fn, theta_spec, cand)
     except (ValueError, TypeError, LookupError, NotImplementedError):
       act, extra = 2 * _SpecBytes(out_specs), _SpecBytes(out_specs)
+    passthrough = _Passthrough(graph, len(tf.nest.flatten(theta_spec)))
     # The layer's outputs are kept too (the next layer's inputs).
     act = max(act, _SpecBytes(out_specs))
-    return meta.GraphFlops(graph), out_specs, act, extra, ops, cand
+    return (
+      meta.GraphFlops(graph),
+      out_specs,
+      act,
+      extra,
+      ops,
+      cand,
+      unary,
+      passthrough,
+    )
   return None
 
 
@@ -448,8 +524,9 @@ def _ProfileOne(p, specs, i, layer_params):
   ]
   param_bytes = sum(var_bytes)
   traced = _TraceLayer(p, specs)
+  unary, passthrough = (), ()
   if traced is not None:
-    flops, out_specs, act, extra, ops, in_specs = traced
+    flops, out_specs, act, extra, ops, in_specs, unary, passthrough = traced
   else:
     try:
       m = p.cls.FPropMeta(p, *specs)
@@ -478,6 +555,8 @@ def _ProfileOne(p, specs, i, layer_params):
     max_var_bytes=max(var_bytes, default=0),
     num_ops=int(ops),
     in_specs=in_specs,
+    input_unary_bytes=unary,
+    passthrough=passthrough,
   )
   return prof, tuple(out_specs)
 

@@ -33,6 +33,7 @@ import tensorflow as tf
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline.layer_profile import FormatBytes  # noqa: F401
+from lingvo_gpipe.pipeline.layer_profile import InputDuplicateBytes
 from lingvo_gpipe.pipeline.layer_profile import LayerProfile  # noqa: F401
 from lingvo_gpipe.pipeline.layer_profile import MeasureLink  # noqa: F401
 from lingvo_gpipe.pipeline.layer_profile import MeasuredDevice  # noqa: F401
@@ -57,6 +58,7 @@ __all__ = [
   'Resolve',
   'DetectDevice',
   'FormatBytes',
+  'InputDuplicateBytes',
 ]
 
 
@@ -162,7 +164,11 @@ def CellCosts(profile, splits, m, r, device):
         out_bytes=int(lps[-1].out_bytes * frac),
         weight_bytes=sum(lp.param_bytes for lp in lps),
         input_bytes=int(lps[0].in_bytes * frac),
-        activation_bytes=int(sum(lp.activation_bytes for lp in lps) * frac),
+        # A ReLU of a state that two layers of the cell read is one buffer.
+        activation_bytes=int(
+          (sum(lp.activation_bytes for lp in lps) - InputDuplicateBytes(lps))
+          * frac
+        ),
         backward_bytes=int(max(lp.backward_bytes for lp in lps) * frac),
         max_var_bytes=max(lp.max_var_bytes for lp in lps),
       )

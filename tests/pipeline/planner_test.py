@@ -227,3 +227,78 @@ def testSlowLinksMakeATransferBoundPipeline():
   assert cand.verdict == 'transfer-bound'
   assert 'waits for transfers' in cand.reason
   assert cand.free_link_step_s < 0.7 * cand.step_s
+
+
+def _Unary(name, unary, passthrough):
+  return planner.LayerProfile(
+    name=name,
+    flops=0.0,
+    in_bytes=0,
+    out_bytes=0,
+    activation_bytes=1000,
+    num_params=0,
+    param_bytes=0,
+    num_ops=1,
+    input_unary_bytes=unary,
+    passthrough=passthrough,
+  )
+
+
+def testReluOfAPassedOnStateCountsOnceInACell():
+  # Layer a passes its input 1 on as its output 0; layer b applies the same
+  # ReLU to its input 0 (that tensor) as a did: the graph optimizer merges
+  # the two, one buffer.
+  a = _Unary('a', ((0, 'Relu', 50), (1, 'Relu', 100)), (1, None))
+  b = _Unary('b', ((0, 'Relu', 100), (1, 'Relu', 70)), (1, None))
+  assert planner.InputDuplicateBytes([a, b]) == 100
+  # ... and again two layers on (b passes a's new state on).
+  c = _Unary('c', ((0, 'Relu', 70),), ())
+  assert planner.InputDuplicateBytes([a, b, c]) == 170
+  # Another op of the same tensor, or a layer that passes nothing on: none.
+  tanh = _Unary('t', ((0, 'Tanh', 100),), ())
+  assert planner.InputDuplicateBytes([a, tanh]) == 0
+  assert (
+    planner.InputDuplicateBytes([_Unary('x', a.input_unary_bytes, ()), b]) == 0
+  )
+  # Cells are traced apart: the first layer of the next cell is not merged.
+  profile = planner.ModelProfile(name='toy', layers=[a, b], batch_size=1)
+  whole = planner.CellCosts(profile, [2], 1, 1, cost_model.GetPreset('cpu'))
+  split = planner.CellCosts(profile, [1, 2], 1, 1, cost_model.GetPreset('cpu'))
+  assert whole[0].activation_bytes == 2000 - 100
+  assert [c.activation_bytes for c in split] == [1000, 1000]
+
+
+def testAmoebaNetCellsPassTheirInputOn():
+  from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+
+  net = (
+    amoebanet.AmoebaNet.Params()
+    .Set(
+      num_cells=3,
+      num_filters=8,
+      image_size=16,
+      stem_type='cifar',
+      stem_filters=8,
+      num_classes=10,
+      head_logits=True,
+    )
+    .Instantiate()
+  )
+  profile = planner.ProfileLayers(net.Layers(), [net.InputShape(4)])
+  # A cell outputs (its new state, its input 0): the next cell's input 1
+  # is this cell's input 0, and both apply a ReLU to it.
+  layers = profile.layers
+  pairs = 0
+  for a, b in zip(layers, layers[1:]):
+    for j, i in enumerate(a.passthrough):
+      if i is None:
+        continue
+      relu_a = [n for k, op, n in a.input_unary_bytes if (k, op) == (i, 'Relu')]
+      relu_b = [n for k, op, n in b.input_unary_bytes if (k, op) == (j, 'Relu')]
+      if relu_b:  # the head reads only the new state
+        assert relu_a == relu_b, (a.name, b.name)
+        pairs += 1
+  assert pairs == 4  # into reduction_cell_0, cell_1, reduction_cell_1, cell_2
+  dup = planner.InputDuplicateBytes(profile.layers)
+  assert dup > 0
+  assert dup < sum(lp.activation_bytes for lp in profile.layers) / 4
