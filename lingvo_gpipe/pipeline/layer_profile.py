@@ -763,4 +763,5 @@ def MeasuredDevice(memory_bytes, link=None):
     link_latency_s=latency,
     op_overhead_s=0.0,
     flops_efficiency=1.0,
+    allocator_overhead=cost_model.BFC_OVERHEAD,
   )

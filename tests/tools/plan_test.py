@@ -246,3 +246,11 @@ def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
     for p, q in zip(row['predicted_peak_bytes'], trial['peak_bytes_per_device'])
   ]
   assert 'predicted vs measured' in capsys.readouterr().out
+  # The list that tools/max_model_size.py --train_steps writes.
+  path.write_text(json.dumps([trial]))
+  assert (
+    plan.Validate(plan.ParseArgs([f'--validate={path}']))[0][
+      'predicted_peak_bytes'
+    ]
+    == (row['predicted_peak_bytes'])
+  )
