@@ -128,8 +128,9 @@ def _ApplyText(p, text, where):
     raise trainer_errors.UserError(f'{where}: {e}') from e
 
 
-def PipelineLayers(p):
-  """[(key, Params)] of the PipeliningLayer Params inside model Params `p`."""
+def PipelineLayers(p, outermost=False):
+  """[(key, Params)] of the PipeliningLayer Params inside model Params `p`
+  (with `outermost`, not those inside another pipeline's Params)."""
   found = []
 
   def Enter(key, value):
@@ -139,6 +140,7 @@ def PipelineLayers(p):
       and issubclass(value.cls, pipelining_layer.PipeliningLayer)
     ):
       found.append((key, value))
+      return not outermost
     return True
 
   p.Visit(lambda k, v: None, enter_fn=Enter)

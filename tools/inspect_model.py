@@ -35,11 +35,10 @@ from lingvo_gpipe.core import quiet_start
 quiet_start.ImportTensorFlow(min_log_level='2')
 
 from lingvo_gpipe import model_registry
+from lingvo_gpipe import trainer_params
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import partition
-from lingvo_gpipe.pipeline import pipelining_layer
 # pylint: enable=g-import-not-at-top
 
 __all__ = ['ApplyOverrides', 'FindPipelines', 'Inspect', 'main']
@@ -47,20 +46,7 @@ __all__ = ['ApplyOverrides', 'FindPipelines', 'Inspect', 'main']
 
 def FindPipelines(p):
   """[(key, Params)] of the outermost PipeliningLayers in model Params."""
-  found = []
-
-  def Enter(key, value):
-    if (
-      isinstance(value, hyperparams.InstantiableParams)
-      and isinstance(value.cls, type)
-      and issubclass(value.cls, pipelining_layer.PipeliningLayer)
-    ):
-      found.append((key, value))
-      return False
-    return True
-
-  p.Visit(lambda k, v: None, enter_fn=Enter)
-  return found
+  return trainer_params.PipelineLayers(p, outermost=True)
 
 
 def _Variables(p):
