@@ -41,14 +41,27 @@ def MergeMoments(stats_list):
   """
   if not stats_list:
     raise ValueError('MergeMoments needs at least one NestedMap of stats.')
-  counts = [tf.convert_to_tensor(s.count) for s in stats_list]
   dtype = stats_list[0].mean.dtype
-  counts = [tf.cast(c, dtype) for c in counts]
-  total = tf.add_n(counts)
-  sum_x = tf.add_n([n * s.mean for n, s in zip(counts, stats_list)])
-  sum_xx = tf.add_n(
-    [n * (s.variance + tf.square(s.mean)) for n, s in zip(counts, stats_list)]
-  )
+  if len(stats_list) == 1:
+    (s,) = stats_list
+    total = tf.cast(tf.convert_to_tensor(s.count), dtype)
+    sum_x = total * s.mean
+    sum_xx = total * (s.variance + tf.square(s.mean))
+  else:
+    # The chunks stacked, so that merging M micro-batches' statistics is a
+    # few ops whatever M is (the pipeline's step graph must not grow with
+    # M); the sums run over the chunks in order, as an add_n would.
+    counts = tf.stack(
+      [tf.cast(tf.convert_to_tensor(s.count), dtype) for s in stats_list]
+    )
+    means = tf.stack([s.mean for s in stats_list])
+    variances = tf.stack([s.variance for s in stats_list])
+    n = counts
+    if counts.shape.rank == 1:  # One count per chunk: broadcast it.
+      n = tf.reshape(counts, [-1] + [1] * (means.shape.rank - 1))
+    total = tf.reduce_sum(counts, 0)
+    sum_x = tf.reduce_sum(n * means, 0)
+    sum_xx = tf.reduce_sum(n * (variances + tf.square(means)), 0)
   # Under a tf.distribute strategy: the moments of every replica's batch.
   sum_x, sum_xx, total = py_utils.CrossReplicaReduce(
     [sum_x, sum_xx, total], tf.distribute.ReduceOp.SUM

@@ -3,16 +3,22 @@
 Over 500 lines: the forward pass, the backward pass and the per-micro-batch
 loss path all walk one schedule with one ordering of each device's work.
 
-`PipelineEngine` knows nothing of Params or layers: it is given a function
-that runs cell k on one micro-batch, a `placement.StagePlacement` and a
-schedule, an ordered list of `schedule.WorkItem`s (clock, cell, micro-batch,
-forward/backward; `schedule.FillDrain` by default). It builds
+`PipelineEngine` knows nothing of Params or layers: it is given the cells as
+functions (`cell_function.CellFunctions`: each cell traced once, called once
+per work item), a `placement.StagePlacement` and a schedule, an ordered list
+of `schedule.WorkItem`s (clock, cell, micro-batch, forward/backward;
+`schedule.FillDrain` by default). It builds
 
-  * the forward ops of every FORWARD item, in list order, keeping what the
-    backward pass needs (the cell's input, its gradient tape unless the cell
-    is recomputed, its output and its seed);
+  * one call of the cell's forward function for every FORWARD item, in list
+    order, keeping what the backward pass needs (the cell's input, its
+    gradient tape unless the cell is recomputed, its output and its seed);
   * one operation on the gradient tape whose gradient builds the BACKWARD
-    items, in list order, each re-materializing its cell if it kept no tape.
+    items, in list order: one call of the cell's recompute-and-backward
+    function each (the gradient of the forward call where the cell kept its
+    tape), which also adds the weights' gradients to their running sums.
+
+So the step's graph holds each cell's ops once per pass, and a few ops per
+work item: its size does not grow with the number of micro-batches.
 
 `ForwardBackwardWithLoss` instead runs both passes in one list, in the
 schedule's order: the last cell also computes each micro-batch's loss, so a
@@ -30,12 +36,11 @@ With R data-parallel replicas, every work item runs on each replica's own
 devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch.
 """
 
-import collections
-
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import cell_function
 from lingvo_gpipe.pipeline import graph_ops
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import schedule as schedule_lib
@@ -52,12 +57,6 @@ RECOMPUTE_POLICIES = (
 
 def _IsFloat(x):
   return py_utils.IsTensor(x) and x.dtype.is_floating
-
-
-class _CellAndLoss(collections.namedtuple('_CellAndLoss', ['cell', 'loss'])):
-  """The last cell's theta with the weights its loss uses (e.g. a softmax
-  outside the pipeline): both are differentiated, and their gradients summed
-  over the micro-batches, as one cell's weights."""
 
 
 def CheckSchedule(work, num_cells, num_micro_batches):
@@ -103,18 +102,38 @@ def CheckSchedule(work, num_cells, num_micro_batches):
     )
 
 
+class _Saved:
+  """What a forward work item keeps for its backward.
+
+  Attributes:
+    x: the cell's inputs (a tuple).
+    tape: the gradient tape of the forward call, or None where the backward
+      re-materializes the cell.
+    y: the outputs the tape recorded (the cell's, or (loss,) with `loss`).
+    seed: the micro-batch's step seed.
+    loss: the `cell_function.Loss` computed on the last cell, or None.
+  """
+
+  __slots__ = ('x', 'tape', 'y', 'seed', 'loss')
+
+  def __init__(self, x, tape, y, seed, loss):
+    self.x, self.tape, self.y, self.seed, self.loss = x, tape, y, seed, loss
+
+
 class _Walk:
   """One walk over a schedule: what its work items hand each other.
 
   Attributes:
     thetas: [replica][cell] thetas, each on its device.
+    loss_thetas: [replica] weights of the loss on the last cell, or None.
     num_mb: micro-batches per replica M.
     states: [micro-batch j] -> the forward inputs of j's next cell.
     grads: {micro-batch j: the gradient flowing back into j's next cell}.
-    saved: {(cell, j): (input, tape or None, output, seed, finish)}, what a
-      forward item keeps for its backward.
-    theta_acc: [replica][cell][i]: the micro-batch gradients of the i-th
-      weight of the cell.
+    saved: {(cell, j): _Saved}, what a forward item keeps for its backward.
+    sums: [replica][cell]: the running sum of each weight's gradients over
+      the micro-batches done so far (the cell's weights, flattened, then on
+      the last cell the loss's), None before the first.
+    seeds: {(j, device key): micro-batch j's step seed on that device}.
     last_on_device: {device key: the output of its last item}, what the
       device's next item waits for with `strict_order`.
     updates: [(layer, stats)] collected by the forward items.
@@ -122,16 +141,26 @@ class _Walk:
     tracer: the active `schedule.ScheduleTracer`, or None.
   """
 
-  def __init__(self, thetas, num_mb, states, input_grads=True):
+  def __init__(
+    self, thetas, num_mb, states, input_grads=True, loss_thetas=None
+  ):
     self.thetas = thetas
+    self.loss_thetas = loss_thetas
     self.num_mb = num_mb
     self.states = states
     self.grads = {}
     self.saved = {}
-    self.theta_acc = [
-      [[None] * len(tf.nest.flatten(th)) for th in thetas_r]
-      for thetas_r in thetas
-    ]
+    last = len(thetas[0]) - 1
+    self.sums = []
+    for r, thetas_r in enumerate(thetas):
+      sums_r = []
+      for k, th in enumerate(thetas_r):
+        n = len(tf.nest.flatten(th))
+        if k == last and loss_thetas is not None:
+          n += len(tf.nest.flatten(loss_thetas[r]))
+        sums_r.append([None] * n)
+      self.sums.append(sums_r)
+    self.seeds = {}
     self.last_on_device = {}
     self.updates = []
     self.input_grads = input_grads
@@ -145,10 +174,10 @@ class _Walk:
 
 
 class PipelineEngine:
-  """Builds the forward and backward ops of a pipeline of cells.
+  """Builds the forward and backward calls of a pipeline of cells.
 
   Args:
-    cell_fprop: fn(k, theta_k, args tuple) -> outputs tuple of cell k.
+    cells: a `cell_function.CellFunctions`, the cells as functions.
     placement: a `placement.StagePlacement` of the cells' devices.
     num_cells: K.
     batch_dim: the batch axis of inputs and outputs.
@@ -156,17 +185,11 @@ class PipelineEngine:
     strict_order: run each device's work items in schedule order.
     name: the pipeline's name in error messages.
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
-    recompute_backward: fn(k, theta_k, args tuple, output gradients) ->
-      (gradients of theta_k, of args), None where there is none: the
-      re-materialization and backward pass of cell k in one call (e.g. one
-      compiled computation, `jit_cell.JitCells.RecomputeBackward`), run
-      under the micro-batch's step seed. None: re-run `cell_fprop` under a
-      gradient tape.
   """
 
   def __init__(
     self,
-    cell_fprop,
+    cells,
     placement,
     num_cells,
     batch_dim=0,
@@ -174,13 +197,12 @@ class PipelineEngine:
     strict_order=True,
     name='pipeline',
     schedule=schedule_lib.FillDrain,
-    recompute_backward=None,
   ):
     if recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
         f'recompute={recompute!r}; use one of {RECOMPUTE_POLICIES}.'
       )
-    self._cell_fprop = cell_fprop
+    self._cells = cells
     self._placement = placement
     self._num_cells = num_cells
     self._batch_dim = batch_dim
@@ -188,7 +210,6 @@ class PipelineEngine:
     self._strict_order = strict_order
     self._name = name
     self._schedule = schedule
-    self._recompute_backward = recompute_backward
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
@@ -213,26 +234,6 @@ class PipelineEngine:
       return (r, k)
     return devices[r][k]
 
-  def _RunCell(
-    self, k, theta_k, args, seed, collect=True, finish=None, fprop=None
-  ):
-    """Runs cell k; returns (outputs tuple, [(layer, stats)], raw outputs).
-
-    With `finish` (the last cell with a loss), the outputs tuple is
-    (finish(raw outputs, the loss's weights or None),), and raw the cell's
-    own outputs.
-    """
-    loss_theta = None
-    if isinstance(theta_k, _CellAndLoss):
-      theta_k, loss_theta = theta_k
-    collector = py_utils.UpdateCollector()
-    with py_utils.StepSeed(seed), collector:
-      out = (fprop or self._cell_fprop)(k, theta_k, args)
-      raw = out
-      if finish is not None:
-        out = (finish(out, loss_theta),)
-    return out, (collector.updates if collect else []), raw
-
   def _Recomputes(self, k, m, num_micro_batches):
     policy = self._recompute
     if policy == 'always':
@@ -242,6 +243,35 @@ class PipelineEngine:
     if policy == 'except_last_micro_batch':
       return m != num_micro_batches - 1
     return False
+
+  def _Order(self, walk, x, previous):
+    """With `strict_order`: (x, control dependencies of the call) so that
+    the call on `x` runs after `previous`, the device's previous item.
+
+    The call itself waits where cells are function calls: identities of its
+    inputs that wait would be hoisted above the split of the mini-batch by
+    the graph optimizer (all the split's outputs then feed the same kind of
+    op), which makes the split wait for the calls that consume it: a cycle,
+    and the step's graph is left unoptimized. Inline cells and traced steps
+    (whose timestamps must see the wait) wait on their inputs instead.
+    """
+    if self._cells.Inline() or walk.tracer is not None:
+      return graph_ops.After(x, previous), None
+    return x, previous
+
+  def _Seed(self, walk, seed, j, key):
+    """Micro-batch j's step seed, py_utils.MixSeed(seed, j), made once per
+    (j, device) from the step seed scaled once per device."""
+    if (j, key) not in walk.seeds:
+      if (None, key) not in walk.seeds:
+        walk.seeds[(None, key)] = tf.cast(seed, tf.int64) * 1000003
+      walk.seeds[(j, key)] = tf.bitwise.bitwise_xor(
+        walk.seeds[(None, key)],
+        tf.constant(py_utils.StableHash('mix', j), tf.int64),
+      )
+    return walk.seeds[(j, key)]
+
+  # -- The forward pass --------------------------------------------------------
 
   def Forward(self, thetas, args, num_mb, seed, train=False, walk=None):
     """The forward schedule of every replica.
@@ -285,32 +315,40 @@ class PipelineEngine:
         )
     return states
 
-  def _ForwardItem(self, walk, w, r, j, seed, train, finish=None):
+  def _ForwardItem(self, walk, w, r, j, seed, train, loss=None):
     """Builds the forward of work item `w` on replica r (micro-batch j).
 
     Saves what the backward needs in walk.saved[(cell, j)], moves
-    walk.states[j] on to the cell's outputs; returns the raw outputs (see
-    `_RunCell`).
+    walk.states[j] on to the cell's outputs ((loss,) with `loss`, the
+    micro-batch's `cell_function.Loss` on the last cell); returns the
+    cell's own outputs.
     """
     k, m = w.cell, w.micro_batch
     with self._Device(k, r):
       x = self._Place(walk.states[j], k)
       key = self._DeviceKey(k, r)
+      after = None
       if self._strict_order and key in walk.last_on_device:
-        x = graph_ops.After(x, walk.last_on_device[key])
+        x, after = self._Order(walk, x, walk.last_on_device[key])
       start = None
       if walk.tracer is not None:
         start, x = graph_ops.Stamp(x)
-      seed_m = py_utils.MixSeed(seed, j)
+      seed_m = self._Seed(walk, seed, j, key)
       theta_k = walk.thetas[r][k]
       tape = None
       if train and not self._Recomputes(k, m, walk.num_mb):
         tape = tf.GradientTape(watch_accessed_variables=False)
+        watched = (theta_k, x, None if loss is None else loss.theta)
         with tape:
-          tape.watch([t for t in tf.nest.flatten((theta_k, x)) if _IsFloat(t)])
-          y, upd, raw = self._RunCell(k, theta_k, x, seed_m, finish=finish)
+          tape.watch([t for t in tf.nest.flatten(watched) if _IsFloat(t)])
+          raw, loss_value, upd = self._cells.Forward(
+            k, theta_k, x, seed_m, loss, after=after
+          )
       else:
-        y, upd, raw = self._RunCell(k, theta_k, x, seed_m, finish=finish)
+        raw, loss_value, upd = self._cells.Forward(
+          k, theta_k, x, seed_m, loss, after=after
+        )
+      y = raw if loss is None else (loss_value,)
       # The backward differentiates the tape's own outputs, not the placed
       # or stamped copies made after the tape stopped recording.
       y_taped = y
@@ -318,11 +356,44 @@ class PipelineEngine:
       if walk.tracer is not None:
         end, y = graph_ops.Stamp(y)
         walk.tracer.Record(('forward', r * self._num_cells + k, j), start, end)
-      walk.saved[(k, j)] = (x, tape, y_taped, seed_m, finish)
+      walk.saved[(k, j)] = _Saved(x, tape, y_taped, seed_m, loss)
       walk.last_on_device[key] = y
     walk.updates.extend(upd)
     walk.states[j] = y
     return raw
+
+  # -- The tape ----------------------------------------------------------------
+
+  def _Record(self, op_type, args, thetas, loss_thetas, build):
+    """Runs build(input_grads) -> (results, updates, backward) and records
+    it on the gradient tape as one operation from the pipeline's input
+    tensors and replica 0's weights (the cells', then the loss's) to the
+    `results` tensors, with gradient function `backward` (None: nothing
+    records). Checks that no layer read a variable directly; hands the
+    updates to the enclosing collector."""
+    inputs = [x for x in tf.nest.flatten(args) if py_utils.IsTensor(x)]
+    # Replica 0's weights: the other replicas' copies are made from them, and
+    # their gradients are summed into replica 0's.
+    sources = inputs + [t for th in thetas[0] for t in tf.nest.flatten(th)]
+    if loss_thetas is not None:
+      sources += tf.nest.flatten(loss_thetas[0])
+    with _tf_internal.VariableWatcher() as watcher:
+      results, updates, backward = build(
+        _tf_internal.ShouldRecordBackprop(inputs)
+      )
+    direct = [v.name for v in watcher.watched_variables() if v.trainable]
+    if direct:
+      raise ValueError(
+        f'A layer inside pipeline {self._name!r} read variables directly in '
+        f'FProp ({direct}); layers must compute with the `theta` passed to '
+        'FProp, or their gradients would be lost.'
+      )
+    if backward is not None:
+      _tf_internal.RecordOperation(op_type, results, sources, backward)
+    for layer, stats in updates:
+      py_utils.AddDeferredUpdate(
+        layer, tf.nest.map_structure(tf.stop_gradient, stats)
+      )
 
   def ForwardWithGrad(self, thetas, args, num_mb, seed):
     """Runs the forward schedule and records it on the gradient tape as one
@@ -335,49 +406,78 @@ class PipelineEngine:
     (what tf.custom_gradient does inside) keeps every tensor on its cell's
     device.
     """
-    flat_args = tf.nest.flatten(args)
-    inputs = [x for x in flat_args if py_utils.IsTensor(x)]
-    # Replica 0's weights: the other replicas' copies are made from them, and
-    # their gradients are summed into replica 0's.
-    flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
     keep_tapes = _tf_internal.CouldPossiblyRecord()
-    walk = _Walk(
-      thetas, num_mb, None, _tf_internal.ShouldRecordBackprop(inputs)
-    )
-    with _tf_internal.VariableWatcher() as watcher:
+    got = {}
+
+    def Build(input_grads):
+      walk = _Walk(thetas, num_mb, None, input_grads)
       outs, updates, _ = self.Forward(
         thetas, args, num_mb, seed, train=keep_tapes, walk=walk
       )
-    self._CheckNoDirectReads(watcher)
-    flat_out = tf.nest.flatten(outs)
-    for x in flat_out:
-      if not py_utils.IsTensor(x):
-        raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
-    # New tensors whose producer on the tape is the pipeline operation.
-    with self._Device(self._num_cells - 1):
-      results = [tf.identity(t) for t in flat_out]
-    if keep_tapes:
+      flat_out = tf.nest.flatten(outs)
+      for x in flat_out:
+        if not py_utils.IsTensor(x):
+          raise ValueError(f'Pipeline outputs must be tensors; got {x!r}.')
+      # New tensors whose producer on the tape is the pipeline operation.
+      with self._Device(self._num_cells - 1):
+        results = [tf.identity(t) for t in flat_out]
+      got['outs'], got['results'] = outs, results
 
       def Backward(*dys):
         return self.Backward(args, outs, walk, dys)
 
-      _tf_internal.RecordOperation(
-        'GPipe', results, inputs + flat_thetas, Backward
-      )
-    for layer, stats in updates:
-      py_utils.AddDeferredUpdate(
-        layer, tf.nest.map_structure(tf.stop_gradient, stats)
-      )
-    return tf.nest.pack_sequence_as(outs, results)
+      return results, updates, (Backward if keep_tapes else None)
 
-  def _CheckNoDirectReads(self, watcher):
-    direct = [v.name for v in watcher.watched_variables() if v.trainable]
-    if direct:
-      raise ValueError(
-        f'A layer inside pipeline {self._name!r} read variables directly in '
-        f'FProp ({direct}); layers must compute with the `theta` passed to '
-        'FProp, or their gradients would be lost.'
+    self._Record('GPipe', args, thetas, None, Build)
+    return tf.nest.pack_sequence_as(got['outs'], got['results'])
+
+  def WithLoss(
+    self,
+    thetas,
+    args,
+    num_mb,
+    seed,
+    loss_fn,
+    loss_inputs=None,
+    loss_thetas=None,
+  ):
+    """`ForwardBackwardWithLoss`, recorded on the gradient tape as one
+    operation from the inputs and weights (the cells', then the loss's) to
+    the loss; returns (loss, outputs). Outside a gradient tape only the
+    forwards (and losses) run."""
+    train = _tf_internal.CouldPossiblyRecord()
+    got = {}
+
+    def Build(input_grads):
+      loss, outs, updates, grads = self.ForwardBackwardWithLoss(
+        thetas,
+        args,
+        num_mb,
+        seed,
+        loss_fn,
+        train=train,
+        input_grads=input_grads,
+        loss_inputs=loss_inputs,
+        loss_thetas=loss_thetas,
       )
+      with self._Device(self._num_cells - 1):
+        result = tf.identity(loss)
+      got['result'], got['outs'] = result, outs
+
+      def Backward(dloss):
+        out = []
+        for g in grads:
+          if g is None:
+            out.append(None)
+            continue
+          with graph_ops.DeviceOf(g):
+            out.append(g * tf.cast(dloss, g.dtype))
+        return out
+
+      return [result], updates, (Backward if train else None)
+
+    self._Record('GPipeWithLoss', args, thetas, loss_thetas, Build)
+    return got['result'], got['outs']
 
   def ForwardBackwardWithLoss(
     self,
@@ -388,6 +488,7 @@ class PipelineEngine:
     loss_fn,
     train=True,
     input_grads=True,
+    loss_inputs=None,
     loss_thetas=None,
   ):
     """Runs the whole schedule, forward and backward items in list order,
@@ -398,11 +499,16 @@ class PipelineEngine:
       args: the pipeline's inputs, batch along `batch_dim`.
       num_mb: micro-batches per replica M.
       seed: the step seed (micro-batch j runs with MixSeed(seed, j)).
-      loss_fn: fn(j, outputs tuple of the last cell on micro-batch j, the
-        loss's weights or None) -> scalar, micro-batch j's share of the loss
-        (the shares are summed).
+      loss_fn: fn(outputs of the last cell on one micro-batch, that
+        micro-batch's loss inputs or None, the loss's weights or None) ->
+        scalar, the micro-batch's share of the loss (the shares are summed).
+        It is traced once into the last cell's functions, so it must take
+        what differs between micro-batches from its arguments.
       train: build the backward items; False: the forwards only.
       input_grads: compute the gradients of the inputs (see `Backward`).
+      loss_inputs: None, or a structure of tensors with the batch along
+        `batch_dim` (labels, weights), split into micro-batches on the last
+        device like the inputs.
       loss_thetas: None, or [replica] weights that loss_fn uses besides the
         cells' (e.g. a softmax outside the pipeline), each on its replica's
         last device; differentiated as part of the last cell.
@@ -413,11 +519,11 @@ class PipelineEngine:
       after the last cell's) or None).
     """
     last = self._num_cells - 1
-    if loss_thetas is not None:
-      thetas = [
-        th[:last] + [_CellAndLoss(th[last], lt)]
-        for th, lt in zip(thetas, loss_thetas)
-      ]
+    num_j = len(thetas) * num_mb
+    loss_mbs = [None] * num_j
+    if loss_inputs is not None:
+      with self._Device(last):
+        loss_mbs = microbatch.Split(loss_inputs, num_j, self._batch_dim)
     work = self.Work(num_mb)
     if not train:
       work = self._Pass(work, schedule_lib.FORWARD)
@@ -426,6 +532,7 @@ class PipelineEngine:
       num_mb,
       self._SplitInputs(args, len(thetas), num_mb),
       input_grads,
+      loss_thetas,
     )
     losses, raws = {}, {}
     for w, r, j in walk.Items(work):
@@ -435,12 +542,17 @@ class PipelineEngine:
             walk.grads[j] = (tf.ones_like(losses[j]),)
         self._BackwardItem(walk, w, r, j)
         continue
-      finish = self._LossOf(j, loss_fn) if w.cell == last else None
-      raw = self._ForwardItem(walk, w, r, j, seed, train, finish=finish)
-      if finish is not None:
+      loss = None
+      if w.cell == last:
+        loss = cell_function.Loss(
+          loss_fn,
+          loss_mbs[j],
+          None if loss_thetas is None else loss_thetas[r],
+        )
+      raw = self._ForwardItem(walk, w, r, j, seed, train, loss=loss)
+      if loss is not None:
         losses[j] = walk.states[j][0]
         raws[j] = raw
-    num_j = len(thetas) * num_mb
     with self._Device(last):
       parts = [losses[j] for j in range(num_j)]
       loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
@@ -454,65 +566,7 @@ class PipelineEngine:
     grads = self._JoinGradients(args, walk) if train else None
     return loss, outs, walk.updates, grads
 
-  def _LossOf(self, j, loss_fn):
-    def Finish(outputs, loss_theta):
-      loss = tf.convert_to_tensor(
-        loss_fn(j, py_utils.Unwrap(outputs), loss_theta)
-      )
-      if loss.shape.rank != 0 or not loss.dtype.is_floating:
-        raise ValueError(
-          f'The loss function of pipeline {self._name!r} returned '
-          f'{loss.dtype.name} {loss.shape}; it must return a float scalar: '
-          "the micro-batch's share of the loss."
-        )
-      return loss
-
-    return Finish
-
-  def WithLoss(self, thetas, args, num_mb, seed, loss_fn, loss_thetas=None):
-    """`ForwardBackwardWithLoss`, recorded on the gradient tape as one
-    operation from the inputs and weights (the cells', then the loss's) to
-    the loss; returns (loss, outputs). Outside a gradient tape only the
-    forwards (and losses) run."""
-    flat_args = tf.nest.flatten(args)
-    inputs = [x for x in flat_args if py_utils.IsTensor(x)]
-    flat_thetas = [t for th in thetas[0] for t in tf.nest.flatten(th)]
-    if loss_thetas is not None:
-      flat_thetas += tf.nest.flatten(loss_thetas[0])
-    train = _tf_internal.CouldPossiblyRecord()
-    with _tf_internal.VariableWatcher() as watcher:
-      loss, outs, updates, grads = self.ForwardBackwardWithLoss(
-        thetas,
-        args,
-        num_mb,
-        seed,
-        loss_fn,
-        train=train,
-        input_grads=_tf_internal.ShouldRecordBackprop(inputs),
-        loss_thetas=loss_thetas,
-      )
-    self._CheckNoDirectReads(watcher)
-    with self._Device(self._num_cells - 1):
-      result = tf.identity(loss)
-    if train:
-      sources = inputs + flat_thetas
-
-      def Backward(dloss):
-        out = []
-        for g in grads:
-          if g is None:
-            out.append(None)
-            continue
-          with graph_ops.DeviceOf(g):
-            out.append(g * tf.cast(dloss, g.dtype))
-        return out
-
-      _tf_internal.RecordOperation('GPipeWithLoss', [result], sources, Backward)
-    for layer, stats in updates:
-      py_utils.AddDeferredUpdate(
-        layer, tf.nest.map_structure(tf.stop_gradient, stats)
-      )
-    return result, outs
+  # -- The backward pass -------------------------------------------------------
 
   def Backward(self, inputs, outs, walk, dys):
     """The backward schedule after `Forward`'s `walk`; returns the gradients
@@ -540,7 +594,9 @@ class PipelineEngine:
     work = self._Pass(self.Work(num_mb), schedule_lib.BACKWARD)
     for w, r, j in walk.Items(work):
       key = self._DeviceKey(w.cell, r)
-      if key not in walk.last_on_device and walk.saved[(w.cell, j)][1] is None:
+      if (
+        key not in walk.last_on_device and walk.saved[(w.cell, j)].tape is None
+      ):
         # A re-materialized cell needs nothing of the forward pass but its
         # input, so the device's first backward could start before its
         # last forward ended; a cell with a tape waits for it anyway.
@@ -549,30 +605,119 @@ class PipelineEngine:
     return self._JoinGradients(inputs, walk)
 
   def _BackwardItem(self, walk, w, r, j):
-    """Builds the backward of work item `w` on replica r (micro-batch j)."""
+    """Builds the backward of work item `w` on replica r (micro-batch j):
+    moves walk.grads[j] on to the gradient of the cell's inputs and adds
+    the weights' gradients to walk.sums[r][cell]."""
     k = w.cell
     key = self._DeviceKey(k, r)
+    saved = walk.saved[(k, j)]
+    dy = walk.grads[j]
+    input_grad = walk.input_grads or k > 0
     with self._Device(k, r):
-      new_dy, summed = self.CellBackward(
-        k,
-        walk.thetas[r][k],
-        walk.saved[(k, j)],
-        walk.grads[j],
-        walk.last_on_device.get(key),
-        walk.theta_acc[r][k],
-        walk.tracer,
-        ('backward', r * self._num_cells + k, j),
-        input_grad=walk.input_grads or k > 0,
-      )
+      x = saved.x
+      after = walk.last_on_device.get(key)
+      if self._strict_order and after is not None:
+        dy, after = self._Order(walk, dy, after)
+      else:
+        after = None
+      start = None
+      if walk.tracer is not None:
+        start, (dy, x_after) = graph_ops.Stamp((dy, x))
+        if saved.tape is None:
+          x = x_after
+      sums = walk.sums[r][k]
+      if saved.tape is None:
+        theta_g, dx = self._Recompute(
+          walk.thetas[r][k], k, x, saved, dy, sums, input_grad, after
+        )
+      else:
+        if after is not None:
+          dy = graph_ops.After(dy, after)
+        theta_g, dx = self._TapeGradients(
+          walk.thetas[r][k], saved, dy, sums, input_grad
+        )
+      walk.sums[r][k] = theta_g
+      flat_x = tf.nest.flatten(x)
+      computed = [g for g in dx + theta_g if g is not None]
+      # An input without a gradient (integer ids, labels) gets a zero made
+      # after this micro-batch's gradients: with strict_order the next
+      # micro-batch on this device waits for it, so its re-materialization
+      # cannot start while this one's activations are alive.
+      for i, t in enumerate(flat_x):
+        if dx[i] is None and py_utils.IsTensor(t):
+          dx[i] = graph_ops.After(tf.zeros_like(t), computed)
+      new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
+      if walk.tracer is not None:
+        end, new_dy = graph_ops.Stamp(new_dy)
+        walk.tracer.Record(('backward', r * self._num_cells + k, j), start, end)
       walk.grads[j] = new_dy
-      walk.last_on_device[key] = (new_dy, summed)
+      walk.last_on_device[key] = (
+        new_dy,
+        [g for g in theta_g if g is not None],
+      )
+
+  def _Recompute(self, theta_k, k, x, saved, dy, sums, input_grad, after):
+    """Re-materializes cell k and back-propagates `dy` in one call (its
+    forward ran under the same seed); returns (running sums, flat input
+    gradients)."""
+    seed = saved.seed
+    if self._cells.Inline():
+      # Inline, the recomputation is made of fresh copies of the inputs and
+      # the seed, made once the output gradient has arrived: otherwise the
+      # executor would recompute every micro-batch right after the forward
+      # pass, and the graph optimizer would merge the recomputation with
+      # the forward ops (common subexpression elimination), keeping every
+      # forward activation alive until the backward pass.
+      x, seed = graph_ops.FreshCopies((x, seed), dy)
+    return self._cells.Backward(
+      k,
+      theta_k,
+      x,
+      seed,
+      tf.nest.flatten(dy),
+      sums,
+      input_grad,
+      saved.loss,
+      after=after,
+    )
+
+  def _TapeGradients(self, theta_k, saved, dy, sums, input_grad):
+    """The gradients of a forward call that kept its tape; returns (running
+    sums, flat input gradients)."""
+    loss_theta = None if saved.loss is None else saved.loss.theta
+    flat_th = tf.nest.flatten(theta_k) + tf.nest.flatten(loss_theta)
+    flat_x = tf.nest.flatten(saved.x)
+    th_idx = [i for i, t in enumerate(flat_th) if _IsFloat(t)]
+    x_idx = (
+      [i for i, t in enumerate(flat_x) if _IsFloat(t)] if input_grad else []
+    )
+    sources = [flat_th[i] for i in th_idx] + [flat_x[i] for i in x_idx]
+    pairs = [
+      (a, b)
+      for a, b in zip(tf.nest.flatten(saved.y), tf.nest.flatten(dy))
+      if _IsFloat(a) and b is not None
+    ]
+    if pairs and sources:
+      g = saved.tape.gradient(
+        [a for a, _ in pairs],
+        sources,
+        output_gradients=[b for _, b in pairs],
+      )
+    else:
+      g = [None] * len(sources)
+    theta_g = [None] * len(flat_th)
+    dx = [None] * len(flat_x)
+    for i, gi in zip(th_idx, g[: len(th_idx)]):
+      theta_g[i] = gi
+    for i, gi in zip(x_idx, g[len(th_idx) :]):
+      dx[i] = gi
+    return self._cells.Accumulate(sums, theta_g), dx
 
   def _JoinGradients(self, inputs, walk):
     """[gradients of the input tensors] + [of thetas[0]], summed."""
-    num_cells = self._num_cells
     num_rep = len(walk.thetas)
     num_mb, input_grads = walk.num_mb, walk.input_grads
-    grads_state, theta_acc = walk.grads, walk.theta_acc
+    grads_state = walk.grads
     # Gradients of the pipeline's inputs, joined on device 0.
     with self._Device(0):
       per_mb = [
@@ -597,173 +742,16 @@ class PipelineEngine:
         else:
           in_grads.append(tf.concat(parts, axis=self._batch_dim))
     theta_grads = []
-    for k in range(num_cells):
-      for i in range(len(theta_acc[0][k])):
-        partial = []
-        for r in range(num_rep):
-          with self._Device(k, r):
-            g = graph_ops.SumGradients(theta_acc[r][k][i])
-          if g is not None:
-            partial.append(g)
+    for k in range(self._num_cells):
+      for i in range(len(walk.sums[0][k])):
+        partial = [
+          walk.sums[r][k][i]
+          for r in range(num_rep)
+          if walk.sums[r][k][i] is not None
+        ]
         if len(partial) > 1:
           # The cross-replica sum, on the device of the variables.
           with self._Device(k):
             partial = [tf.add_n(partial)]
         theta_grads.append(partial[0] if partial else None)
     return in_grads + theta_grads
-
-  def _RecomputeBackward(self, k, theta_k, x, seed, dy, finish):
-    """`recompute_backward` of cell k on one micro-batch; returns (flat
-    gradients of theta_k, of x). With `finish` (the last cell with a loss),
-    the cell's outputs are recomputed to differentiate the loss, and their
-    gradients go on to `recompute_backward`; the gradients of the loss's
-    own weights (a `_CellAndLoss` theta) follow the cell's."""
-    loss_theta, loss_g = None, []
-    if isinstance(theta_k, _CellAndLoss):
-      theta_k, loss_theta = theta_k
-    if finish is not None:
-      _, _, out = self._RunCell(k, theta_k, x, seed, collect=False)
-      flat_out = tf.nest.flatten(out)
-      floats = [t for t in flat_out if _IsFloat(t)]
-      flat_lt = tf.nest.flatten(loss_theta)
-      lt_floats = [t for t in flat_lt if _IsFloat(t)]
-      with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(floats + lt_floats)
-        loss = tf.nest.flatten(finish(out, loss_theta))
-      pairs = [
-        (a, b)
-        for a, b in zip(loss, tf.nest.flatten(dy))
-        if _IsFloat(a) and b is not None
-      ]
-      grads = iter(
-        tape.gradient(
-          [a for a, _ in pairs],
-          floats + lt_floats,
-          output_gradients=[b for _, b in pairs],
-        )
-        if pairs and floats + lt_floats
-        else [None] * len(floats + lt_floats)
-      )
-      dy = tf.nest.pack_sequence_as(
-        out, [next(grads) if _IsFloat(t) else None for t in flat_out]
-      )
-      loss_g = [next(grads) if _IsFloat(t) else None for t in flat_lt]
-    with py_utils.StepSeed(seed), py_utils.UpdateCollector():
-      th_g, x_g = self._recompute_backward(k, theta_k, x, dy)
-    return tf.nest.flatten(th_g) + loss_g, tf.nest.flatten(x_g)
-
-  def _SumsAsItGoes(self):
-    """Whether each micro-batch's weight gradients are added to the running
-    sum before the device's next backward starts (see `CellBackward`)."""
-    return (
-      self._strict_order
-      and self._recompute_backward is not None
-      and not tf.executing_eagerly()
-    )
-
-  def CellBackward(
-    self,
-    k,
-    theta_k,
-    saved,
-    dy,
-    after,
-    theta_acc,
-    tracer,
-    trace_key,
-    input_grad=True,
-  ):
-    """Back-propagates one micro-batch through cell k.
-
-    Adds the weight gradients to the lists in `theta_acc`; returns (the
-    gradient of the cell's input (zeros, without computing it, when
-    `input_grad` is False), [running sums the device's next backward waits
-    for]).
-
-    A compiled cell (`recompute_backward`) returns all of its weight
-    gradients at once, and with `strict_order` they are added to the
-    running sum before the device's next backward starts: otherwise an
-    executor with one thread ran every micro-batch's backward first and
-    kept each one's weight gradients alive until the end.
-    """
-    x, tape, y, seed_m, finish = saved
-    if self._strict_order and after is not None:
-      dy = graph_ops.After(dy, after)
-    start = None
-    if tracer is not None:
-      start, (dy, x_after) = graph_ops.Stamp((dy, x))
-      if tape is None:
-        x = x_after
-    flat_th = tf.nest.flatten(theta_k)
-    flat_x = tf.nest.flatten(x)
-    sources_idx = [('t', i) for i, t in enumerate(flat_th) if _IsFloat(t)]
-    if input_grad:
-      sources_idx += [('x', i) for i, t in enumerate(flat_x) if _IsFloat(t)]
-    if tape is None:  # Re-materialize: same inputs, same seed.
-      # Fresh copies of the inputs and the seed, made once the output
-      # gradient has arrived: otherwise the executor would recompute every
-      # micro-batch right after the forward pass, and TensorFlow's graph
-      # optimizer would merge the recomputation with the forward ops (common
-      # subexpression elimination), keeping every forward activation alive
-      # until the backward pass.
-      x, seed_m = graph_ops.FreshCopies((x, seed_m), dy)
-      flat_x = tf.nest.flatten(x)
-    if tape is None and self._recompute_backward is not None:
-      g = self._RecomputeBackward(k, theta_k, x, seed_m, dy, finish)
-      g = [g[0][i] if w == 't' else g[1][i] for w, i in sources_idx]
-    else:
-      if tape is None:
-        tape = tf.GradientTape(watch_accessed_variables=False)
-        with tape:
-          tape.watch(
-            [
-              t
-              for t in tf.nest.flatten((theta_k, x) if input_grad else theta_k)
-              if _IsFloat(t)
-            ]
-          )
-          y, _, _ = self._RunCell(
-            k, theta_k, x, seed_m, collect=False, finish=finish
-          )
-      pairs = [
-        (a, b)
-        for a, b in zip(tf.nest.flatten(y), tf.nest.flatten(dy))
-        if _IsFloat(a) and b is not None
-      ]
-      sources = [flat_th[i] if w == 't' else flat_x[i] for w, i in sources_idx]
-      if pairs and sources:
-        g = tape.gradient(
-          [a for a, _ in pairs],
-          sources,
-          output_gradients=[b for _, b in pairs],
-        )
-      else:
-        g = [None] * len(sources)
-    dx = [None] * len(flat_x)
-    computed = [gi for gi in g if gi is not None]
-    summed = []
-    for (w, i), gi in zip(sources_idx, g):
-      if w == 't':
-        if gi is not None:
-          acc = theta_acc[i]
-          if acc is not None and self._SumsAsItGoes():
-            # The running sum: the next micro-batch's backward on this
-            # device waits for it (`summed`).
-            theta_acc[i] = [graph_ops.SumGradients(acc + [gi])]
-            summed.append(theta_acc[i][0])
-          else:
-            theta_acc[i] = [gi] if acc is None else acc + [gi]
-      else:
-        dx[i] = gi
-    # An input without a gradient (integer ids, labels) gets a zero made
-    # after this micro-batch's gradients: with strict_order the next
-    # micro-batch on this device waits for it, so its re-materialization
-    # cannot start while this one's activations are alive.
-    for i, t in enumerate(flat_x):
-      if dx[i] is None and py_utils.IsTensor(t):
-        dx[i] = graph_ops.After(tf.zeros_like(t), computed)
-    new_dy = self._Place(tf.nest.pack_sequence_as(x, dx), k)
-    if tracer is not None:
-      end, new_dy = graph_ops.Stamp(new_dy)
-      tracer.Record(trace_key, start, end)
-    return new_dy, summed

@@ -13,7 +13,14 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 
-__all__ = ['SumGradients', 'DeviceOf', 'After', 'FreshCopies', 'Stamp']
+__all__ = [
+  'SumGradients',
+  'AddTo',
+  'DeviceOf',
+  'After',
+  'FreshCopies',
+  'Stamp',
+]
 
 
 def SumGradients(parts):
@@ -90,3 +97,11 @@ def Stamp(x):
   # would serialize the cells; a timestamp has no side effect to order.
   _tf_internal.RunIndependently(stamp.op)
   return stamp, After(x, [stamp])
+
+
+def AddTo(total, part):
+  """total + part, added in place into `total`'s buffer where the graph
+  allows (see `SumGradients`)."""
+  if tf.executing_eagerly() or _tf_internal.InXlaContext():
+    return total + part
+  return tf.raw_ops.Snapshot(input=tf.add(total, part))

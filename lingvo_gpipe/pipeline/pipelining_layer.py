@@ -66,9 +66,9 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.pipeline import auto_plan
 from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.pipeline import cell_function
 from lingvo_gpipe.pipeline import cell_shapes
 from lingvo_gpipe.pipeline import engine
-from lingvo_gpipe.pipeline import jit_cell
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -212,7 +212,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       "Compile each cell with XLA: a cell's forward pass on one "
       'micro-batch runs as one XLA computation on its device, and so do '
       'its re-materialization and backward pass together (see '
-      '`jit_cell.py`). Removes the per-op overhead of small micro-batches '
+      '`cell_function.py`). Removes the per-op overhead of small micro-batches '
       'on CPU and GPU; a layer XLA cannot compile is reported when the '
       'pipeline is first traced.',
     )
@@ -307,11 +307,14 @@ class PipeliningLayer(base_layer.BaseLayer):
         ]
       self.CreateChildren('body', layers, devices=per_layer)
     self._num_stages = num_stages
-    self._jit_cells = None
-    if p.jit_compile:
-      self._jit_cells = jit_cell.JitCells(
-        self._CellFProp, self.CellLayers, self.path
-      )
+    # Each cell traced once into functions that every work item calls.
+    self._cell_functions = cell_function.CellFunctions(
+      self._CellFProp,
+      self.CellLayers,
+      self.path,
+      jit_compile=p.jit_compile,
+      inline=lambda: self._placement.on_tpu,
+    )
     self._input_checked = False
 
   # -- Construction helpers ----------------------------------------------------
@@ -563,9 +566,8 @@ class PipeliningLayer(base_layer.BaseLayer):
   def engine(self):
     """The `engine.PipelineEngine` that builds this pipeline's schedule."""
     p = self.params
-    jit = self._jit_cells
     return engine.PipelineEngine(
-      jit.FProp if jit else self._CellFProp,
+      self._cell_functions,
       self._placement,
       self.num_stages,
       batch_dim=p.batch_dim,
@@ -573,7 +575,6 @@ class PipeliningLayer(base_layer.BaseLayer):
       strict_order=p.strict_order,
       name=self.path,
       schedule=self.ScheduleFn(),
-      recompute_backward=jit.RecomputeBackward if jit else None,
     )
 
   def ScheduleFn(self):
@@ -718,14 +719,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @tf.autograph.experimental.do_not_convert
   def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs, loss_theta):
-    p = self.params
     thetas, num_mb, seed = self._Prepare(theta, args)
-    num_j = len(thetas) * num_mb
     last = self.num_stages - 1
-    loss_mbs = None
-    if loss_inputs is not None:
-      with self._Device(last):
-        loss_mbs = microbatch.Split(loss_inputs, num_j, p.batch_dim)
     loss_thetas = None
     if loss_theta is not None:
       # Like the cells' weights: read once per step onto the last device of
@@ -738,16 +733,21 @@ class PipeliningLayer(base_layer.BaseLayer):
         with self._Device(last, r):
           loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
 
-    def LossFn(j, outputs, loss_theta_r):
-      if loss_thetas is not None:
-        mb = None if loss_mbs is None else loss_mbs[j]
+    def LossFn(outputs, mb, loss_theta_r):
+      if loss_theta is not None:
         return loss_fn(outputs, mb, loss_theta_r)
-      if loss_mbs is not None:
-        return loss_fn(outputs, loss_mbs[j])
+      if loss_inputs is not None:
+        return loss_fn(outputs, mb)
       return loss_fn(outputs)
 
     return self.engine.WithLoss(
-      thetas, args, num_mb, seed, LossFn, loss_thetas=loss_thetas
+      thetas,
+      args,
+      num_mb,
+      seed,
+      LossFn,
+      loss_inputs=loss_inputs,
+      loss_thetas=loss_thetas,
     )
 
   def _NumSplits(self, batch):

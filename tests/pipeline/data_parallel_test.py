@@ -14,6 +14,7 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import schedule
 from tests.testing import fake_tpu
+from tests.testing import graphs
 from tests.testing import pipeline_layers
 
 DEVICES = pipeline_layers.DEVICES
@@ -83,10 +84,11 @@ def testVariablesOnReplicaZeroOpsOnEveryReplica():
     return tape.gradient(loss, pipe.trainable_variables)
 
   graph = tf.function(Step).get_concrete_function(x).graph
-  matmul_devices = set()
-  for op in graph.get_operations():
-    if op.type == 'MatMul':
-      matmul_devices.add(tf.DeviceSpec.from_string(op.device).device_index)
+  matmul_devices = {
+    graphs.DeviceIndex(device)
+    for op_type, device in graphs.ExpandedOps(graph)
+    if op_type == 'MatMul'
+  }
   # Forward and backward matmuls of both replicas' cells.
   assert matmul_devices == {0, 1, 2, 3}
   # Replica 1 splits its share into micro-batches on its own first device.

@@ -1,0 +1,487 @@
+"""Each pipeline cell as a function: traced once, called per micro-batch.
+
+A step of K cells and M micro-batches runs K*M forward and K*M backward
+work items. Building each item from the cell's layers would write every op
+of every layer M times into the step's graph: the graph, the time to trace
+and optimise it and the memory of the process that builds it would all grow
+as layers x micro-batches. Instead each cell is traced into two functions,
+and each work item is one call:
+
+  forward:   y = F_k(theta_k, x, seed)                  one call op
+  backward:  acc', dx = G_k(theta_k, x, seed, dy, acc)  one call op: the
+             re-materialized forward, its gradient, and the weight
+             gradients added to the running sum `acc` of the earlier
+             micro-batches (no `acc` for the device's first one)
+  (a cell whose forward kept its tape, recompute='never' and the like: the
+   gradient of the F_k call, which TensorFlow derives from F_k, then one
+   `A_k(acc, g)` call for the sum)
+
+so the step's graph grows by a few ops per work item, not by the cell's
+ops. The calls are marked `_noinline`, so that TensorFlow's graph
+optimizations do not inline them back into one copy per micro-batch. A
+function is traced once per (cell, device, pass, input signature, eval
+mode) in each graph that calls it, and the runtime optimizes it once.
+
+The functions take the cell's weights, inputs and step seed as flat
+tensors; the eval mode and the batch-norm statistics (returned as outputs
+and handed to the enclosing `UpdateCollector`) cross the function boundary
+explicitly, so a cell computes exactly what its layers compute inline. The
+loss of the last cell (`FPropWithLoss`) is part of the last cell's
+functions, with the micro-batch's loss inputs as arguments.
+
+With `jit_compile` the same functions are compiled by XLA: one XLA
+computation per cell and pass (per input shape), not per micro-batch. A
+layer with an op XLA cannot compile is found when the cell is first traced
+(its graph is converted to HLO, without compiling) and reported as a
+ValueError naming the pipeline, the cell, the layer and the op, with the
+fix: set jit_compile=False.
+
+Inside an XLA context (the whole step compiled) or a TPU replica, cells run
+inline: XLA then builds one computation of the whole step itself.
+"""
+
+import collections
+import weakref
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import _tf_internal
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import cell_checks
+from lingvo_gpipe.pipeline import graph_ops
+
+__all__ = ['CellFunctions', 'Loss']
+
+
+def _IsFloat(t):
+  return py_utils.IsTensor(t) and t.dtype.is_floating
+
+
+def _Dense(t):
+  """A gradient as a dense tensor (an embedding's gradient comes as
+  IndexedSlices, which the running sum and the optimizer densify anyway)."""
+  if isinstance(t, tf.IndexedSlices):
+    return tf.convert_to_tensor(t)
+  return t
+
+
+class Loss(collections.namedtuple('Loss', ['fn', 'inputs', 'theta'])):
+  """The loss of one micro-batch on the last cell.
+
+  fn(outputs, inputs, theta) -> float scalar, the micro-batch's share of the
+  loss, given the last cell's outputs (as FProp returns them); `inputs`
+  (labels, weights) and `theta` (the loss's own weights, e.g. a softmax
+  outside the pipeline) are structures of tensors or None. `theta` is
+  differentiated with the cell's weights.
+  """
+
+
+def _Anchored(flat):
+  """The outputs of a compiled call, made safe to be used only as control
+  dependencies (`strict_order` chains a device's next work item on them).
+
+  Where the pipeline's outputs are not used (a step that returns only
+  gradients), Grappler's dependency optimizer turns a call whose outputs
+  feed nothing but control edges into a NoOp, yet keeps its
+  `_XlaMustCompile` attribute, and the step then fails with "Function NoOp
+  is not defined". A one-element copy of the first output, a stateful op
+  that the optimizer keeps, gives the call a data consumer as long as
+  anything depends on its outputs.
+  """
+  if not flat or tf.executing_eagerly():
+    return flat
+  keep = tf.raw_ops.DeepCopy(x=tf.reshape(flat[0], [-1])[:1])
+  _tf_internal.RunIndependently(keep.op)
+  return graph_ops.After(list(flat), [keep])
+
+
+class _Layout:
+  """How (theta_k, args, seed, loss inputs, loss theta) map to a flat list
+  of tensors, and back."""
+
+  def __init__(self, theta_k, args, seed, loss):
+    loss_in = None if loss is None else loss.inputs
+    loss_th = None if loss is None else loss.theta
+    self.structure = (theta_k, tuple(args), seed, loss_in, loss_th)
+    parts = [tf.nest.flatten(s) for s in self.structure]
+    flat = [t for part in parts for t in part]
+    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+    self.tensor_idx = [i for i, t in enumerate(flat) if py_utils.IsTensor(t)]
+    pos = {i: n for n, i in enumerate(self.tensor_idx)}
+    self.statics = [None if py_utils.IsTensor(t) else t for t in flat]
+    self.tensors = [flat[i] for i in self.tensor_idx]
+
+    def Floats(part):
+      a = starts[part]
+      return [(i, pos[a + i]) for i, t in enumerate(parts[part]) if _IsFloat(t)]
+
+    # (index in the part's flat list, position in `tensors`) of the float
+    # tensors of the weights (the cell's, then the loss's) and the inputs.
+    self.theta_floats = Floats(0) + [
+      (len(parts[0]) + i, p) for i, p in Floats(4)
+    ]
+    self.num_theta = len(parts[0]) + len(parts[4])
+    self.arg_floats = Floats(1)
+    self.num_args = len(parts[1])
+    self.key = (
+      repr(tf.nest.map_structure(lambda _: 0, self.structure)),
+      repr([s for s in self.statics if s is not None]),
+    )
+
+  def Unpack(self, tensors):
+    flat = list(self.statics)
+    for i, t in zip(self.tensor_idx, tensors):
+      flat[i] = t
+    return tf.nest.pack_sequence_as(self.structure, flat)
+
+  def Sources(self, input_grad):
+    """[(index, position in `tensors`)] of what is differentiated: the float
+    weights (the cell's, then the loss's; index into both flattened one
+    after the other) and, with `input_grad`, the float inputs (index into
+    the flattened inputs)."""
+    return self.theta_floats + (self.arg_floats if input_grad else [])
+
+
+class _Function:
+  """One traced function and what its trace recorded."""
+
+  def __init__(self):
+    self.fn = None
+    self.meta = {}
+    self.traces = collections.Counter()
+
+
+class CellFunctions:
+  """The forward and recompute-and-backward functions of every cell.
+
+  Args:
+    cell_fprop: fn(k, theta_k, args tuple, mark) -> outputs tuple of cell k;
+      `mark(layer)` is called before each of the cell's layers runs (to tell
+      which layer made which op).
+    cell_layers: fn(k) -> the layers of cell k.
+    name: the pipeline's path, for messages.
+    jit_compile: compile the functions with XLA.
+    inline: fn() -> whether cells must run inline where built now (e.g. in a
+      TPU replica, whose computation XLA compiles as a whole); inside an XLA
+      context they always do.
+  """
+
+  def __init__(
+    self, cell_fprop, cell_layers, name, jit_compile=False, inline=None
+  ):
+    self._inline = inline
+    self._cell_fprop = cell_fprop
+    self._cell_layers = cell_layers
+    self._name = name
+    self._jit = jit_compile
+    # {graph: {key: _Function}}: a graph's functions may capture its
+    # tensors, so each graph that calls a cell traces its own.
+    self._graphs = weakref.WeakKeyDictionary()
+    self._traces = cell_checks.TraceCounter(name)
+    self._xla_check = (
+      cell_checks.XlaCheck(cell_layers, name) if jit_compile else None
+    )
+
+  @property
+  def jit_compile(self):
+    return self._jit
+
+  def Inline(self):
+    """Whether cells run inline (no function calls) where built now: inside
+    an XLA context, which compiles the whole step as one computation, or
+    where `inline` says so."""
+    if self._inline is not None and self._inline():
+      return True
+    return _tf_internal.InXlaContext()
+
+  # -- What the engine calls ---------------------------------------------------
+
+  def Forward(self, k, theta_k, args, seed, loss=None, after=None):
+    """Cell k on one micro-batch (and its loss, with `loss`).
+
+    `after`: tensors the call waits for (control dependencies).
+
+    Returns:
+      (outputs tuple, the loss or None, [(layer, stats)] of the deferred
+      updates, e.g. batch-norm statistics).
+    """
+    is_eval = py_utils.IsEval()
+    layout = _Layout(theta_k, args, seed, loss)
+    loss_fn = None if loss is None else loss.fn
+    if self.Inline():
+      collector = py_utils.UpdateCollector()
+      out, loss_value = self._Run(
+        k, layout, layout.tensors, is_eval, collector, loss_fn
+      )
+      return out, loss_value, collector.updates
+    f = self._Forward(k, layout, is_eval, loss_fn)
+    self._Check(k, f, layout.tensors, ('forward', k, is_eval))
+    flat = list(self._Call(f, layout.tensors, after))
+    if self._jit:
+      flat = _Anchored(flat)
+    out_flat = tf.nest.flatten(f.meta['out'])
+    out = tf.nest.pack_sequence_as(f.meta['out'], flat[: len(out_flat)])
+    rest = flat[len(out_flat) :]
+    loss_value = None
+    if loss is not None:
+      loss_value, rest = rest[0], rest[1:]
+    updates = []
+    for layer, stats in f.meta['updates']:
+      n = len(tf.nest.flatten(stats))
+      updates.append((layer, tf.nest.pack_sequence_as(stats, rest[:n])))
+      rest = rest[n:]
+    return out, loss_value, updates
+
+  def Backward(
+    self, k, theta_k, args, seed, dys, sums, input_grad, loss=None, after=None
+  ):
+    """Re-materializes cell k on one micro-batch and back-propagates `dys`.
+
+    Nothing of the forward computation is kept or re-run outside the call:
+    the forward values live only inside it.
+
+    Args:
+      k: the cell.
+      theta_k, args, seed: as for `Forward`.
+      dys: the gradients of the outputs (flat, None where there is none);
+        with `loss`, [the gradient of the loss].
+      sums: [running sum or None] of the weights' gradients, one per tensor
+        of the flattened weights (the cell's, then the loss's).
+      input_grad: also compute the gradients of the float inputs.
+      loss: the `Loss` of the last cell, or None.
+      after: tensors the call waits for (control dependencies).
+
+    Returns:
+      (the weights' gradients added to `sums`, flat like `sums`; the
+      inputs' gradients, flat like args), None where there is none.
+    """
+    is_eval = py_utils.IsEval()
+    layout = _Layout(theta_k, args, seed, loss)
+    loss_fn = None if loss is None else loss.fn
+    present = tuple(dy is not None and _IsFloat(dy) for dy in dys)
+    sources = layout.Sources(input_grad)
+    has_sum = tuple(sums[i] is not None for i, _ in layout.theta_floats)
+    if self.Inline():
+      grads = self._InlineBackward(
+        k, layout, is_eval, dys, present, sources, loss_fn
+      )
+    elif not any(present):
+      grads = [None] * len(sources)
+    else:
+      f = self._Backward(
+        k, layout, is_eval, present, has_sum, input_grad, loss_fn
+      )
+      given = [dy for dy, p in zip(dys, present) if p]
+      running = [sums[i] for i, _ in layout.theta_floats if sums[i] is not None]
+      call_inputs = layout.tensors + given + running
+      self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
+      got = list(self._Call(f, call_inputs, after))
+      if self._jit:
+        got = _Anchored(got)
+      grads = [got.pop(0) if p else None for p in f.meta['present']]
+      return self._Split(layout, sources, grads, sums, summed=True)
+    return self._Split(layout, sources, grads, sums, summed=False)
+
+  def Accumulate(self, sums, grads):
+    """[sum + gradient] for each pair (the gradient where the sum is None,
+    None where both are), as one call: the running sums of the weights'
+    gradients of a cell whose backward came from its forward's tape."""
+    pairs = [
+      i
+      for i, (s, g) in enumerate(zip(sums, grads))
+      if s is not None and g is not None
+    ]
+    out = [g if s is None else s for s, g in zip(sums, grads)]
+    if not pairs:
+      return out
+    a = [_Dense(sums[i]) for i in pairs]
+    b = [_Dense(grads[i]) for i in pairs]
+    if self.Inline() or tf.executing_eagerly():
+      added = [x + y for x, y in zip(a, b)]
+    else:
+      sig = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in a)
+      f = self._Get(('sum', sig), self._MakeSum)
+      added = f.fn(a, b)
+    for i, t in zip(pairs, added):
+      out[i] = t
+    return out
+
+  def _Call(self, f, tensors, after):
+    deps = [t for t in tf.nest.flatten(after) if py_utils.IsTensor(t)]
+    if not deps or tf.executing_eagerly():
+      return f.fn(*tensors)
+    with tf.control_dependencies(deps):
+      return f.fn(*tensors)
+
+  # -- Running a cell ----------------------------------------------------------
+
+  def _Run(self, k, layout, tensors, is_eval, collector, loss_fn, mark=None):
+    """(outputs tuple, the loss or None) of cell k on `tensors`."""
+    theta_k, args, seed, loss_in, loss_th = layout.Unpack(tensors)
+    with py_utils.EvalMode(is_eval), py_utils.StepSeed(seed), collector:
+      out = py_utils.AsTuple(self._cell_fprop(k, theta_k, args, mark))
+      loss = None
+      if loss_fn is not None:
+        loss = tf.convert_to_tensor(
+          loss_fn(py_utils.Unwrap(out), loss_in, loss_th)
+        )
+        if loss.shape.rank != 0 or not loss.dtype.is_floating:
+          raise ValueError(
+            f'The loss function of pipeline {self._name!r} returned '
+            f'{loss.dtype.name} {loss.shape}; it must return a float '
+            "scalar: the micro-batch's share of the loss."
+          )
+    return out, loss
+
+  def _Differentiate(
+    self, k, layout, tensors, is_eval, given, present, sources, loss_fn
+  ):
+    """Gradients of cell k's outputs (or loss) on `tensors` for the output
+    gradients `given` (those of the outputs marked in `present`), w.r.t.
+    tensors[position] for each (index, position) of `sources`."""
+    xs = [tensors[p] for _, p in sources]
+    # (The XLA check traces this inside tf.init_scope, which stops tapes.)
+    with (
+      _tf_internal.RecordingOn(),
+      tf.GradientTape(watch_accessed_variables=False) as tape,
+    ):
+      tape.watch(xs)
+      out, loss = self._Run(
+        k, layout, tensors, is_eval, py_utils.UpdateCollector(), loss_fn
+      )
+    ys = [loss] if loss is not None else tf.nest.flatten(out)
+    given = list(given)
+    pairs = [(y, given.pop(0)) for y, p in zip(ys, present) if p]
+    pairs = [(y, dy) for y, dy in pairs if _IsFloat(y)]
+    if not pairs or not xs:
+      return [None] * len(xs)
+    return list(
+      tape.gradient(
+        [y for y, _ in pairs], xs, output_gradients=[dy for _, dy in pairs]
+      )
+    )
+
+  def _InlineBackward(self, k, layout, is_eval, dys, present, sources, loss_fn):
+    given = [dy for dy, p in zip(dys, present) if p]
+    return self._Differentiate(
+      k, layout, layout.tensors, is_eval, given, present, sources, loss_fn
+    )
+
+  def _Split(self, layout, sources, grads, sums, summed):
+    """(weight gradients flat like `sums`, input gradients flat like the
+    inputs) from the gradients of `sources`; adds them to `sums` unless the
+    call already did (`summed`)."""
+    theta_g = [None] * layout.num_theta
+    arg_g = [None] * layout.num_args
+    n_theta = len(layout.theta_floats)
+    for j, ((i, _), g) in enumerate(zip(sources, grads)):
+      if j < n_theta:
+        theta_g[i] = g
+      else:
+        arg_g[i] = g
+    if not summed:
+      theta_g = [
+        g if s is None else (s if g is None else graph_ops.AddTo(s, g))
+        for s, g in zip(sums, theta_g)
+      ]
+    else:
+      theta_g = [s if g is None else g for s, g in zip(sums, theta_g)]
+    return theta_g, arg_g
+
+  # -- The functions -----------------------------------------------------------
+
+  def _Check(self, k, f, tensors, key):
+    if self._xla_check is not None:
+      self._xla_check.Check(k, f, tensors, key)
+
+  def _Get(self, key, make):
+    graph = tf.compat.v1.get_default_graph()
+    fns = self._graphs.setdefault(graph, {})
+    if key not in fns:
+      fns[key] = make()
+    return fns[key]
+
+  def _Wrap(self, body):
+    if self._jit:
+      return tf.function(body, jit_compile=True, autograph=False)
+    return tf.function(
+      body,
+      autograph=False,
+      experimental_attributes={'_noinline': True},
+    )
+
+  def _MakeSum(self):
+    f = _Function()
+
+    def Sum(sums, grads):
+      return [s + g for s, g in zip(sums, grads)]
+
+    f.fn = self._Wrap(Sum)
+    return f
+
+  def _Forward(self, k, layout, is_eval, loss_fn):
+    key = ('forward', k, is_eval, layout.key, loss_fn)
+
+    def Make():
+      f = _Function()
+
+      def Forward(*tensors):
+        self._traces.Count(f, k, 'forward', key, tensors)
+        collector = py_utils.UpdateCollector()
+        out, loss = self._Run(
+          k, layout, tensors, is_eval, collector, loss_fn, f.meta.get('mark')
+        )
+        f.meta['out'] = out
+        f.meta['updates'] = list(collector.updates)
+        flat = tf.nest.flatten(out)
+        if loss is not None:
+          flat = flat + [loss]
+        return flat + tf.nest.flatten([s for _, s in collector.updates])
+
+      f.fn = self._Wrap(Forward)
+      return f
+
+    return self._Get(key, Make)
+
+  def _Backward(
+    self, k, layout, is_eval, present, has_sum, input_grad, loss_fn
+  ):
+    """The recompute-and-backward of cell k: takes the inputs, the output
+    gradients marked in `present` and the running sums marked in `has_sum`
+    (one flag per float weight)."""
+    key = (k, is_eval, layout.key, present, has_sum, input_grad, loss_fn)
+
+    def Make():
+      f = _Function()
+      f.meta['key'] = key
+      sources = layout.Sources(input_grad)
+      n_in, n_dy = len(layout.tensors), sum(present)
+
+      def Backward(*tensors):
+        self._traces.Count(f, k, 'backward', ('backward',) + key, tensors)
+        inputs = list(tensors[:n_in])
+        grads = self._Differentiate(
+          k,
+          layout,
+          inputs,
+          is_eval,
+          tensors[n_in : n_in + n_dy],
+          present,
+          sources,
+          loss_fn,
+        )
+        running = list(tensors[n_in + n_dy :])
+        grads = [None if g is None else _Dense(g) for g in grads]
+        for j, flag in enumerate(has_sum):
+          if flag:
+            s = running.pop(0)
+            # The same sum, in the same order, as adding micro-batch by
+            # micro-batch outside.
+            grads[j] = s if grads[j] is None else s + grads[j]
+        f.meta['present'] = [g is not None for g in grads]
+        return [g for g in grads if g is not None]
+
+      f.fn = self._Wrap(Backward)
+      return f
+
+    return self._Get(key, Make)

@@ -1,0 +1,144 @@
+"""The step's graph holds each cell once: its size does not grow with M.
+
+Each cell is traced into a forward and a recompute-and-backward function
+(`pipeline/cell_function.py`) that every work item calls, so adding
+micro-batches adds a few ops per work item to the step's graph, whatever
+the cells hold, and nothing to its function library.
+"""
+
+from absl import logging
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.pipeline import pipelining_layer
+from tests.testing import graphs
+from tests.testing import pipeline_layers
+
+DEVICES = pipeline_layers.DEVICES
+
+# Ops in the step's graph per work item (one call, its seed, ordering).
+_OPS_PER_ITEM = 6
+
+
+def _Pipe(num_layers, num_mb, recompute='always', schedule='gpipe', bn=False):
+  layers = pipeline_layers.DenseLayers(num_layers)
+  if bn:
+    layers.insert(
+      1,
+      normalizations.BatchNormLayer.Params().Set(name='bn', dim=6),
+    )
+  return (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=2,
+      num_micro_batches=num_mb,
+      devices=DEVICES[:2],
+      recompute=recompute,
+      schedule=schedule,
+    )
+    .Instantiate()
+  )
+
+
+def _StepSize(pipe, batch=16):
+  x, w = pipeline_layers.Inputs(batch=batch)
+  w = tf.ones_like(x)
+  variables = pipe.trainable_variables
+
+  @tf.function
+  def Step(x):
+    with py_utils.UpdateCollector() as updates:
+      with tf.GradientTape() as tape:
+        if pipeline_layers.UsesLoss(pipe):
+          loss, _ = pipe.FPropWithLoss(
+            pipe.theta,
+            x,
+            loss_fn=pipeline_layers.WeightedSum,
+            loss_inputs=w,
+          )
+        else:
+          loss = pipeline_layers.WeightedSum(pipe(x), w)
+      grads = tape.gradient(loss, variables)
+    updates.Apply()
+    return grads
+
+  graph = Step.get_concrete_function(x).graph
+  return graphs.GraphSize(graph), graph
+
+
+@pytest.mark.parametrize(
+  'recompute,schedule',
+  [
+    ('always', 'gpipe'),
+    ('never', 'gpipe'),
+    ('except_last_micro_batch', 'gpipe'),
+    ('always', '1f1b'),
+  ],
+)
+def testGraphGrowsByAFewOpsPerWorkItem(recompute, schedule):
+  (ops2, lib2), _ = _StepSize(_Pipe(4, 2, recompute, schedule))
+  (ops8, lib8), _ = _StepSize(_Pipe(4, 8, recompute, schedule))
+  # The functions are the same: one forward, and one backward per kind of
+  # call (the device's first backward has no running sum yet).
+  assert lib8 == lib2, (lib2, lib8)
+  # 2 cells x 2 passes x 6 more micro-batches.
+  assert ops8 - ops2 <= _OPS_PER_ITEM * 2 * 2 * 6, (ops2, ops8)
+
+
+def testPerItemOpsDoNotDependOnTheLayers():
+  """Four times the layers: the same ops per extra micro-batch."""
+  (a2, _), _ = _StepSize(_Pipe(2, 2))
+  (a8, _), _ = _StepSize(_Pipe(2, 8))
+  (b2, lib_b), _ = _StepSize(_Pipe(8, 2))
+  (b8, _), _ = _StepSize(_Pipe(8, 8))
+  assert b8 - b2 == a8 - a2, (a2, a8, b2, b8)
+  assert lib_b > 0
+
+
+def testBatchNormStatisticsMergeInAFewOps():
+  (ops2, lib2), _ = _StepSize(_Pipe(4, 2, bn=True))
+  (ops8, lib8), _ = _StepSize(_Pipe(4, 8, bn=True))
+  assert lib8 == lib2
+  assert ops8 - ops2 <= _OPS_PER_ITEM * 2 * 2 * 6 + 2 * 3 * 6, (ops2, ops8)
+
+
+def testCellFunctionsAreNotInlined():
+  _, graph = _StepSize(_Pipe(4, 4))
+  library = graph.as_graph_def().library.function
+  called = {
+    op.get_attr('f').name
+    for op in graph.get_operations()
+    if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+  }
+  assert called
+  by_name = {f.signature.name: f for f in library}
+  for name in called:
+    assert by_name[name].attr['_noinline'].b, name
+
+
+def testEachCellTracedOncePerStep(monkeypatch):
+  """A step traced anew at every call retraces the cells: a warning says
+  so (and what to do); the same step function called again traces
+  nothing."""
+  pipe = _Pipe(2, 2)
+  x, w = pipeline_layers.Inputs()
+  warnings = []
+  monkeypatch.setattr(
+    logging, 'warning', lambda msg, *a: warnings.append(msg % a)
+  )
+
+  @tf.function
+  def Step(x):
+    return pipe(x)
+
+  for _ in range(3):
+    Step(x)
+  assert not warnings
+  for _ in range(3):
+    tf.function(lambda x: pipe(x))(x)
+  assert any('traced 3 times for the same input shapes' in m for m in warnings)
+  assert any('Trace the step once' in m for m in warnings)

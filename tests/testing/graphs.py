@@ -1,0 +1,51 @@
+"""What a traced step runs: its ops with those of the functions it calls.
+
+A pipeline's cells are function calls (`pipeline/cell_function.py`), so the
+ops of a cell are in the graph's function library, once, and each work item
+is one call op. `ExpandedOps` yields the ops one run of the graph executes,
+as (op type, device), each call replaced by the ops of its function on the
+call's device; `GraphSize` counts the ops that were built.
+"""
+
+import tensorflow as tf
+
+_CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
+
+
+def _Library(graph_def):
+  return {f.signature.name: f for f in graph_def.library.function}
+
+
+def _FunctionOps(library, name, device, depth=0):
+  for node in library[name].node_def:
+    node_device = node.device or device
+    if node.op in _CALLS and depth < 8:
+      yield from _FunctionOps(
+        library, node.attr['f'].func.name, node_device, depth + 1
+      )
+    elif node.op in library and depth < 8:
+      yield from _FunctionOps(library, node.op, node_device, depth + 1)
+    else:
+      yield node.op, node_device
+
+
+def ExpandedOps(graph):
+  """[(op type, device)] that one run of `graph` executes."""
+  library = _Library(graph.as_graph_def())
+  out = []
+  for op in graph.get_operations():
+    if op.type in _CALLS:
+      out.extend(_FunctionOps(library, op.get_attr('f').name, op.device))
+    else:
+      out.append((op.type, op.device))
+  return out
+
+
+def DeviceIndex(device):
+  return tf.DeviceSpec.from_string(device).device_index
+
+
+def GraphSize(graph):
+  """(ops in the graph, ops in its function library)."""
+  library = graph.as_graph_def().library.function
+  return len(graph.get_operations()), sum(len(f.node_def) for f in library)
