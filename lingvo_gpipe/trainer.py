@@ -360,19 +360,13 @@ def _RunEvaler(
       PlacementText(ev.model),
     )
     ev.Run(stop=stop)
-  except trainer_errors.BUILD_ERRORS as e:
-    errors.append(
-      trainer_errors.BuildError(
-        f'building or running {kind}_{dataset.lower()}', e
-      )
-    )
-  except UserError as e:
-    errors.append(e)
   except Exception as e:  # pylint: disable=broad-except
     job = f'{kind}_{dataset.lower()}'
-    logging.error('%s failed: %s', job, OneLine(e, logdir))
+    if isinstance(e, trainer_errors.BUILD_ERRORS):
+      e = trainer_errors.BuildError(f'building or running {job}', e)
     errors.append((job, e))
-    if trainer_stop is not None:
+    if trainer_stop is not None:  # The error is the process's last line.
+      logging.warning('%s failed: stopping the trainer, which saves.', job)
       trainer_stop.Set(f'{job} failed')
 
 
@@ -459,6 +453,7 @@ def _Main(unused_argv):
 
 def _Run(argv):
   SetUpLogging()
+  trainer_errors.FilterNativeLog()
   try:
     _Main(argv)
   except KeyboardInterrupt:

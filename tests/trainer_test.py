@@ -370,6 +370,29 @@ def testIncompatibleCheckpointIsRefused(trained, tmp_path):
   assert (logdir / 'params.txt').read_text() == params_before
 
 
+def testEvalerErrorsAreNamedAlone(tmp_path):
+  res = trainer_process.Run(f'--logdir={tmp_path}', '--job=evaler_devv')
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line.startswith(
+    "ERROR: evaler_devv: MlpDigitsTiny has no dataset 'Devv'; available: "
+  ), line
+
+
+def testEvalerErrorNextToATrainerStopsItAndLosesNothing(trained, tmp_path):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  before = sorted(os.listdir(logdir / 'train'))
+  res = trainer_process.Run(
+    f'--logdir={logdir}', '--job=trainer,evaler_devv', '--max_steps=100000'
+  )
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line.startswith('ERROR: evaler_devv: MlpDigitsTiny has no dataset')
+  assert 'Training stopped at step 30 (evaler_devv failed)' in res.stderr
+  assert set(before) <= set(os.listdir(logdir / 'train'))
+  assert trainer_process.Latest(logdir / 'train') == 30
+
+
 def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
   res = trainer_process.Run(

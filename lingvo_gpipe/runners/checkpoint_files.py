@@ -33,6 +33,7 @@ __all__ = [
   'LatestCheckpoint',
   'CheckWritableDir',
   'FreeSpaceText',
+  'ErrorText',
   'DeleteCheckpointFiles',
   'DeleteTemp',
 ]
@@ -189,6 +190,18 @@ def FreeSpaceText(directory):
     return 'free disk space unknown'
 
 
+def ErrorText(error):
+  """The message of an OSError or a TensorFlow error in one line, without
+  TensorFlow's {{function_node ...}} and [Op:...] decorations; TensorFlow's
+  "<file>.tempstate<n>; <reason>" reads "<reason> (writing <file>)"."""
+  text = str(getattr(error, 'message', None) or error)
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  text = re.sub(r'\s*\[Op:[^\]]*\].*$', '', text, flags=re.S)
+  text = ' '.join(text.split())
+  m = re.match(r'^(\S+?)(?:\.tempstate\d+)?; (.+)$', text)
+  return f'{m.group(2)} (writing {m.group(1)})' if m else text
+
+
 def CheckWritableDir(directory, what='--logdir'):
   """Creates `directory` and checks a file can be written there.
 
@@ -203,7 +216,7 @@ def CheckWritableDir(directory, what='--logdir'):
     tf.io.gfile.remove(probe)
   except (OSError, tf.errors.OpError) as e:
     raise CheckpointError(
-      f'Cannot write to {what} {directory!r}: {getattr(e, "message", e)} '
+      f'Cannot write to {what} {directory!r}: {ErrorText(e)} '
       f'({FreeSpaceText(os.path.dirname(directory) or ".")}). Pass a '
       f'writable {what} with free space.'
     ) from e

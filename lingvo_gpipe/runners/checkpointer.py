@@ -49,6 +49,7 @@ from lingvo_gpipe.runners.checkpoint_files import CheckpointError
 from lingvo_gpipe.runners.checkpoint_files import CheckWritableDir
 from lingvo_gpipe.runners.checkpoint_files import DeleteCheckpointFiles
 from lingvo_gpipe.runners.checkpoint_files import DeleteTemp
+from lingvo_gpipe.runners.checkpoint_files import ErrorText
 from lingvo_gpipe.runners.checkpoint_files import FreeSpaceText
 from lingvo_gpipe.runners.checkpoint_files import IncompatibleCheckpointError
 from lingvo_gpipe.runners.checkpoint_files import IsCompleteCheckpoint
@@ -286,8 +287,8 @@ class Checkpointer:
       DeleteTemp(prefix)
       DeleteCheckpointFiles(prefix)
       raise CheckpointError(
-        f'Could not write checkpoint {prefix!r} at step {step}: '
-        f'{getattr(e, "message", e)} ({FreeSpaceText(self._dir)}). Free '
+        f'Could not write checkpoint {prefix} at step {step}: '
+        f'{ErrorText(e)} ({FreeSpaceText(self._dir)}). Free '
         'space or pass another --logdir; the previous checkpoint '
         f'{self._kept[-1] if self._kept else "(none)"} is intact.'
       ) from e

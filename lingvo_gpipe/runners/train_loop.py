@@ -40,6 +40,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from lingvo_gpipe.core import distribute
+from lingvo_gpipe.core import quiet_start
 
 __all__ = [
   'StopRequest',
@@ -132,14 +133,14 @@ class StopRequest:
 def _ExitNow(signum):
   """The second SIGINT/SIGTERM: one line, no save, no waiting."""
   name = signal.Signals(signum).name
-  message = (
-    f'Second {name}: exiting now without saving; the last checkpoint '
-    'stays the one to resume from.'
-  )
-  logging.warning('%s', message)
   logging.flush()
-  sys.stderr.write(f'ERROR: {message}\n')
   sys.stderr.flush()
+  quiet_start.SyncStderr(timeout=0.5)
+  os.write(
+    quiet_start.StderrFd(),
+    f'ERROR: Second {name}: exiting now without saving; the last checkpoint '
+    'stays the one to resume from.\n'.encode(),
+  )
   os._exit(128 + signum)  # pylint: disable=protected-access
 
 
