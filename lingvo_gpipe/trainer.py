@@ -92,6 +92,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import trainer_errors
 from lingvo_gpipe import trainer_flags
+from lingvo_gpipe import trainer_logdir
 from lingvo_gpipe import trainer_params
 from lingvo_gpipe.core import distribute
 from lingvo_gpipe.runners import checkpointer
@@ -201,7 +202,8 @@ def _RunTrainer(p, logdir, stop):
     save_interval_steps=tp.save_interval_steps,
     save_interval_seconds=trainer_params.SaveIntervalSeconds(tp),
   )
-  if ckpt.Restore() is None and FLAGS.restore_from:
+  resumed = ckpt.Restore()
+  if resumed is None and FLAGS.restore_from:
     report = checkpointer.FineTuneRestore(
       model.VariablesByName(),
       FLAGS.restore_from,
@@ -225,6 +227,9 @@ def _RunTrainer(p, logdir, stop):
     )
     with strategy.scope():
       iterator = iter(dataset)
+  trainer_logdir.CheckParamsChange(
+    logdir, p, resumed, FLAGS.allow_params_change
+  )
   # Written once the logdir is known to be this model's (not clobbering the
   # params.txt of another model whose checkpoint was refused).
   with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
@@ -383,6 +388,10 @@ def _Sync():
   # Evalers next to a trainer stop after it: they evaluate the last
   # checkpoint it wrote, then return.
   eval_stop = train_loop.StopRequest() if has_trainer else stop
+  lock = None
+  if has_trainer:  # Before the evalers start: a refusal ends the process.
+    checkpointer.CheckWritableDir(FLAGS.logdir)
+    lock = trainer_logdir.OwnLogdir(FLAGS.logdir)
   errors, threads = [], []
   for kind, dataset in jobs:
     if kind != 'trainer':
@@ -407,6 +416,8 @@ def _Sync():
       _RunTrainer(train_p, FLAGS.logdir, stop)
   finally:
     if has_trainer:
+      if lock is not None:
+        lock.Release()
       eval_stop.Set('trainer finished')
     for t in threads:
       while t.is_alive():  # Short joins: signals reach the main thread.

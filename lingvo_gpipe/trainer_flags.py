@@ -163,6 +163,15 @@ flags.DEFINE_alias('eval_timeout_s', 'eval_timeout')
 flags.DEFINE_integer(
   'eval_max_batches', None, 'Evaler: at most this many batches per evaluation.'
 )
+flags.DEFINE_bool(
+  'allow_params_change',
+  False,
+  "Resume a logdir's checkpoint with Params other than its params.txt's "
+  '(e.g. without an override it was trained with), and record the new '
+  'ones. Without it such a resume is refused, naming the differing keys; '
+  'placement, schedule, max_steps and the save and summary intervals may '
+  'always change.',
+)
 flags.DEFINE_string(
   'restore_from',
   None,

@@ -405,7 +405,7 @@ def testDivergedWeightsAreNeverTheLastGoodModel(tmp_path):
       if 'network' in key and dtype.is_floating and 'Adam' not in key:
         assert np.all(np.abs(reader.get_tensor(key)) <= 1e6), key
   # The logdir recovers at a sane learning rate, without deleting files.
-  res = _Train(logdir, files, '--max_steps=80')
+  res = _Train(logdir, files, '--max_steps=80', '--allow_params_change')
   assert res.returncode == 0, res.stderr[-3000:]
 
 

@@ -393,6 +393,82 @@ def testEvalerErrorNextToATrainerStopsItAndLosesNothing(trained, tmp_path):
   assert trainer_process.Latest(logdir / 'train') == 30
 
 
+def testResumeWithOtherParamsIsRefusedUnlessAllowed(trained, tmp_path):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  params = (logdir / 'params.txt').read_text()
+  files = sorted(os.listdir(logdir / 'train'))
+  args = (
+    f'--logdir={logdir}',
+    '--max_steps=35',
+    '--worker_split_size=1',  # Placement may change: not named.
+    '--model_params_override=task.train.learning_rate : 0.002',
+  )
+  res = trainer_process.Run(*args)
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line == (
+    f'ERROR: {logdir}/train/ckpt-30 was trained with other Params than '
+    f'these ({logdir}/params.txt): task.train.learning_rate 0.001 -> 0.002. '
+    'To resume it as trained, rerun with the same overrides '
+    "(--model_params_override='task.train.learning_rate : 0.001'); to train "
+    'on with the new Params, pass --allow_params_change (params.txt is left '
+    'as it was).'
+  )
+  assert (logdir / 'params.txt').read_text() == params
+  assert sorted(os.listdir(logdir / 'train')) == files
+  res = trainer_process.Run(*args, '--allow_params_change')
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert 'allowed by --allow_params_change' in res.stderr
+  assert (
+    'task.train.learning_rate : 0.002' in (logdir / 'params.txt').read_text()
+  )
+  assert trainer_process.Latest(logdir / 'train') == 35
+
+
+def testALogdirHasOneTrainer(tmp_path):
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  first = trainer_process.Proc(
+    tmp_path / 'log.txt',
+    f'--logdir={logdir}',
+    '--max_steps=100000',
+    '--model_params_override=task.train.save_interval_steps : 20',
+  )
+  try:
+    first.WaitFor(lambda: trainer_process.Latest(train_dir) >= 20)
+    first.proc.send_signal(signal.SIGSTOP)  # Alive, and leaves the CPU.
+    params = (logdir / 'params.txt').read_text()
+    res = trainer_process.Run(f'--logdir={logdir}', '--max_steps=5')
+    assert res.returncode == 1, res.stderr[-3000:]
+    line = trainer_process.ErrorLine(res.stderr)
+    pid = first.proc.pid
+    assert line.startswith(
+      f'ERROR: --logdir {logdir} belongs to another trainer: pid {pid} on host '
+    ), line
+    assert line.endswith(
+      f'still running. Stop it (kill {pid}) or pass another --logdir.'
+    ), line
+    assert first.proc.poll() is None
+    assert (logdir / 'params.txt').read_text() == params
+    # An evaler only reads the logdir: it may share it.
+    res = trainer_process.Run(
+      f'--logdir={logdir}', '--job=evaler_dev', '--max_steps=20'
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=30)
+  finally:
+    first.Close()
+  step = trainer_process.Latest(train_dir)
+  res = trainer_process.Run(f'--logdir={logdir}', f'--max_steps={step + 2}')
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert f'Taking over {logdir} from a trainer that is gone: pid {pid}' in (
+    res.stderr
+  )
+  assert trainer_process.Latest(train_dir) == step + 2
+  assert not (logdir / 'trainer.lock').exists()  # Released at exit.
+
+
 def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
   res = trainer_process.Run(

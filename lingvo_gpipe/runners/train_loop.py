@@ -415,7 +415,8 @@ class TrainLoop:
         f'saving.{dropped} The last good model is the last checkpoint: '
         f'{self._Latest()}. Lower the learning rate (e.g. '
         '--model_params_override="task.train.learning_rate : ...") or add '
-        'gradient clipping, then rerun to resume from it.'
+        'gradient clipping, then rerun with --allow_params_change to resume '
+        'from it.'
       )
 
   def _CheckWeightsFinite(self, step):
@@ -441,9 +442,9 @@ class TrainLoop:
         f'The weights diverged at step {step}: |{name}| reaches {peak:.3g} '
         f'(> --max_weight_abs={self._max_weight_abs:g}); not saving them. '
         f'The last good model is the last checkpoint: {self._Latest()}. '
-        'Lower the learning rate or add gradient clipping, then rerun to '
-        'resume from it (or raise --max_weight_abs if such weights are '
-        'expected).'
+        'Lower the learning rate or add gradient clipping, then rerun with '
+        '--allow_params_change to resume from it (or raise --max_weight_abs '
+        'if such weights are expected).'
       )
 
   def _Variables(self):
