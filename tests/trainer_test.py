@@ -425,6 +425,29 @@ def testResumeWithOtherParamsIsRefusedUnlessAllowed(trained, tmp_path):
   assert trainer_process.Latest(logdir / 'train') == 35
 
 
+def testTruncatedLatestCheckpointIsSetAsideAndTheOneBeforeResumes(
+  trained, tmp_path
+):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  data = logdir / 'train' / 'ckpt-30.data-00000-of-00001'
+  with open(data, 'r+b') as f:
+    f.truncate(1000)
+  res = trainer_process.Run(f'--logdir={logdir}', '--max_steps=35')
+  assert res.returncode == 0, res.stderr[-3000:]
+  aside = logdir / 'train' / 'broken' / 'ckpt-30'
+  (line,) = [ln for ln in res.stderr.splitlines() if 'truncated' in ln]
+  assert line.endswith(
+    f'Checkpoint {logdir}/train/ckpt-30 is truncated or corrupt: {data} '
+    '(1000 bytes): shorter than its index says (truncated). Set it aside '
+    f'as {aside}; resuming from the checkpoint before it.'
+  ), line
+  assert f'Resumed from {logdir}/train/ckpt-20, the newest' in res.stderr
+  assert os.path.getsize(f'{aside}.data-00000-of-00001') == 1000
+  assert os.path.exists(f'{aside}.index')
+  assert _Steps(logdir / 'train') == [10, 20, 35]
+  assert 'ERROR' not in res.stderr
+
+
 def testALogdirHasOneTrainer(tmp_path):
   logdir = tmp_path / 'logdir'
   train_dir = logdir / 'train'

@@ -22,6 +22,10 @@ import tensorflow as tf
 __all__ = [
   'CheckpointError',
   'IncompatibleCheckpointError',
+  'BrokenCheckpointError',
+  'BROKEN_DIR',
+  'SetAside',
+  'FilesText',
   'POINTER',
   'PREFIX',
   'StepOf',
@@ -40,6 +44,8 @@ __all__ = [
 
 POINTER = 'checkpoint'
 PREFIX = 'ckpt'
+# Where broken checkpoints are set aside, in the checkpoint directory.
+BROKEN_DIR = 'broken'
 
 
 class CheckpointError(RuntimeError):
@@ -48,6 +54,10 @@ class CheckpointError(RuntimeError):
 
 class IncompatibleCheckpointError(CheckpointError):
   """The checkpoint was written by a model with other variables."""
+
+
+class BrokenCheckpointError(CheckpointError):
+  """The files of a checkpoint are truncated or corrupt."""
 
 
 # -- Finding checkpoints ---------------------------------------------------
@@ -220,6 +230,35 @@ def CheckWritableDir(directory, what='--logdir'):
       f'({FreeSpaceText(os.path.dirname(directory) or ".")}). Pass a '
       f'writable {what} with free space.'
     ) from e
+
+
+def FilesText(prefix, data_only=False):
+  """The files of checkpoint `prefix` and their sizes, for a message."""
+  paths = sorted(tf.io.gfile.glob(prefix + '.data-*'))
+  if not data_only:
+    paths.append(prefix + '.index')
+  out = []
+  for path in paths:
+    try:
+      size = f'{tf.io.gfile.stat(path).length} bytes'
+    except tf.errors.OpError:
+      size = 'missing'
+    out.append(f'{path} ({size})')
+  return ', '.join(out)
+
+
+def SetAside(prefix):
+  """Moves the files of checkpoint `prefix` into `<its directory>/broken/`
+  (never deleting them); returns their new prefix there."""
+  directory, name = os.path.split(prefix)
+  aside = os.path.join(directory, BROKEN_DIR)
+  tf.io.gfile.makedirs(aside)
+  target, n = os.path.join(aside, name), 1
+  while tf.io.gfile.glob(target + '.*'):
+    target, n = os.path.join(aside, f'{name}_{n}'), n + 1
+  for path in tf.io.gfile.glob(prefix + '.*'):
+    tf.io.gfile.rename(path, target + path[len(prefix) :])
+  return target
 
 
 def DeleteCheckpointFiles(prefix):
