@@ -99,6 +99,7 @@ from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
 from lingvo_gpipe.runners import train_loop
+from lingvo_gpipe.runners import trainer_state
 
 # The trainer's public names, kept importable from here.
 from lingvo_gpipe.trainer_errors import OneLine
@@ -236,7 +237,7 @@ def _RunTrainer(p, logdir, stop):
     f.write(p.ToText())
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
-  evaler.WriteTrainerState(train_dir, running=True)
+  trainer_state.WriteTrainerState(train_dir, running=True)
   watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
     task,
@@ -275,7 +276,7 @@ def _RunTrainer(p, logdir, stop):
       step = int(model.global_step.numpy())
     except tf.errors.OpError:  # On a worker that is gone: the error above
       step = None  # says so; do not replace it with this one.
-    evaler.WriteTrainerState(train_dir, running=False, step=step)
+    trainer_state.WriteTrainerState(train_dir, running=False, step=step)
 
 
 def _StepTimeout():
@@ -357,6 +358,7 @@ def _RunEvaler(
         timeout_seconds=FLAGS.eval_timeout,
         max_batches=FLAGS.eval_max_batches,
         until_trainer_exits=standalone,
+        idle_timeout_seconds=FLAGS.eval_idle_timeout_s,
       )
     logging.info(
       '%s_%s pipeline placement:\n%s',

@@ -492,6 +492,28 @@ def testALogdirHasOneTrainer(tmp_path):
   assert not (logdir / 'trainer.lock').exists()  # Released at exit.
 
 
+def testStandaloneEvalerOnAnEmptyLogdirEnds(tmp_path):
+  # The default bound ends: a mistyped --logdir never waits forever.
+  assert 0 < trainer.FLAGS['eval_idle_timeout_s'].default <= 3600
+  res = trainer_process.Run(
+    f'--logdir={tmp_path}',
+    '--job=evaler_dev',
+    '--eval_idle_timeout_s=1',
+    '--eval_interval_seconds=0.2',
+  )
+  assert res.returncode == 1, res.stderr[-3000:]
+  train_dir = tmp_path / 'train'
+  assert (
+    f'Eval dev: no checkpoint in {train_dir} yet and no trainer runs '
+    'there; waiting for one (1 s, --eval_idle_timeout_s).'
+  ) in res.stderr
+  assert trainer_process.ErrorLine(res.stderr) == (
+    f'ERROR: evaler_dev: No checkpoint in {train_dir} after 1 s, and no '
+    'trainer runs there. Check --logdir, start the trainer, or wait longer '
+    'with --eval_idle_timeout_s (0: no limit).'
+  )
+
+
 def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
   res = trainer_process.Run(
