@@ -32,9 +32,13 @@ trainer in the main thread, evalers in threads.
 
 Layout of --logdir:
 
-  params.txt                 the model Params (after every override)
+  params.txt                 the model Params (after every override); a
+                             resume with other Params is refused unless
+                             --allow_params_change
+  trainer.lock               the trainer that owns the logdir (host, pid)
   train/                     checkpoints (ckpt-<step>.*, checkpoint) and
-                             training summaries
+                             training summaries; broken/ holds checkpoints
+                             set aside because they did not restore
   eval_dev/, eval_test/      evaler summaries and metrics.jsonl
   decoder_dev/               decoder outputs (decoder_out_<step>.npz)
 
