@@ -297,6 +297,7 @@ def testSecondSigtermEndsATrainerBlockedOnAStoppedWorker(tmp_path):
     'ERROR: Second SIGTERM: exiting now without saving; the last checkpoint '
     'stays the one to resume from.'
   ], log[-3000:]
+  assert log.count('Second SIGTERM') == 1, log[-3000:]  # Not also logged.
   assert 'Traceback' not in log, log[-3000:]
   assert trainer_process.Latest(train_dir) >= 5  # Still there, restorable.
 
