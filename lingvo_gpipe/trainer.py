@@ -32,9 +32,13 @@ trainer in the main thread, evalers in threads.
 
 Layout of --logdir:
 
-  params.txt                 the model Params (after every override)
+  params.txt                 the model Params (after every override); a
+                             resume with other Params is refused unless
+                             --allow_params_change
+  trainer.lock               the trainer that owns the logdir (host, pid)
   train/                     checkpoints (ckpt-<step>.*, checkpoint) and
-                             training summaries
+                             training summaries; broken/ holds checkpoints
+                             set aside because they did not restore
   eval_dev/, eval_test/      evaler summaries and metrics.jsonl
   decoder_dev/               decoder outputs (decoder_out_<step>.npz)
 
@@ -92,12 +96,14 @@ import tensorflow as tf
 
 from lingvo_gpipe import trainer_errors
 from lingvo_gpipe import trainer_flags
+from lingvo_gpipe import trainer_logdir
 from lingvo_gpipe import trainer_params
 from lingvo_gpipe.core import distribute
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
 from lingvo_gpipe.runners import train_loop
+from lingvo_gpipe.runners import trainer_state
 
 # The trainer's public names, kept importable from here.
 from lingvo_gpipe.trainer_errors import OneLine
@@ -201,7 +207,8 @@ def _RunTrainer(p, logdir, stop):
     save_interval_steps=tp.save_interval_steps,
     save_interval_seconds=trainer_params.SaveIntervalSeconds(tp),
   )
-  if ckpt.Restore() is None and FLAGS.restore_from:
+  resumed = ckpt.Restore()
+  if resumed is None and FLAGS.restore_from:
     report = checkpointer.FineTuneRestore(
       model.VariablesByName(),
       FLAGS.restore_from,
@@ -225,13 +232,16 @@ def _RunTrainer(p, logdir, stop):
     )
     with strategy.scope():
       iterator = iter(dataset)
+  trainer_logdir.CheckParamsChange(
+    logdir, p, resumed, FLAGS.allow_params_change
+  )
   # Written once the logdir is known to be this model's (not clobbering the
   # params.txt of another model whose checkpoint was refused).
   with tf.io.gfile.GFile(os.path.join(logdir, 'params.txt'), 'w') as f:
     f.write(p.ToText())
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
-  evaler.WriteTrainerState(train_dir, running=True)
+  trainer_state.WriteTrainerState(train_dir, running=True)
   watchdog = _Watchdog(train_dir)
   loop = train_loop.TrainLoop(
     task,
@@ -270,7 +280,7 @@ def _RunTrainer(p, logdir, stop):
       step = int(model.global_step.numpy())
     except tf.errors.OpError:  # On a worker that is gone: the error above
       step = None  # says so; do not replace it with this one.
-    evaler.WriteTrainerState(train_dir, running=False, step=step)
+    trainer_state.WriteTrainerState(train_dir, running=False, step=step)
 
 
 def _StepTimeout():
@@ -352,6 +362,7 @@ def _RunEvaler(
         timeout_seconds=FLAGS.eval_timeout,
         max_batches=FLAGS.eval_max_batches,
         until_trainer_exits=standalone,
+        idle_timeout_seconds=FLAGS.eval_idle_timeout_s,
       )
     logging.info(
       '%s_%s pipeline placement:\n%s',
@@ -360,19 +371,13 @@ def _RunEvaler(
       PlacementText(ev.model),
     )
     ev.Run(stop=stop)
-  except trainer_errors.BUILD_ERRORS as e:
-    errors.append(
-      trainer_errors.BuildError(
-        f'building or running {kind}_{dataset.lower()}', e
-      )
-    )
-  except UserError as e:
-    errors.append(e)
   except Exception as e:  # pylint: disable=broad-except
     job = f'{kind}_{dataset.lower()}'
-    logging.error('%s failed: %s', job, OneLine(e, logdir))
+    if isinstance(e, trainer_errors.BUILD_ERRORS):
+      e = trainer_errors.BuildError(f'building or running {job}', e)
     errors.append((job, e))
-    if trainer_stop is not None:
+    if trainer_stop is not None:  # The error is the process's last line.
+      logging.warning('%s failed: stopping the trainer, which saves.', job)
       trainer_stop.Set(f'{job} failed')
 
 
@@ -389,6 +394,10 @@ def _Sync():
   # Evalers next to a trainer stop after it: they evaluate the last
   # checkpoint it wrote, then return.
   eval_stop = train_loop.StopRequest() if has_trainer else stop
+  lock = None
+  if has_trainer:  # Before the evalers start: a refusal ends the process.
+    checkpointer.CheckWritableDir(FLAGS.logdir)
+    lock = trainer_logdir.OwnLogdir(FLAGS.logdir)
   errors, threads = [], []
   for kind, dataset in jobs:
     if kind != 'trainer':
@@ -413,6 +422,8 @@ def _Sync():
       _RunTrainer(train_p, FLAGS.logdir, stop)
   finally:
     if has_trainer:
+      if lock is not None:
+        lock.Release()
       eval_stop.Set('trainer finished')
     for t in threads:
       while t.is_alive():  # Short joins: signals reach the main thread.
@@ -459,6 +470,7 @@ def _Main(unused_argv):
 
 def _Run(argv):
   SetUpLogging()
+  trainer_errors.FilterNativeLog()
   try:
     _Main(argv)
   except KeyboardInterrupt:

@@ -6,7 +6,8 @@ model) and the other known errors with their whole message, a TensorFlow
 error with its first meaningful line, an unexpected error with its first line
 and its traceback in <logdir>/error_traceback.txt. A step that fails because
 a remote worker died names the worker (`RaiseIfWorkerLost`). `SetUpLogging`
-drops TensorFlow's noise lines from the trainer's log.
+drops TensorFlow's noise lines from the trainer's log, `FilterNativeLog` its
+native warnings that repeat an error.
 """
 
 import logging as std_logging
@@ -19,6 +20,7 @@ import traceback
 from absl import logging
 import tensorflow as tf
 
+from lingvo_gpipe.core import quiet_start
 from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import train_loop
@@ -104,13 +106,15 @@ def OneLine(error, logdir=None, is_user_error=False):
 
 
 def Exit(status, message=None):
-  """Reports `message` in one line and ends the process without running
-  interpreter shutdown (which can block in TensorFlow's destructors)."""
-  if message:  # Printed once, not also as a log line.
-    sys.stderr.write(f'ERROR: {message}\n')
+  """Reports `message` in one line, after every line logged before it, and
+  ends the process without running interpreter shutdown (which can block
+  in TensorFlow's destructors)."""
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
+  quiet_start.SyncStderr()
+  if message:  # Printed once, not also as a log line.
+    os.write(quiet_start.StderrFd(), f'ERROR: {message}\n'.encode())
   os._exit(status)  # pylint: disable=protected-access
 
 
@@ -171,6 +175,24 @@ class _DropNoise(std_logging.Filter):
 
 
 _DROP_NOISE = _DropNoise()
+
+
+# TensorFlow's native (C++) warnings that come before an error the trainer
+# reports in its own line, and repeat it: a failed op (a save on a full
+# disk), a step's rendezvous aborting, a remote worker gone (with the gRPC
+# details on the lines that follow).
+NATIVE_NOISE = (
+  b'OP_REQUIRES failed at ',
+  b'Local rendezvous is aborting',
+  b'Failed to register function remotely',
+  b'Additional GRPC error information',
+)
+
+
+def FilterNativeLog():
+  """Drops the `NATIVE_NOISE` lines from the process's stderr (the binary
+  calls it when it starts; TF_CPP_MIN_LOG_LEVEL=0 shows them)."""
+  quiet_start.FilterStderr(NATIVE_NOISE)
 
 
 def SetUpLogging():

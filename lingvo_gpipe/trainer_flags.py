@@ -160,8 +160,25 @@ flags.DEFINE_float(
   'evaluated).',
 )
 flags.DEFINE_alias('eval_timeout_s', 'eval_timeout')
+flags.DEFINE_float(
+  'eval_idle_timeout_s',
+  600.0,
+  'Standalone evaler: exit with status 1 after this many seconds with no '
+  'checkpoint in the logdir and no trainer running there (a mistyped or '
+  'empty --logdir); it logs the wait when it starts. 0: wait forever.',
+  lower_bound=0.0,
+)
 flags.DEFINE_integer(
   'eval_max_batches', None, 'Evaler: at most this many batches per evaluation.'
+)
+flags.DEFINE_bool(
+  'allow_params_change',
+  False,
+  "Resume a logdir's checkpoint with Params other than its params.txt's "
+  '(e.g. without an override it was trained with), and record the new '
+  'ones. Without it such a resume is refused, naming the differing keys; '
+  'placement, schedule, max_steps and the save and summary intervals may '
+  'always change.',
 )
 flags.DEFINE_string(
   'restore_from',

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.runners import checkpointer
+from tests.testing import trainer_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = 'image.imagenet.MlpImageNetTiny'
@@ -232,6 +233,94 @@ def testResumeAfterSigkillReadsTheSameRecords(tmp_path):
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+def testNativeWarningsThatRepeatTheErrorAreDropped():
+  # An op that fails in TensorFlow's C++ code logs two warnings (OP_REQUIRES
+  # failed, Local rendezvous is aborting) before Python sees the error.
+  program = textwrap.dedent(
+    """
+    import sys
+    from absl import logging
+    import tensorflow as tf
+    from lingvo_gpipe import trainer_errors
+    if sys.argv[1] == 'filter':
+      trainer_errors.FilterNativeLog()
+    logging.use_absl_handler()
+    logging.warning('before')
+    try:
+      tf.io.read_file('/nonexistent/file')
+    except tf.errors.OpError as e:
+      trainer_errors.Exit(1, trainer_errors.OneLine(e))
+    """
+  )
+  env = dict(_Env(), TF_CPP_MIN_LOG_LEVEL='1')
+  for mode in ('filter', 'no_filter'):
+    res = subprocess.run(
+      [sys.executable, '-c', program, mode],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=60,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = res.stderr.splitlines()
+    assert lines[-1] == (
+      'ERROR: NotFoundError from TensorFlow: /nonexistent/file; No such '
+      'file or directory'
+    ), res.stderr[-3000:]
+    assert any(ln.endswith('] before') for ln in lines), res.stderr[-3000:]
+    noisy = 'OP_REQUIRES failed' in res.stderr
+    assert noisy == (mode == 'no_filter'), res.stderr[-3000:]
+
+
+def _MountTmpfs(path, size):
+  path.mkdir()
+  res = subprocess.run(
+    ['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)],
+    capture_output=True,
+    check=False,
+  )
+  if res.returncode:
+    pytest.skip('needs a small tmpfs (mount, as root) to fill a disk')
+
+
+def testFullDiskIsOneCleanLineAndKeepsTheLastCheckpoint(tmp_path):
+  disk = tmp_path / 'disk'
+  _MountTmpfs(disk, '2m')  # params.txt and two checkpoints of 0.9 MB.
+  try:
+    env = trainer_process.Env(native_warnings=True)
+    res = subprocess.run(
+      trainer_process.Cmd(
+        f'--logdir={disk / "logdir"}',
+        '--max_steps=20',
+        '--model_params_override=task.train.save_interval_steps : 1',
+      ),
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=TIMEOUT,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    line = _ErrorLine(res)
+    train_dir = disk / 'logdir' / 'train'
+    latest = checkpointer.LatestCheckpoint(str(train_dir))
+    step = checkpointer.StepOf(latest)
+    assert line.startswith(
+      f'ERROR: Could not write checkpoint {train_dir}/ckpt-{step + 1} at '
+      f'step {step + 1}: No space left on device (writing {train_dir}/'
+      f'ckpt-{step + 1}_temp/part-00000-of-00001.data-00000-of-00001) ('
+    ), line
+    assert 'MiB free on the disk of' in line, line
+    assert line.endswith(f'the previous checkpoint {latest} is intact.')
+    assert 'OP_REQUIRES' not in res.stderr and '{{' not in res.stderr
+    assert res.stderr.splitlines()[-1] == line
+    reader = tf.train.load_checkpoint(latest)  # Restorable.
+    assert reader.get_tensor(checkpointer.VariableKey('global_step')) == step
+  finally:
+    subprocess.run(['umount', '-l', str(disk)], check=False)
+
+
 def testSigintDuringStartupExits130(tmp_path):
   proc = subprocess.Popen(
     _Cmd(tmp_path / 'logdir', 'none'),
@@ -291,6 +380,7 @@ def testSecondSignalEndsAProcessBlockedInTensorFlow(tmp_path):
     proc.wait(timeout=30)
   err = proc.stderr.read()
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert err.count('Second SIGTERM') == 1, err[-3000:]  # Not also logged.
   assert 'ERROR: Second SIGTERM: exiting now without saving' in err
 
 
@@ -315,7 +405,7 @@ def testDivergedWeightsAreNeverTheLastGoodModel(tmp_path):
       if 'network' in key and dtype.is_floating and 'Adam' not in key:
         assert np.all(np.abs(reader.get_tensor(key)) <= 1e6), key
   # The logdir recovers at a sane learning rate, without deleting files.
-  res = _Train(logdir, files, '--max_steps=80')
+  res = _Train(logdir, files, '--max_steps=80', '--allow_params_change')
   assert res.returncode == 0, res.stderr[-3000:]
 
 

@@ -370,6 +370,150 @@ def testIncompatibleCheckpointIsRefused(trained, tmp_path):
   assert (logdir / 'params.txt').read_text() == params_before
 
 
+def testEvalerErrorsAreNamedAlone(tmp_path):
+  res = trainer_process.Run(f'--logdir={tmp_path}', '--job=evaler_devv')
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line.startswith(
+    "ERROR: evaler_devv: MlpDigitsTiny has no dataset 'Devv'; available: "
+  ), line
+
+
+def testEvalerErrorNextToATrainerStopsItAndLosesNothing(trained, tmp_path):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  before = sorted(os.listdir(logdir / 'train'))
+  res = trainer_process.Run(
+    f'--logdir={logdir}', '--job=trainer,evaler_devv', '--max_steps=100000'
+  )
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line.startswith('ERROR: evaler_devv: MlpDigitsTiny has no dataset')
+  assert 'Training stopped at step 30 (evaler_devv failed)' in res.stderr
+  assert set(before) <= set(os.listdir(logdir / 'train'))
+  assert trainer_process.Latest(logdir / 'train') == 30
+
+
+def testResumeWithOtherParamsIsRefusedUnlessAllowed(trained, tmp_path):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  params = (logdir / 'params.txt').read_text()
+  files = sorted(os.listdir(logdir / 'train'))
+  args = (
+    f'--logdir={logdir}',
+    '--max_steps=35',
+    '--worker_split_size=1',  # Placement may change: not named.
+    '--model_params_override=task.train.learning_rate : 0.002',
+  )
+  res = trainer_process.Run(*args)
+  assert res.returncode == 1, res.stderr[-3000:]
+  line = trainer_process.ErrorLine(res.stderr)
+  assert line == (
+    f'ERROR: {logdir}/train/ckpt-30 was trained with other Params than '
+    f'these ({logdir}/params.txt): task.train.learning_rate 0.001 -> 0.002. '
+    'To resume it as trained, rerun with the same overrides '
+    "(--model_params_override='task.train.learning_rate : 0.001'); to train "
+    'on with the new Params, pass --allow_params_change (params.txt is left '
+    'as it was).'
+  )
+  assert (logdir / 'params.txt').read_text() == params
+  assert sorted(os.listdir(logdir / 'train')) == files
+  res = trainer_process.Run(*args, '--allow_params_change')
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert 'allowed by --allow_params_change' in res.stderr
+  assert (
+    'task.train.learning_rate : 0.002' in (logdir / 'params.txt').read_text()
+  )
+  assert trainer_process.Latest(logdir / 'train') == 35
+
+
+def testTruncatedLatestCheckpointIsSetAsideAndTheOneBeforeResumes(
+  trained, tmp_path
+):
+  logdir = _Copy(trained[0], tmp_path / 'logdir')
+  data = logdir / 'train' / 'ckpt-30.data-00000-of-00001'
+  with open(data, 'r+b') as f:
+    f.truncate(1000)
+  res = trainer_process.Run(f'--logdir={logdir}', '--max_steps=35')
+  assert res.returncode == 0, res.stderr[-3000:]
+  aside = logdir / 'train' / 'broken' / 'ckpt-30'
+  (line,) = [ln for ln in res.stderr.splitlines() if 'truncated' in ln]
+  assert line.endswith(
+    f'Checkpoint {logdir}/train/ckpt-30 is truncated or corrupt: {data} '
+    '(1000 bytes): shorter than its index says (truncated). Set it aside '
+    f'as {aside}; resuming from the checkpoint before it.'
+  ), line
+  assert f'Resumed from {logdir}/train/ckpt-20, the newest' in res.stderr
+  assert os.path.getsize(f'{aside}.data-00000-of-00001') == 1000
+  assert os.path.exists(f'{aside}.index')
+  assert _Steps(logdir / 'train') == [10, 20, 35]
+  assert 'ERROR' not in res.stderr
+
+
+def testALogdirHasOneTrainer(tmp_path):
+  logdir = tmp_path / 'logdir'
+  train_dir = logdir / 'train'
+  first = trainer_process.Proc(
+    tmp_path / 'log.txt',
+    f'--logdir={logdir}',
+    '--max_steps=100000',
+    '--model_params_override=task.train.save_interval_steps : 20',
+  )
+  try:
+    first.WaitFor(lambda: trainer_process.Latest(train_dir) >= 20)
+    first.proc.send_signal(signal.SIGSTOP)  # Alive, and leaves the CPU.
+    params = (logdir / 'params.txt').read_text()
+    res = trainer_process.Run(f'--logdir={logdir}', '--max_steps=5')
+    assert res.returncode == 1, res.stderr[-3000:]
+    line = trainer_process.ErrorLine(res.stderr)
+    pid = first.proc.pid
+    assert line.startswith(
+      f'ERROR: --logdir {logdir} belongs to another trainer: pid {pid} on host '
+    ), line
+    assert line.endswith(
+      f'still running. Stop it (kill {pid}) or pass another --logdir.'
+    ), line
+    assert first.proc.poll() is None
+    assert (logdir / 'params.txt').read_text() == params
+    # An evaler only reads the logdir: it may share it.
+    res = trainer_process.Run(
+      f'--logdir={logdir}', '--job=evaler_dev', '--max_steps=20'
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=30)
+  finally:
+    first.Close()
+  step = trainer_process.Latest(train_dir)
+  res = trainer_process.Run(f'--logdir={logdir}', f'--max_steps={step + 2}')
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert f'Taking over {logdir} from a trainer that is gone: pid {pid}' in (
+    res.stderr
+  )
+  assert trainer_process.Latest(train_dir) == step + 2
+  assert not (logdir / 'trainer.lock').exists()  # Released at exit.
+
+
+def testStandaloneEvalerOnAnEmptyLogdirEnds(tmp_path):
+  # The default bound ends: a mistyped --logdir never waits forever.
+  assert 0 < trainer.FLAGS['eval_idle_timeout_s'].default <= 3600
+  res = trainer_process.Run(
+    f'--logdir={tmp_path}',
+    '--job=evaler_dev',
+    '--eval_idle_timeout_s=1',
+    '--eval_interval_seconds=0.2',
+  )
+  assert res.returncode == 1, res.stderr[-3000:]
+  train_dir = tmp_path / 'train'
+  assert (
+    f'Eval dev: no checkpoint in {train_dir} yet and no trainer runs '
+    'there; waiting for one (1 s, --eval_idle_timeout_s).'
+  ) in res.stderr
+  assert trainer_process.ErrorLine(res.stderr) == (
+    f'ERROR: evaler_dev: No checkpoint in {train_dir} after 1 s, and no '
+    'trainer runs there. Check --logdir, start the trainer, or wait longer '
+    'with --eval_idle_timeout_s (0: no limit).'
+  )
+
+
 def testNanLossStopsAndKeepsLastGoodCheckpoint(tmp_path):
   logdir = tmp_path / 'logdir'
   res = trainer_process.Run(

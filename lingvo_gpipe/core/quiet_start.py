@@ -20,6 +20,12 @@ shows everything. Binaries call it before anything imports TensorFlow:
   from lingvo_gpipe.core import quiet_start
   quiet_start.ImportTensorFlow()
   import tensorflow as tf
+
+`FilterStderr(noise)` keeps such a filter for the rest of the process: it
+drops TensorFlow's native (C++) log lines that contain one of `noise`, with
+their continuation lines, e.g. the warnings that repeat an error the binary
+reports in its own line. `SyncStderr()` waits until what was written before
+has passed, so that a last line written to `StderrFd()` comes last.
 """
 
 import contextlib
@@ -28,7 +34,14 @@ import re
 import sys
 import threading
 
-__all__ = ['ImportTensorFlow', 'StderrFd', 'Dropped']
+__all__ = [
+  'ImportTensorFlow',
+  'StderrFd',
+  'Dropped',
+  'NativeFilter',
+  'FilterStderr',
+  'SyncStderr',
+]
 
 # A C++ INFO line: "I0000 00:00:1795578893.927670   29330 port.cc:153] ...".
 _INFO_LINE = re.compile(rb'^I\d{4} [\d:.]+ +\d+ [\w.-]+:\d+\] ')
@@ -37,8 +50,18 @@ _LOGGER_NOTICE = (
   b'written to STDERR'
 )
 
+# A native (C++) log line: "W0000 00:00:1795.9   29330 op_kernel.cc:1858] ".
+_NATIVE_LINE = re.compile(
+  rb'^[IWEF]\d{4} [\d:.]+ +\d+ [\w.-]+\.(?:cc|h|c):\d+\] '
+)
+# Any log line, native or Python (absl).
+_LOG_LINE = re.compile(rb'^[IWEF]\d{4} [\d:.]+ +\d+ [\w.-]+:\d+\] ')
+_SYNC = b'\x00quiet_start-sync\n'
+
 # While the filter runs: a descriptor of the real stderr.
 _real_stderr = None
+# The filter of `FilterStderr`, once it runs.
+_permanent = None
 
 
 def StderrFd():
@@ -79,6 +102,90 @@ def _Forward(read_fd, out_fd):
   if rest and not Dropped(rest):
     _WriteAll(out_fd, rest)
   os.close(read_fd)
+
+
+class NativeFilter:
+  """Drops native log lines containing one of `noise` (bytes), and the
+  lines that continue them (up to the next log line)."""
+
+  def __init__(self, noise):
+    self._noise = tuple(noise)
+    self._dropping = False
+
+  def Keep(self, line):
+    """Whether `line` (bytes, without its newline) passes."""
+    if _LOG_LINE.match(line):
+      self._dropping = bool(_NATIVE_LINE.match(line)) and any(
+        n in line for n in self._noise
+      )
+    elif line.startswith(b'ERROR:'):
+      self._dropping = False
+    return not self._dropping
+
+
+class _Permanent:
+  """Forwards descriptor 2 through a NativeFilter for the rest of the
+  process; `Sync` waits until what was written before has passed."""
+
+  def __init__(self, noise):
+    self.filter = NativeFilter(noise)
+    self._synced = threading.Condition()
+    self._syncs = 0
+    sys.stderr.flush()
+    self.real = os.dup(2)
+    read_fd, write_fd = os.pipe()
+    threading.Thread(
+      target=self._Forward, args=(read_fd,), name='stderr_filter', daemon=True
+    ).start()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+
+  def _Forward(self, read_fd):
+    rest = b''
+    while True:
+      chunk = os.read(read_fd, 65536)
+      if not chunk:
+        return
+      *lines, rest = (rest + chunk).split(b'\n')
+      kept, syncs = [], 0
+      for line in lines:
+        if line.endswith(_SYNC[:-1]):
+          syncs += 1
+          line = line[: -len(_SYNC) + 1]
+          if not line:
+            continue
+        if self.filter.Keep(line):
+          kept.append(line + b'\n')
+      _WriteAll(self.real, b''.join(kept))
+      if syncs:
+        with self._synced:
+          self._syncs += syncs
+          self._synced.notify_all()
+
+  def Sync(self, timeout):
+    sys.stderr.flush()
+    with self._synced:
+      want = self._syncs + 1
+      os.write(2, _SYNC)
+      self._synced.wait_for(lambda: self._syncs >= want, timeout)
+
+
+def FilterStderr(noise):
+  """For the rest of the process, drops the native log lines that contain
+  one of `noise` (bytes) from descriptor 2, with their continuation lines
+  (not with TF_CPP_MIN_LOG_LEVEL=0, which shows everything). Idempotent."""
+  global _permanent, _real_stderr
+  if _permanent is None and _MinLogLevel() >= 1 and _real_stderr is None:
+    _permanent = _Permanent(noise)
+    _real_stderr = _permanent.real
+
+
+def SyncStderr(timeout=2.0):
+  """Waits (at most `timeout` s) until what this process wrote to stderr
+  has passed `FilterStderr`'s filter, so that a line written next to
+  `StderrFd()` comes after it."""
+  if _permanent is not None:
+    _permanent.Sync(timeout)
 
 
 @contextlib.contextmanager

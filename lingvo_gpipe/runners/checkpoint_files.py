@@ -22,6 +22,10 @@ import tensorflow as tf
 __all__ = [
   'CheckpointError',
   'IncompatibleCheckpointError',
+  'BrokenCheckpointError',
+  'BROKEN_DIR',
+  'SetAside',
+  'FilesText',
   'POINTER',
   'PREFIX',
   'StepOf',
@@ -33,12 +37,15 @@ __all__ = [
   'LatestCheckpoint',
   'CheckWritableDir',
   'FreeSpaceText',
+  'ErrorText',
   'DeleteCheckpointFiles',
   'DeleteTemp',
 ]
 
 POINTER = 'checkpoint'
 PREFIX = 'ckpt'
+# Where broken checkpoints are set aside, in the checkpoint directory.
+BROKEN_DIR = 'broken'
 
 
 class CheckpointError(RuntimeError):
@@ -47,6 +54,10 @@ class CheckpointError(RuntimeError):
 
 class IncompatibleCheckpointError(CheckpointError):
   """The checkpoint was written by a model with other variables."""
+
+
+class BrokenCheckpointError(CheckpointError):
+  """The files of a checkpoint are truncated or corrupt."""
 
 
 # -- Finding checkpoints ---------------------------------------------------
@@ -189,6 +200,18 @@ def FreeSpaceText(directory):
     return 'free disk space unknown'
 
 
+def ErrorText(error):
+  """The message of an OSError or a TensorFlow error in one line, without
+  TensorFlow's {{function_node ...}} and [Op:...] decorations; TensorFlow's
+  "<file>.tempstate<n>; <reason>" reads "<reason> (writing <file>)"."""
+  text = str(getattr(error, 'message', None) or error)
+  text = re.sub(r'\{\{function_node [^}]*\}\}\s*', '', text)
+  text = re.sub(r'\s*\[Op:[^\]]*\].*$', '', text, flags=re.S)
+  text = ' '.join(text.split())
+  m = re.match(r'^(\S+?)(?:\.tempstate\d+)?; (.+)$', text)
+  return f'{m.group(2)} (writing {m.group(1)})' if m else text
+
+
 def CheckWritableDir(directory, what='--logdir'):
   """Creates `directory` and checks a file can be written there.
 
@@ -203,10 +226,39 @@ def CheckWritableDir(directory, what='--logdir'):
     tf.io.gfile.remove(probe)
   except (OSError, tf.errors.OpError) as e:
     raise CheckpointError(
-      f'Cannot write to {what} {directory!r}: {getattr(e, "message", e)} '
+      f'Cannot write to {what} {directory!r}: {ErrorText(e)} '
       f'({FreeSpaceText(os.path.dirname(directory) or ".")}). Pass a '
       f'writable {what} with free space.'
     ) from e
+
+
+def FilesText(prefix, data_only=False):
+  """The files of checkpoint `prefix` and their sizes, for a message."""
+  paths = sorted(tf.io.gfile.glob(prefix + '.data-*'))
+  if not data_only:
+    paths.append(prefix + '.index')
+  out = []
+  for path in paths:
+    try:
+      size = f'{tf.io.gfile.stat(path).length} bytes'
+    except tf.errors.OpError:
+      size = 'missing'
+    out.append(f'{path} ({size})')
+  return ', '.join(out)
+
+
+def SetAside(prefix):
+  """Moves the files of checkpoint `prefix` into `<its directory>/broken/`
+  (never deleting them); returns their new prefix there."""
+  directory, name = os.path.split(prefix)
+  aside = os.path.join(directory, BROKEN_DIR)
+  tf.io.gfile.makedirs(aside)
+  target, n = os.path.join(aside, name), 1
+  while tf.io.gfile.glob(target + '.*'):
+    target, n = os.path.join(aside, f'{name}_{n}'), n + 1
+  for path in tf.io.gfile.glob(prefix + '.*'):
+    tf.io.gfile.rename(path, target + path[len(prefix) :])
+  return target
 
 
 def DeleteCheckpointFiles(prefix):

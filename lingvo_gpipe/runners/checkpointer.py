@@ -43,18 +43,23 @@ import time
 from absl import logging
 import tensorflow as tf
 
+from lingvo_gpipe.runners.checkpoint_files import BROKEN_DIR
 from lingvo_gpipe.runners.checkpoint_files import POINTER
 from lingvo_gpipe.runners.checkpoint_files import PREFIX
+from lingvo_gpipe.runners.checkpoint_files import BrokenCheckpointError
 from lingvo_gpipe.runners.checkpoint_files import CheckpointError
 from lingvo_gpipe.runners.checkpoint_files import CheckWritableDir
 from lingvo_gpipe.runners.checkpoint_files import DeleteCheckpointFiles
 from lingvo_gpipe.runners.checkpoint_files import DeleteTemp
+from lingvo_gpipe.runners.checkpoint_files import ErrorText
+from lingvo_gpipe.runners.checkpoint_files import FilesText
 from lingvo_gpipe.runners.checkpoint_files import FreeSpaceText
 from lingvo_gpipe.runners.checkpoint_files import IncompatibleCheckpointError
 from lingvo_gpipe.runners.checkpoint_files import IsCompleteCheckpoint
 from lingvo_gpipe.runners.checkpoint_files import LatestCheckpoint
 from lingvo_gpipe.runners.checkpoint_files import ListCheckpoints
 from lingvo_gpipe.runners.checkpoint_files import ReadPointer
+from lingvo_gpipe.runners.checkpoint_files import SetAside
 from lingvo_gpipe.runners.checkpoint_files import StepOf
 from lingvo_gpipe.runners.checkpoint_files import SyncCheckpoint
 from lingvo_gpipe.runners.checkpoint_files import WritePointer
@@ -75,6 +80,8 @@ from lingvo_gpipe.runners.checkpoint_names import VariableKey
 __all__ = [
   'CheckpointError',
   'IncompatibleCheckpointError',
+  'BrokenCheckpointError',
+  'BROKEN_DIR',
   'Checkpointer',
   'RestoreReport',
   'EscapeName',
@@ -97,6 +104,14 @@ __all__ = [
 
 
 # -- The checkpointer ------------------------------------------------------
+
+# What reading a checkpoint whose data files are truncated or corrupt
+# raises (TensorFlow's reader raises IndexError for a short read).
+_DATA_ERRORS = (
+  IndexError,
+  tf.errors.DataLossError,
+  tf.errors.OutOfRangeError,
+)
 
 
 class Checkpointer:
@@ -186,7 +201,8 @@ class Checkpointer:
     """Removes what crashed saves left; adopts the pointer's checkpoint list.
 
     Removed: `ckpt-*_temp` shard directories, temporary pointer files,
-    incomplete checkpoints, complete
+    incomplete checkpoints the pointer does not name (those it names are
+    set aside in `broken/`), complete
     ones newer than the latest (a save that died before its pointer update:
     they would be overwritten in place) and, when the pointer lists the kept
     checkpoints, unlisted older ones (a sweep that died half-way).
@@ -204,7 +220,15 @@ class Checkpointer:
       step = StepOf(prefix)
       if step is None or prefix == newest:
         continue
-      if (
+      if prefix not in complete and prefix in listed + [latest]:
+        # Saves are whole before the pointer names them: this one broke.
+        logging.warning(
+          'Checkpoint %s is broken (%s); set aside as %s.',
+          prefix,
+          FilesText(prefix),
+          SetAside(prefix),
+        )
+      elif (
         prefix not in complete
         or step > newest_step
         or (listed and prefix not in listed)
@@ -286,8 +310,8 @@ class Checkpointer:
       DeleteTemp(prefix)
       DeleteCheckpointFiles(prefix)
       raise CheckpointError(
-        f'Could not write checkpoint {prefix!r} at step {step}: '
-        f'{getattr(e, "message", e)} ({FreeSpaceText(self._dir)}). Free '
+        f'Could not write checkpoint {prefix} at step {step}: '
+        f'{ErrorText(e)} ({FreeSpaceText(self._dir)}). Free '
         'space or pass another --logdir; the previous checkpoint '
         f'{self._kept[-1] if self._kept else "(none)"} is intact.'
       ) from e
@@ -352,6 +376,20 @@ class Checkpointer:
         raise IncompatibleCheckpointError(
           f'Cannot restore {prefix} into this model:\n' + '\n'.join(lines)
         )
+    try:
+      return self._Read(prefix)
+    except _DATA_ERRORS as e:
+      what = (
+        'shorter than its index says (truncated)'
+        if isinstance(e, IndexError)
+        else f'{type(e).__name__}: {ErrorText(e)}'
+      )
+      raise BrokenCheckpointError(
+        f'Checkpoint {prefix} is truncated or corrupt: '
+        f'{FilesText(prefix, data_only=True)}: {what}.'
+      ) from e
+
+  def _Read(self, prefix):
     reader = tf.train.load_checkpoint(prefix)
     has_iterator = reader.has_tensor(ITER_KEY)
     if self._iterator is not None and has_iterator:
@@ -360,6 +398,8 @@ class Checkpointer:
         status.assert_existing_objects_matched()
         status.expect_partial()
         return StepOf(prefix)
+      except _DATA_ERRORS:
+        raise
       except (tf.errors.OpError, AssertionError, ValueError) as e:
         logging.warning(
           'Could not restore the input position from %s (%s); '
@@ -373,21 +413,56 @@ class Checkpointer:
     return StepOf(prefix)
 
   def Restore(self):
-    """Restores the latest checkpoint of the directory.
+    """Restores the latest checkpoint of the directory that restores.
+
+    A checkpoint whose files are truncated or corrupt is set aside in
+    `broken/` (never deleted), with a warning naming its files and what is
+    wrong, and the newest checkpoint before it is restored instead.
 
     Returns:
       The restored prefix, or None when the directory holds no checkpoint.
 
     Raises:
       IncompatibleCheckpointError: the checkpoint is of another model.
+      BrokenCheckpointError: no checkpoint restores (all set aside).
     """
-    prefix = LatestCheckpoint(self._dir)
-    if prefix is None:
-      return None
-    self.RestoreFrom(prefix)
+    broken = []
+    while True:
+      prefix = LatestCheckpoint(self._dir)
+      if prefix is None:
+        if broken:
+          raise BrokenCheckpointError(
+            f'No checkpoint of {self._dir} restores; set aside in '
+            f'{os.path.join(self._dir, BROKEN_DIR)}: '
+            + ' '.join(broken)
+            + ' Put back a good copy, or rerun to train from the start.'
+          )
+        return None
+      try:
+        self.RestoreFrom(prefix)
+        break
+      except BrokenCheckpointError as e:
+        broken.append(str(e))
+        self._kept = [p for p in self._kept if p != prefix]
+        moved = SetAside(prefix)
+        if self._kept:
+          WritePointer(self._dir, self._kept[-1], self._kept)
+        elif tf.io.gfile.exists(os.path.join(self._dir, POINTER)):
+          tf.io.gfile.remove(os.path.join(self._dir, POINTER))
+        logging.warning(
+          '%s Set it aside as %s; resuming from the checkpoint before it.',
+          e,
+          moved,
+        )
     self._last_step = StepOf(prefix)
     self._last_time = time.time()
     if prefix not in self._kept:
       self._kept.append(prefix)
     logging.info('Restored %s.', prefix)
+    if broken:
+      logging.warning(
+        'Resumed from %s, the newest checkpoint that restores: the steps '
+        'after it are trained again.',
+        prefix,
+      )
     return prefix

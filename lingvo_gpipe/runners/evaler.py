@@ -26,7 +26,6 @@ the outputs of each checkpoint to `<logdir>/decoder_<dataset>/`.
 import io
 import json
 import os
-import socket
 import time
 
 from absl import logging
@@ -37,8 +36,12 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.models.mt import evaluation
+from lingvo_gpipe.runners import batch_norm_check
 from lingvo_gpipe.runners import checkpointer as ckpt_lib
 from lingvo_gpipe.runners import train_loop
+from lingvo_gpipe.runners.trainer_state import TRAINER_STATE_FILE
+from lingvo_gpipe.runners.trainer_state import TrainerRunning
+from lingvo_gpipe.runners.trainer_state import WriteTrainerState
 
 __all__ = [
   'TRAINER_STATE_FILE',
@@ -53,47 +56,6 @@ __all__ = [
 ]
 
 RESULTS_FILE = 'metrics.jsonl'
-
-# Written by the trainer into its train directory: whether it runs (and its
-# process), so that a standalone evaler knows when no checkpoint will come.
-TRAINER_STATE_FILE = 'trainer_state.json'
-
-
-def WriteTrainerState(train_dir, running, step=None):
-  """Records in `<train_dir>/trainer_state.json` that the trainer of this
-  process runs (`running`) or has stopped (at `step`)."""
-  state = {
-    'running': bool(running),
-    'pid': os.getpid(),
-    'host': socket.gethostname(),
-    'step': step,
-    'wall_time': time.time(),
-  }
-  tf.io.gfile.makedirs(train_dir)
-  with tf.io.gfile.GFile(os.path.join(train_dir, TRAINER_STATE_FILE), 'w') as f:
-    f.write(json.dumps(state, sort_keys=True) + '\n')
-
-
-def TrainerRunning(train_dir):
-  """Whether a trainer still writes checkpoints to `train_dir`: its state
-  file says it runs and, on this host, its process is alive. False without
-  a state file (a logdir whose trainer is gone, or copied)."""
-  path = os.path.join(train_dir, TRAINER_STATE_FILE)
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      state = json.loads(f.read())
-  except (tf.errors.NotFoundError, ValueError):
-    return False
-  if not state.get('running'):
-    return False
-  if state.get('host') == socket.gethostname() and state.get('pid'):
-    try:
-      os.kill(int(state['pid']), 0)
-    except ProcessLookupError:
-      return False  # Killed without writing its state.
-    except PermissionError:
-      pass
-  return True
 
 
 def EvalDir(logdir, dataset, kind='eval'):
@@ -136,6 +98,7 @@ class Evaler:
     model=None,
     max_batches=None,
     until_trainer_exits=False,
+    idle_timeout_seconds=0.0,
   ):
     """Constructor.
 
@@ -156,6 +119,9 @@ class Evaler:
       until_trainer_exits: `Run` also returns once the trainer has exited
         (`TrainerRunning` is False) and its last checkpoint is evaluated,
         e.g. after training to fewer steps than max_steps.
+      idle_timeout_seconds: with `until_trainer_exits`, `Run` raises a
+        CheckpointError after this long with no checkpoint and no trainer
+        running (an empty or mistyped logdir); 0: no limit.
     """
     self._params = params
     self._dataset = dataset.lower()
@@ -168,6 +134,8 @@ class Evaler:
     self._timeout = float(timeout_seconds or 0)
     self._max_batches = max_batches
     self._until_trainer_exits = until_trainer_exits
+    self._idle_timeout = float(idle_timeout_seconds or 0)
+    self._bn_checked = self._wait_logged = False
     self._model = model if model is not None else params.Instantiate()
     self._task = self._model.GetTask()
     input_p = self._task.input_generator.params
@@ -251,6 +219,11 @@ class Evaler:
     step = ckpt_lib.StepOf(prefix)
     if step is None:
       step = int(self._model.global_step.numpy())
+    if not self._bn_checked:  # Once: the first checkpoint says it.
+      self._bn_checked = True
+      warning = batch_norm_check.MovingAverageWarning(self._model, step)
+      if warning:
+        logging.warning('%s', warning)
     metrics, weights, num_batches, extra = self._Evaluate(step)
     record = {
       'step': step,
@@ -300,7 +273,7 @@ class Evaler:
       The list of records of the checkpoints evaluated.
     """
     records, failures = [], {}
-    last_new = time.time()
+    last_new = idle_since = time.time()
     logging.info(
       '%s %s watching %s (max_steps=%s, timeout=%s).',
       self.KIND.capitalize(),
@@ -354,6 +327,8 @@ class Evaler:
           step,
         )
         return self._Done(records)
+      if self._until_trainer_exits and prefix is None:
+        idle_since = self._WaitForATrainer(idle_since)
       if self._timeout and time.time() - last_new > self._timeout:
         logging.warning(
           '%s %s: no new checkpoint in %s for %.0f s; exiting.',
@@ -364,6 +339,31 @@ class Evaler:
         )
         return self._Done(records)
       self._Wait(stop)
+
+  def _WaitForATrainer(self, idle_since):
+    """No checkpoint yet: logs the wait once, and ends it (CheckpointError)
+    after the idle timeout without a trainer; returns the new idle_since."""
+    now = time.time()
+    if TrainerRunning(self._train_dir):
+      return now
+    if now - idle_since >= self._idle_timeout > 0:
+      raise ckpt_lib.CheckpointError(
+        f'No checkpoint in {self._train_dir} after {self._idle_timeout:g} '
+        's, and no trainer runs there. Check --logdir, start the trainer, or '
+        'wait longer with --eval_idle_timeout_s (0: no limit).'
+      )
+    if not self._wait_logged:
+      self._wait_logged = True
+      limit = f'{self._idle_timeout:g} s' if self._idle_timeout else 'no limit'
+      logging.info(
+        '%s %s: no checkpoint in %s yet and no trainer runs there; waiting '
+        'for one (%s, --eval_idle_timeout_s).',
+        self.KIND.capitalize(),
+        self._dataset,
+        self._train_dir,
+        limit,
+      )
+    return idle_since
 
   def _Done(self, records):
     """`records`; when this run evaluated nothing, logs the latest results

@@ -40,6 +40,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from lingvo_gpipe.core import distribute
+from lingvo_gpipe.core import quiet_start
 
 __all__ = [
   'StopRequest',
@@ -132,14 +133,14 @@ class StopRequest:
 def _ExitNow(signum):
   """The second SIGINT/SIGTERM: one line, no save, no waiting."""
   name = signal.Signals(signum).name
-  message = (
-    f'Second {name}: exiting now without saving; the last checkpoint '
-    'stays the one to resume from.'
-  )
-  logging.warning('%s', message)
   logging.flush()
-  sys.stderr.write(f'ERROR: {message}\n')
   sys.stderr.flush()
+  quiet_start.SyncStderr(timeout=0.5)
+  os.write(
+    quiet_start.StderrFd(),
+    f'ERROR: Second {name}: exiting now without saving; the last checkpoint '
+    'stays the one to resume from.\n'.encode(),
+  )
   os._exit(128 + signum)  # pylint: disable=protected-access
 
 
@@ -414,7 +415,8 @@ class TrainLoop:
         f'saving.{dropped} The last good model is the last checkpoint: '
         f'{self._Latest()}. Lower the learning rate (e.g. '
         '--model_params_override="task.train.learning_rate : ...") or add '
-        'gradient clipping, then rerun to resume from it.'
+        'gradient clipping, then rerun with --allow_params_change to resume '
+        'from it.'
       )
 
   def _CheckWeightsFinite(self, step):
@@ -440,9 +442,9 @@ class TrainLoop:
         f'The weights diverged at step {step}: |{name}| reaches {peak:.3g} '
         f'(> --max_weight_abs={self._max_weight_abs:g}); not saving them. '
         f'The last good model is the last checkpoint: {self._Latest()}. '
-        'Lower the learning rate or add gradient clipping, then rerun to '
-        'resume from it (or raise --max_weight_abs if such weights are '
-        'expected).'
+        'Lower the learning rate or add gradient clipping, then rerun with '
+        '--allow_params_change to resume from it (or raise --max_weight_abs '
+        'if such weights are expected).'
       )
 
   def _Variables(self):

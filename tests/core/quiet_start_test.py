@@ -90,3 +90,28 @@ def testLevelZeroShowsTheBanner():
   )
   assert res.returncode == 0, res.stderr[-3000:]
   assert _BANNER in res.stderr, res.stderr
+
+
+def testNativeFilterDropsTheNoiseLinesAndTheirContinuations():
+  f = quiet_start.NativeFilter([b'Local rendezvous is aborting'])
+  lines = [
+    b'I1125 21:10:41.471720 1397 checkpointer.py:306] Saved ckpt-5.',
+    b'W0000 00:00:1795641009.06 3955 local_rendezvous.cc:412] Local '
+    b'rendezvous is aborting with status: UNAVAILABLE: Socket closed',
+    b'Additional GRPC error information from remote target /job:worker:',
+    b':{"grpc_message":"Socket closed","grpc_status":14}',
+    b'W0000 00:00:1795641009.07 3955 other.cc:1] another warning',
+    b'a continuation that stays',
+    # A Python log line with the same words passes: only native ones go.
+    b'W1125 21:10:41.4 1397 train_loop.py:5] Local rendezvous is aborting',
+    b'W0000 00:00:1795641009.06 3955 local_rendezvous.cc:412] Local '
+    b'rendezvous is aborting with status: CANCELLED',
+    b'ERROR: Lost worker /job:worker/task:1 (127.0.0.1:1) ...',
+  ]
+  assert [ln for ln in lines if f.Keep(ln)] == [
+    lines[0],
+    lines[4],
+    lines[5],
+    lines[6],
+    lines[8],
+  ]

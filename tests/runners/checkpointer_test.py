@@ -138,6 +138,62 @@ def testPointerToBrokenCheckpointFallsBack(tmp_path):
   assert checkpointer.LatestCheckpoint(str(tmp_path)) == good
 
 
+def testBrokenLatestIsSetAsideAndTheOneBeforeRestores(tmp_path):
+  variables = _Vars()
+  ckpt = checkpointer.Checkpointer(str(tmp_path), variables)
+  for step in (1, 2, 3):
+    variables['global_step'].assign(step)
+    ckpt.Save(step)
+  data = tmp_path / 'ckpt-3.data-00000-of-00001'
+  with open(data, 'r+b') as f:
+    f.truncate(20)
+  restored = _Vars(scale=0.0)
+  restorer = checkpointer.Checkpointer(str(tmp_path), restored)
+  assert restorer.Restore() == str(tmp_path / 'ckpt-2')
+  assert int(restored['global_step'].numpy()) == 2
+  # Set aside whole, never deleted; the pointer names the one restored.
+  aside = tmp_path / checkpointer.BROKEN_DIR
+  assert sorted(os.listdir(aside)) == [
+    'ckpt-3.data-00000-of-00001',
+    'ckpt-3.index',
+  ]
+  assert os.path.getsize(aside / 'ckpt-3.data-00000-of-00001') == 20
+  latest, listed = checkpointer.ReadPointer(str(tmp_path))
+  assert latest == str(tmp_path / 'ckpt-2')
+  assert str(tmp_path / 'ckpt-3') not in listed
+  assert restorer.Save(3) == str(tmp_path / 'ckpt-3')  # Trained again.
+  # A checksum mismatch too; and when none restores, an error naming them.
+  for step in (1, 2, 3):
+    path = tmp_path / f'ckpt-{step}.data-00000-of-00001'
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 0xFF
+    path.write_bytes(bytes(raw))
+  with pytest.raises(checkpointer.BrokenCheckpointError) as e:
+    checkpointer.Checkpointer(str(tmp_path), _Vars()).Restore()
+  assert f'No checkpoint of {tmp_path} restores; set aside in {aside}' in str(
+    e.value
+  )
+  assert 'ckpt-1.data-00000-of-00001 (' in str(e.value)
+  assert 'DataLossError' in str(e.value)
+  assert sorted(os.listdir(aside))[-2:] == [
+    'ckpt-3_1.data-00000-of-00001',
+    'ckpt-3_1.index',
+  ]
+
+
+def testBrokenIndexThePointerNamesIsSetAsideNotDeleted(tmp_path):
+  ckpt = checkpointer.Checkpointer(str(tmp_path), _Vars())
+  good = ckpt.Save(1)
+  ckpt.Save(2)
+  (tmp_path / 'ckpt-2.index').write_bytes(b'not an index')
+  restorer = checkpointer.Checkpointer(str(tmp_path), _Vars())
+  assert restorer.Restore() == good
+  assert sorted(os.listdir(tmp_path / checkpointer.BROKEN_DIR)) == [
+    'ckpt-2.data-00000-of-00001',
+    'ckpt-2.index',
+  ]
+
+
 def testIteratorPositionIsRestored(tmp_path):
   ds = tf.data.Dataset.range(100).batch(2)
   it = iter(ds)

@@ -29,13 +29,18 @@ def Cmd(*args, model=MODEL):
   ]
 
 
-def Env():
+def Env(native_warnings=False):
+  """The trainer's environment; `native_warnings`: TensorFlow's C++
+  warnings show, as for a user (TF_CPP_MIN_LOG_LEVEL unset)."""
   path = os.environ.get('PYTHONPATH', '')
-  return dict(
+  env = dict(
     os.environ,
     TF_CPP_MIN_LOG_LEVEL='2',
     PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
   )
+  if native_warnings:
+    del env['TF_CPP_MIN_LOG_LEVEL']
+  return env
 
 
 def Run(*args, model=MODEL, timeout=TIMEOUT):
@@ -52,13 +57,13 @@ def Run(*args, model=MODEL, timeout=TIMEOUT):
 class Proc:
   """A background trainer whose stderr goes to a file; always killed."""
 
-  def __init__(self, log_path, *args):
+  def __init__(self, log_path, *args, native_warnings=False):
     self.log_path = log_path
     self._log = open(log_path, 'w')
     self.proc = subprocess.Popen(
       Cmd(*args),
       cwd=REPO,
-      env=Env(),
+      env=Env(native_warnings),
       stdout=self._log,
       stderr=subprocess.STDOUT,
     )
@@ -85,6 +90,15 @@ class Proc:
       self.proc.kill()
     self.proc.wait(timeout=30)
     self._log.close()
+
+
+def ErrorLine(stderr):
+  """The one ERROR line of a failed run's stderr (asserting there is one
+  and no traceback)."""
+  lines = [ln for ln in stderr.splitlines() if ln.startswith('ERROR:')]
+  assert len(lines) == 1, stderr[-3000:]
+  assert 'Traceback' not in stderr, stderr[-3000:]
+  return lines[0]
 
 
 def Latest(train_dir):
