@@ -86,13 +86,13 @@ def _Anchored(flat):
   `_XlaMustCompile` attribute, and the step then fails with "Function NoOp
   is not defined". A one-element copy of the first output, a stateful op
   that the optimizer keeps, gives the call a data consumer as long as
-  anything depends on its outputs.
+  anything depends on its first output.
   """
   if not flat or tf.executing_eagerly():
     return flat
   keep = tf.raw_ops.DeepCopy(x=tf.reshape(flat[0], [-1])[:1])
   _tf_internal.RunIndependently(keep.op)
-  return graph_ops.After(list(flat), [keep])
+  return [graph_ops.After(flat[0], [keep])] + list(flat[1:])
 
 
 class _Layout:
@@ -260,7 +260,6 @@ class CellFunctions:
     loss_fn = None if loss is None else loss.fn
     present = tuple(dy is not None and _IsFloat(dy) for dy in dys)
     sources = layout.Sources(input_grad)
-    has_sum = tuple(sums[i] is not None for i, _ in layout.theta_floats)
     if self.Inline():
       grads = self._InlineBackward(
         k, layout, is_eval, dys, present, sources, loss_fn
@@ -268,11 +267,14 @@ class CellFunctions:
     elif not any(present):
       grads = [None] * len(sources)
     else:
-      f = self._Backward(
-        k, layout, is_eval, present, has_sum, input_grad, loss_fn
-      )
+      f = self._Backward(k, layout, is_eval, present, input_grad, loss_fn)
       given = [dy for dy, p in zip(dys, present) if p]
-      running = [sums[i] for i, _ in layout.theta_floats if sums[i] is not None]
+      # The device's first backward adds to zeros: one function for every
+      # micro-batch (0 + g is g).
+      running = [
+        tf.zeros_like(layout.tensors[p]) if sums[i] is None else _Dense(sums[i])
+        for i, p in layout.theta_floats
+      ]
       call_inputs = layout.tensors + given + running
       self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
       got = list(self._Call(f, call_inputs, after))
@@ -443,13 +445,12 @@ class CellFunctions:
 
     return self._Get(key, Make)
 
-  def _Backward(
-    self, k, layout, is_eval, present, has_sum, input_grad, loss_fn
-  ):
+  def _Backward(self, k, layout, is_eval, present, input_grad, loss_fn):
     """The recompute-and-backward of cell k: takes the inputs, the output
-    gradients marked in `present` and the running sums marked in `has_sum`
-    (one flag per float weight)."""
-    key = (k, is_eval, layout.key, present, has_sum, input_grad, loss_fn)
+    gradients marked in `present` and the running sum of each float
+    weight's gradient; returns the new sums (of the weights that have a
+    gradient) and the inputs' gradients."""
+    key = (k, is_eval, layout.key, present, input_grad, loss_fn)
 
     def Make():
       f = _Function()
@@ -472,12 +473,12 @@ class CellFunctions:
         )
         running = list(tensors[n_in + n_dy :])
         grads = [None if g is None else _Dense(g) for g in grads]
-        for j, flag in enumerate(has_sum):
-          if flag:
-            s = running.pop(0)
-            # The same sum, in the same order, as adding micro-batch by
-            # micro-batch outside.
-            grads[j] = s if grads[j] is None else s + grads[j]
+        for j, s in enumerate(running):
+          # The same sum, in the same order, as adding micro-batch by
+          # micro-batch outside. A weight without a gradient keeps its sum
+          # (the engine's), None where it never had one.
+          if grads[j] is not None:
+            grads[j] = s + grads[j]
         f.meta['present'] = [g is not None for g in grads]
         return [g for g in grads if g is not None]
 

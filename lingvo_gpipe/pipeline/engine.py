@@ -263,8 +263,10 @@ class PipelineEngine:
     """Micro-batch j's step seed, py_utils.MixSeed(seed, j), made once per
     (j, device) from the step seed scaled once per device."""
     if (j, key) not in walk.seeds:
+      if 'step' not in walk.seeds:
+        walk.seeds['step'] = graph_ops.Opaque(tf.cast(seed, tf.int64))
       if (None, key) not in walk.seeds:
-        walk.seeds[(None, key)] = tf.cast(seed, tf.int64) * 1000003
+        walk.seeds[(None, key)] = walk.seeds['step'] * 1000003
       walk.seeds[(j, key)] = tf.bitwise.bitwise_xor(
         walk.seeds[(None, key)],
         tf.constant(py_utils.StableHash('mix', j), tf.int64),
@@ -306,7 +308,9 @@ class PipelineEngine:
     # Each replica's share goes from where the input is straight to the
     # replica's first device, not through replica 0's (one replica: no op).
     with graph_ops.DeviceOf(args):
-      shards = microbatch.Split(args, num_rep, self._batch_dim)
+      shards = microbatch.Split(
+        graph_ops.Opaque(args), num_rep, self._batch_dim
+      )
     states = []
     for r, shard in enumerate(shards):
       with self._Device(0, r):
@@ -523,7 +527,9 @@ class PipelineEngine:
     loss_mbs = [None] * num_j
     if loss_inputs is not None:
       with self._Device(last):
-        loss_mbs = microbatch.Split(loss_inputs, num_j, self._batch_dim)
+        loss_mbs = microbatch.Split(
+          graph_ops.Opaque(loss_inputs), num_j, self._batch_dim
+        )
     work = self.Work(num_mb)
     if not train:
       work = self._Pass(work, schedule_lib.FORWARD)
@@ -585,7 +591,7 @@ class PipelineEngine:
     ]
     with self._Device(self._num_cells - 1):
       dy_mbs = microbatch.Split(
-        tf.nest.pack_sequence_as(outs, dys),
+        graph_ops.Opaque(tf.nest.pack_sequence_as(outs, dys)),
         len(walk.thetas) * num_mb,
         self._batch_dim,
       )

@@ -20,6 +20,7 @@ __all__ = [
   'After',
   'FreshCopies',
   'Stamp',
+  'Opaque',
 ]
 
 
@@ -105,3 +106,25 @@ def AddTo(total, part):
   if tf.executing_eagerly() or _tf_internal.InXlaContext():
     return total + part
   return tf.raw_ops.Snapshot(input=tf.add(total, part))
+
+
+def Opaque(structure):
+  """The tensors of `structure` as values the graph optimizer cannot fold
+  into constants (PlaceholderWithDefault: an identity it must not look
+  through).
+
+  The pipeline passes its inputs, output gradients and seeds through it:
+  where a step's inputs are constants (a benchmark's generated batch, a
+  test's fixed one), each micro-batch's slice would otherwise be a distinct
+  constant, and the optimizer would specialize (copy and optimize) the
+  cell's function once per call instead of once.
+  """
+  if tf.executing_eagerly() or _tf_internal.InXlaContext():
+    return structure
+
+  def Wrap(t):
+    if not py_utils.IsTensor(t):
+      return t
+    return tf.raw_ops.PlaceholderWithDefault(input=t, shape=t.shape)
+
+  return tf.nest.map_structure(Wrap, structure)
