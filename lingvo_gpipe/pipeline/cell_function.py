@@ -271,10 +271,16 @@ class CellFunctions:
       given = [dy for dy, p in zip(dys, present) if p]
       # The device's first backward adds to zeros: one function for every
       # micro-batch (0 + g is g).
-      running = [
-        tf.zeros_like(layout.tensors[p]) if sums[i] is None else _Dense(sums[i])
-        for i, p in layout.theta_floats
-      ]
+      # The zeros are made once the output gradient is there: made at the
+      # start of the step, they would hold a copy of the weights through
+      # the forward pass.
+      with tf.control_dependencies(given):
+        running = [
+          tf.zeros_like(layout.tensors[p])
+          if sums[i] is None
+          else _Dense(sums[i])
+          for i, p in layout.theta_floats
+        ]
       call_inputs = layout.tensors + given + running
       self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
       got = list(self._Call(f, call_inputs, after))

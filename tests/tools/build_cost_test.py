@@ -1,0 +1,51 @@
+"""tools/build_cost.py: its records, its table and its errors."""
+
+import importlib.util
+import json
+import os
+
+_TOOL = os.path.join(
+  os.path.dirname(__file__), '..', '..', 'tools', 'build_cost.py'
+)
+
+
+def _Tool():
+  spec = importlib.util.spec_from_file_location('build_cost_tool', _TOOL)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+build_cost = _Tool()
+
+
+def testBadConfigsAreOneLineNamingTheFix(capsys):
+  assert build_cost.main(['--configs=resnet:L=2:K=2:M=2']) == 2
+  err = capsys.readouterr().err
+  assert "Unknown model 'resnet'" in err and 'transformer, fc' in err
+  assert build_cost.main(['--configs=fc:L=2:K=2']) == 2
+  assert 'has no M=..' in capsys.readouterr().err
+  assert build_cost.main(['--configs=fc:L=2:K=2:M=0']) == 2
+  assert "Bad part 'M=0'" in capsys.readouterr().err
+
+
+def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
+  path = tmp_path / 'b.json'
+  rc = build_cost.main(
+    [
+      '--configs=fc:L=4:K=2:M=2,fc:L=4:K=2:M=8',
+      '--steps=1',
+      f'--json={path}',
+    ]
+  )
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert 'to_first_s' in out and 'fc L=4 K=2 M=8' in out
+  records = json.loads(path.read_text())['records']
+  assert [r['M'] for r in records] == [2, 8]
+  for r in records:
+    assert r['ops'] > 0 and r['fn_ops'] > 0 and r['rss_mb'] > 0
+    assert r['to_first_s'] >= r['trace_s'] > 0
+  # Each cell's functions once, whatever M: the same function library.
+  assert records[0]['fn_ops'] == records[1]['fn_ops']
+  assert records[1]['ops'] - records[0]['ops'] < 6 * 2 * 2 * 6
