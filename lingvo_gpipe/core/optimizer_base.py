@@ -222,11 +222,7 @@ class Base:
         finally:
           self._per_update, self._slot_override = outer, None
 
-      fns[sig] = tf.function(
-        Update,
-        autograph=False,
-        experimental_attributes={'_noinline': True},
-      )
+      fns[sig] = py_utils.OutOfLineFunction(Update)
     return fns[sig](var, slots, grad, lr, step)
 
   def _Update(self, var, grad, lr, step):

@@ -39,6 +39,7 @@ __all__ = [
   'REPLICATED_AGGREGATION',
   'CrossReplicaReduce',
   'AsTuple',
+  'OutOfLineFunction',
   'Unwrap',
   'IsTensor',
 ]
@@ -397,6 +398,16 @@ def NoUpdateCollection():
 # ---------------------------------------------------------------------------
 # Shapes and small tensor helpers.
 # ---------------------------------------------------------------------------
+
+
+def OutOfLineFunction(fn):
+  """`fn` as a tf.function whose calls TensorFlow's graph optimizer keeps
+  as calls (`_noinline`): traced once, its ops stand once in the graph's
+  function library however often a step calls it (a pipeline cell per
+  micro-batch, an optimizer's update per variable)."""
+  return tf.function(
+    fn, autograph=False, experimental_attributes={'_noinline': True}
+  )
 
 
 def AsTuple(x):

@@ -182,10 +182,6 @@ class CellFunctions:
       cell_checks.XlaCheck(cell_layers, name) if jit_compile else None
     )
 
-  @property
-  def jit_compile(self):
-    return self._jit
-
   def Inline(self):
     """Whether cells run inline (no function calls) where built now: inside
     an XLA context, which compiles the whole step as one computation, or
@@ -260,20 +256,19 @@ class CellFunctions:
     loss_fn = None if loss is None else loss.fn
     present = tuple(dy is not None and _IsFloat(dy) for dy in dys)
     sources = layout.Sources(input_grad)
+    given = [dy for dy, p in zip(dys, present) if p]
     if self.Inline():
-      grads = self._InlineBackward(
-        k, layout, is_eval, dys, present, sources, loss_fn
+      grads = self._Differentiate(
+        k, layout, layout.tensors, is_eval, given, present, sources, loss_fn
       )
     elif not any(present):
       grads = [None] * len(sources)
     else:
       f = self._Backward(k, layout, is_eval, present, input_grad, loss_fn)
-      given = [dy for dy, p in zip(dys, present) if p]
       # The device's first backward adds to zeros: one function for every
-      # micro-batch (0 + g is g).
-      # The zeros are made once the output gradient is there: made at the
-      # start of the step, they would hold a copy of the weights through
-      # the forward pass.
+      # micro-batch (0 + g is g). The zeros are made once the output
+      # gradient is there: made at the start of the step, they would hold a
+      # copy of the weights through the forward pass.
       with tf.control_dependencies(given):
         running = [
           tf.zeros_like(layout.tensors[p])
@@ -369,12 +364,6 @@ class CellFunctions:
       )
     )
 
-  def _InlineBackward(self, k, layout, is_eval, dys, present, sources, loss_fn):
-    given = [dy for dy, p in zip(dys, present) if p]
-    return self._Differentiate(
-      k, layout, layout.tensors, is_eval, given, present, sources, loss_fn
-    )
-
   def _Split(self, layout, sources, grads, sums, summed):
     """(weight gradients flat like `sums`, input gradients flat like the
     inputs) from the gradients of `sources`; adds them to `sums` unless the
@@ -412,11 +401,7 @@ class CellFunctions:
   def _Wrap(self, body):
     if self._jit:
       return tf.function(body, jit_compile=True, autograph=False)
-    return tf.function(
-      body,
-      autograph=False,
-      experimental_attributes={'_noinline': True},
-    )
+    return py_utils.OutOfLineFunction(body)
 
   def _MakeSum(self):
     f = _Function()

@@ -33,18 +33,9 @@ def SumGradients(parts):
   if tf.executing_eagerly() or _tf_internal.InXlaContext():
     # XLA orders the computation itself.
     return tf.add_n(parts)
-  # A chain of adds, each adding one micro-batch's gradient as soon as it is
-  # ready (in place: the running sum's buffer is reused). TensorFlow's graph
-  # optimizer would rewrite a bare chain into one AddN, which waits for and
-  # keeps the gradients of all micro-batches at once; a Snapshot after each
-  # add (a no-op that passes its input's buffer on) keeps the adds apart.
-  # AccumulateNV2, which also adds as inputs arrive, is rewritten into a
-  # temporary variable initialized from zeros that constant folding turns
-  # into constants of every weight's shape, held for as long as the function
-  # lives: one more copy of the weights on every device.
   total = parts[0]
   for part in parts[1:]:
-    total = tf.raw_ops.Snapshot(input=tf.add(total, part))
+    total = AddTo(total, part)
   return total
 
 
@@ -102,9 +93,18 @@ def Stamp(x):
 
 def AddTo(total, part):
   """total + part, added in place into `total`'s buffer where the graph
-  allows (see `SumGradients`)."""
+  allows: one link of a running sum."""
   if tf.executing_eagerly() or _tf_internal.InXlaContext():
     return total + part
+  # A chain of such adds adds each micro-batch's gradient as soon as it is
+  # ready (in place: the running sum's buffer is reused). TensorFlow's graph
+  # optimizer would rewrite a bare chain into one AddN, which waits for and
+  # keeps the gradients of all micro-batches at once; a Snapshot after each
+  # add (a no-op that passes its input's buffer on) keeps the adds apart.
+  # AccumulateNV2, which also adds as inputs arrive, is rewritten into a
+  # temporary variable initialized from zeros that constant folding turns
+  # into constants of every weight's shape, held for as long as the function
+  # lives: one more copy of the weights on every device.
   return tf.raw_ops.Snapshot(input=tf.add(total, part))
 
 
