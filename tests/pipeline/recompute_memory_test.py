@@ -179,6 +179,9 @@ def testCompiledCellsKeepNoMoreActivations():
   # before adding any of them, so each micro-batch left a copy of the cell's
   # weight gradients alive (11.3 MiB here, against 2.9 MiB without XLA).
   # Each micro-batch's sum is now made before the device's next backward.
+  # The compiled peak still varies from run to run by up to half a copy of
+  # the weights (3.0-3.8 MiB against 2.8-2.9 MiB without XLA, measured over
+  # runs), so the bound is one copy of the weights, not a ratio.
   out = subprocess.run(
     [sys.executable, '-c', _COMPILED],
     capture_output=True,
@@ -188,4 +191,4 @@ def testCompiledCellsKeepNoMoreActivations():
   assert out.returncode == 0, out.stderr[-3000:]
   line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
   r = json.loads(line[len('RESULT') :])
-  assert r['True'] < 1.3 * r['False'], r
+  assert r['True'] < r['False'] + r['weights'], r
