@@ -164,11 +164,21 @@ class CellFunctions:
     inline: fn() -> whether cells must run inline where built now (e.g. in a
       TPU replica, whose computation XLA compiles as a whole); inside an XLA
       context they always do.
+    shared: a `layer_function.SharedLayers`: inside the cells' functions,
+      its layers of a shared kind run as calls of their kind's function
+      (not with `jit_compile`: XLA compiles the cell as one computation).
   """
 
   def __init__(
-    self, cell_fprop, cell_layers, name, jit_compile=False, inline=None
+    self,
+    cell_fprop,
+    cell_layers,
+    name,
+    jit_compile=False,
+    inline=None,
+    shared=None,
   ):
+    self._shared = None if jit_compile else shared
     self._inline = inline
     self._cell_fprop = cell_fprop
     self._cell_layers = cell_layers
@@ -192,10 +202,13 @@ class CellFunctions:
 
   # -- What the engine calls ---------------------------------------------------
 
-  def Forward(self, k, theta_k, args, seed, loss=None, after=None):
+  def Forward(self, k, theta_k, args, seed, loss=None, after=None, taped=False):
     """Cell k on one micro-batch (and its loss, with `loss`).
 
-    `after`: tensors the call waits for (control dependencies).
+    `after`: tensors the call waits for (control dependencies). `taped`: a
+    gradient tape records the call (its layers then run inline in it: the
+    gradient of a call of calls would take a zero gradient for every
+    intermediate of every layer, a few ops per work item).
 
     Returns:
       (outputs tuple, the loss or None, [(layer, stats)] of the deferred
@@ -210,7 +223,7 @@ class CellFunctions:
         k, layout, layout.tensors, is_eval, collector, loss_fn
       )
       return out, loss_value, collector.updates
-    f = self._Forward(k, layout, is_eval, loss_fn)
+    f = self._Forward(k, layout, is_eval, loss_fn, taped)
     self._Check(k, f, layout.tensors, ('forward', k, is_eval))
     flat = list(self._Call(f, layout.tensors, after))
     if self._jit:
@@ -318,11 +331,16 @@ class CellFunctions:
 
   # -- Running a cell ----------------------------------------------------------
 
-  def _Run(self, k, layout, tensors, is_eval, collector, loss_fn, mark=None):
-    """(outputs tuple, the loss or None) of cell k on `tensors`."""
+  def _Run(
+    self, k, layout, tensors, is_eval, collector, loss_fn, mark=None, fprop=None
+  ):
+    """(outputs tuple, the loss or None) of cell k on `tensors`; `fprop`
+    runs each layer (default: its FProp, inline)."""
     theta_k, args, seed, loss_in, loss_th = layout.Unpack(tensors)
     with py_utils.EvalMode(is_eval), py_utils.StepSeed(seed), collector:
-      out = py_utils.AsTuple(self._cell_fprop(k, theta_k, args, mark))
+      out = py_utils.AsTuple(
+        self._cell_fprop(k, theta_k, args, mark, fprop=fprop)
+      )
       loss = None
       if loss_fn is not None:
         loss = tf.convert_to_tensor(
@@ -336,8 +354,39 @@ class CellFunctions:
           )
     return out, loss
 
+  def _LayerFProp(self, f, first_inline=False):
+    """How the layers of function `f` run: shared kinds as calls (not in
+    the XLA check's trace, which looks for the layer of each op, nor in a
+    forward that a tape records).
+
+    `first_inline`: the cell's first layer runs inline (a backward that
+    needs no input gradient: a call's gradient computes every input's).
+    """
+    if self._shared is None or 'mark' in f.meta or f.meta.get('taped'):
+      return None
+    if not first_inline:
+      return self._shared.FProp
+    calls = []
+
+    def FProp(layer, theta, args):
+      calls.append(layer)
+      if len(calls) == 1:
+        return layer.FProp(theta, *args)
+      return self._shared.FProp(layer, theta, args)
+
+    return FProp
+
   def _Differentiate(
-    self, k, layout, tensors, is_eval, given, present, sources, loss_fn
+    self,
+    k,
+    layout,
+    tensors,
+    is_eval,
+    given,
+    present,
+    sources,
+    loss_fn,
+    fprop=None,
   ):
     """Gradients of cell k's outputs (or loss) on `tensors` for the output
     gradients `given` (those of the outputs marked in `present`), w.r.t.
@@ -350,7 +399,13 @@ class CellFunctions:
     ):
       tape.watch(xs)
       out, loss = self._Run(
-        k, layout, tensors, is_eval, py_utils.UpdateCollector(), loss_fn
+        k,
+        layout,
+        tensors,
+        is_eval,
+        py_utils.UpdateCollector(),
+        loss_fn,
+        fprop=fprop,
       )
     ys = [loss] if loss is not None else tf.nest.flatten(out)
     given = list(given)
@@ -412,17 +467,25 @@ class CellFunctions:
     f.fn = self._Wrap(Sum)
     return f
 
-  def _Forward(self, k, layout, is_eval, loss_fn):
-    key = ('forward', k, is_eval, layout.key, loss_fn)
+  def _Forward(self, k, layout, is_eval, loss_fn, taped):
+    key = ('forward', k, is_eval, layout.key, loss_fn, taped)
 
     def Make():
       f = _Function()
+      f.meta['taped'] = taped
 
       def Forward(*tensors):
         self._traces.Count(f, k, 'forward', key, tensors)
         collector = py_utils.UpdateCollector()
         out, loss = self._Run(
-          k, layout, tensors, is_eval, collector, loss_fn, f.meta.get('mark')
+          k,
+          layout,
+          tensors,
+          is_eval,
+          collector,
+          loss_fn,
+          f.meta.get('mark'),
+          fprop=self._LayerFProp(f),
         )
         f.meta['out'] = out
         f.meta['updates'] = list(collector.updates)
@@ -461,6 +524,7 @@ class CellFunctions:
           present,
           sources,
           loss_fn,
+          fprop=self._LayerFProp(f, first_inline=not input_grad),
         )
         running = list(tensors[n_in + n_dy :])
         grads = [None if g is None else _Dense(g) for g in grads]

@@ -346,7 +346,7 @@ class PipelineEngine:
         with tape:
           tape.watch([t for t in tf.nest.flatten(watched) if _IsFloat(t)])
           raw, loss_value, upd = self._cells.Forward(
-            k, theta_k, x, seed_m, loss, after=after
+            k, theta_k, x, seed_m, loss, after=after, taped=True
           )
       else:
         raw, loss_value, upd = self._cells.Forward(

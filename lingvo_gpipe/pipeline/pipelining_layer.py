@@ -69,6 +69,7 @@ from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import cell_function
 from lingvo_gpipe.pipeline import cell_shapes
 from lingvo_gpipe.pipeline import engine
+from lingvo_gpipe.pipeline import layer_function
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -217,6 +218,15 @@ class PipeliningLayer(base_layer.BaseLayer):
       'pipeline is first traced.',
     )
     p.Define(
+      'share_layer_functions',
+      True,
+      'Trace each kind of layer of `layers` (the same class and Params '
+      'but for the name) once, as a function that its layers call inside '
+      "the cells' functions: the step's size and its first-step time then "
+      'grow with the kinds of layers, not with their number (see '
+      '`layer_function.py`). False: every layer inline in its cell.',
+    )
+    p.Define(
       'state_dtype',
       None,
       'Lingvo compatibility; only None: activations keep the dtype '
@@ -314,6 +324,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       self.path,
       jit_compile=p.jit_compile,
       inline=lambda: self._placement.on_tpu,
+      shared=(
+        layer_function.SharedLayers(list(self.body))
+        if self._ranges is not None and p.share_layer_functions
+        else None
+      ),
     )
     self._input_checked = False
 
@@ -543,17 +558,22 @@ class PipeliningLayer(base_layer.BaseLayer):
     a, b = self._ranges[k]
     return theta.body[a:b]
 
-  def _CellFProp(self, k, theta_k, args, mark=None):
-    """Runs cell k; `mark(layer)`, if given, is called before each layer."""
+  def _CellFProp(self, k, theta_k, args, mark=None, fprop=None):
+    """Runs cell k; `mark(layer)`, if given, is called before each layer;
+    `fprop(layer, theta, args)`, if given, runs each layer of the body."""
     if self._ranges is None:
       if mark is not None:
         mark(self.cell[k])
       return py_utils.AsTuple(self.cell[k].FProp(theta_k, *args))
     a, _ = self._ranges[k]
     for i, th in enumerate(theta_k):
+      layer = self.body[a + i]
       if mark is not None:
-        mark(self.body[a + i])
-      args = py_utils.AsTuple(self.body[a + i].FProp(th, *args))
+        mark(layer)
+      if fprop is None:
+        args = py_utils.AsTuple(layer.FProp(th, *args))
+      else:
+        args = py_utils.AsTuple(fprop(layer, th, args))
     return args
 
   def _Device(self, k, r=0):
