@@ -36,6 +36,7 @@ import weakref
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import graph_ops
 
@@ -132,8 +133,11 @@ class SharedLayers:
     # the function once per call.
     seed_t = graph_ops.Opaque(tf.constant(seeds, tf.int64, shape=[len(seeds)]))
     step_seed = py_utils.CurrentStepSeed()
-    flat = kind.fn(*(flat_theta + flat_args + [step_seed, seed_t]))
-    flat = list(flat)
+    inputs = flat_theta + flat_args + [step_seed, seed_t]
+    if _tf_internal.ShouldRecordBackprop(inputs):
+      flat = list(kind.fn(*inputs))
+    else:
+      flat = _tf_internal.CallFunction(kind.fn, inputs)
     n_out = len(tf.nest.flatten(kind.out))
     out = tf.nest.pack_sequence_as(kind.out, flat[:n_out])
     rest = flat[n_out:]
