@@ -25,6 +25,7 @@ its moving averages), any batch size.
 """
 
 import math
+import re
 
 import keras
 import tensorflow as tf
@@ -34,6 +35,9 @@ from lingvo_gpipe.layers import keras_layer
 from lingvo_gpipe.pipeline import pipelining_layer
 
 __all__ = ['PipelinedModel']
+
+# Marks the run-time check of a training batch's size.
+_BATCH_ERROR = 'PipelinedModel batch check:'
 
 # PipeliningLayer params that PipelinedModel sets itself.
 _OWN_PARAMS = ('name', 'layers', 'cell_tpl', 'num_stages', 'num_micro_batches')
@@ -60,6 +64,7 @@ class _LayerWeights(keras.layers.Layer):
     raise NotImplementedError('Holds weights only; PipelinedModel runs them.')
 
 
+@keras.saving.register_keras_serializable(package='lingvo_gpipe')
 class PipelinedModel(keras.Model):
   """A Keras model running `model` as a GPipe pipeline. See module doc."""
 
@@ -98,6 +103,18 @@ class PipelinedModel(keras.Model):
         f'keras.Model, got {type(model).__name__} {model!r}.'
       )
     super().__init__(name=name or f'pipelined_{model.name}')
+    # What get_config returns (the model's architecture, not its weights).
+    config = dict(
+      model=keras.saving.serialize_keras_object(model),
+      num_stages=num_stages,
+      num_micro_batches=num_micro_batches,
+      devices=devices,
+      input_shape=input_shape,
+      seed=seed,
+      name=self.name,
+      **pipeline_params,
+    )
+    object.__setattr__(self, '_config', config)
     layers = keras_layer.KerasChain(model)
     if input_shape is None:
       input_shape = keras_layer.KerasInputShape(model)
@@ -166,6 +183,18 @@ class PipelinedModel(keras.Model):
         return self._pipe(inputs)
     state = tf.cast(self._seed_generator.next(), tf.int64)
     step = state[0] * 1000003 + state[1]
+    m = self.num_micro_batches
+    first = tf.nest.flatten(inputs)[0]
+    if m > 1 and tf.TensorShape(first.shape)[0] is None:
+      # Known when run only (a dataset's last batch): a clear error, not
+      # tf.split's; `fit` makes it one line.
+      batch = tf.shape(first)[0]
+      check = tf.debugging.Assert(
+        tf.equal(batch % m, 0),
+        [f'{_BATCH_ERROR} {self.name!r}: a training batch of', batch, m],
+      )
+      with tf.control_dependencies([check]):
+        inputs = tf.nest.map_structure(tf.identity, inputs)
     with py_utils.EvalMode(False), py_utils.StepSeed(step):
       with py_utils.UpdateCollector() as updates:
         outputs = self._pipe(inputs)
@@ -177,6 +206,17 @@ class PipelinedModel(keras.Model):
     for layer in self._pipe.body:
       inputs = layer.keras_layer.compute_output_spec(inputs)
     return inputs
+
+  def get_config(self):
+    """The model's architecture and this pipeline's settings, for
+    `save('....keras')` and `keras.models.load_model`."""
+    return dict(self._config)
+
+  @classmethod
+  def from_config(cls, config):
+    config = dict(config)
+    model = keras.saving.deserialize_keras_object(config.pop('model'))
+    return cls(model, **config)
 
   def _Chain(self, model):
     layers = keras_layer.KerasChain(model)
@@ -206,7 +246,22 @@ class PipelinedModel(keras.Model):
     _CheckFitBatches(
       x, batch_size, kwargs.get('validation_split', 0.0), self.num_micro_batches
     )
-    return super().fit(x, y, batch_size=batch_size, **kwargs)
+    try:
+      return super().fit(x, y, batch_size=batch_size, **kwargs)
+    except tf.errors.InvalidArgumentError as e:
+      found = re.search(
+        re.escape(_BATCH_ERROR) + r'(.*?)\] \[(\d+)\] \[(\d+)\]', str(e)
+      )
+      if not found:
+        raise
+      what, n, m = found.groups()
+      what = what.replace("\\'", "'")  # As the error message escapes it.
+      raise ValueError(
+        f'PipelinedModel{what} {n} examples is not a multiple of '
+        f'num_micro_batches={m}; make every batch one, e.g. '
+        f'dataset.batch(size, drop_remainder=True) with size a multiple of '
+        f'{m}.'
+      ) from None
 
 
 def _CheckFitBatches(x, batch_size, validation_split, m):

@@ -188,5 +188,26 @@ def testErrors():
     pipelined.fit(xs, ys, batch_size=6, verbose=0)
   with pytest.raises(ValueError, match='end in a batch of 2, not a multiple'):
     pipelined.fit(xs[:10], ys[:10], batch_size=8, verbose=0)
+  # A dataset's last batch is known when run only.
+  ds = tf.data.Dataset.from_tensor_slices((xs[:10], ys[:10])).batch(8)
+  with pytest.raises(ValueError, match='batch of 2 examples is not a multiple'):
+    pipelined.fit(ds, shuffle=False, verbose=0)
   with pytest.raises(ValueError, match='has 4 layers but'):
     pipelined.CopyWeightsTo(_Model(keras.layers.Dropout(0.1)))
+
+
+def testSaveAndLoadTheWholeModel(tmp_path):
+  x, y = _Data()
+  pipelined = _Pipelined(_Model(), 2, 2)
+  _Compile(pipelined)
+  pipelined.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+  path = str(tmp_path / 'pipelined.keras')
+  pipelined.save(path)
+  loaded = keras.models.load_model(path)
+  assert isinstance(loaded, keras_model.PipelinedModel)
+  assert (loaded.pipeline.num_stages, loaded.num_micro_batches) == (2, 2)
+  for a, b in zip(loaded.get_weights(), pipelined.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(
+    loaded.evaluate(x, y, verbose=0), pipelined.evaluate(x, y, verbose=0)
+  )
