@@ -1,21 +1,33 @@
 """Splitting a mini-batch into micro-batches and joining them back.
 
 Inputs and outputs of a pipeline are arbitrary structures (tensors, tuples,
-NestedMaps). Every tensor (or NumPy array) leaf of rank >= 1 is split along
-`batch_dim`; rank-0 leaves and non-tensor leaves (None, Python numbers) are
-passed unchanged to every micro-batch.
+NestedMaps). Every tensor leaf of rank >= 1 is split along `batch_dim`; rank-0
+leaves and non-tensor leaves (None, Python numbers) are passed unchanged to
+every micro-batch.
 """
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ['NumMicroBatches', 'Split', 'Concat', 'BatchSize', 'IsSplittable']
+__all__ = [
+  'NumMicroBatches',
+  'Split',
+  'Concat',
+  'BatchSize',
+  'IsSplittable',
+  'ToTensors',
+]
+
+
+def ToTensors(structure):
+  """`structure` with its NumPy arrays as tensors (a pipeline's inputs)."""
+  return tf.nest.map_structure(
+    lambda x: tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x,
+    structure,
+  )
 
 
 def IsSplittable(x):
-  """A tensor, variable or NumPy array of rank >= 1."""
-  if isinstance(x, np.ndarray):
-    return x.ndim != 0
   return isinstance(x, (tf.Tensor, tf.Variable)) and x.shape.rank != 0
 
 
@@ -23,14 +35,13 @@ def BatchSize(structure, batch_dim):
   """The static batch size of the first splittable leaf, or None."""
   for x in tf.nest.flatten(structure):
     if IsSplittable(x):
-      shape = tf.TensorShape(x.shape)
-      if shape.rank is not None and shape.rank <= batch_dim:
+      if x.shape.rank is not None and x.shape.rank <= batch_dim:
         raise ValueError(
-          f'Pipeline input of shape {shape.as_list()} has no batch_dim='
+          f'Pipeline input of shape {x.shape.as_list()} has no batch_dim='
           f'{batch_dim}; set PipeliningLayer.Params().batch_dim to the '
           'batch axis of the inputs.'
         )
-      return shape[batch_dim]
+      return x.shape[batch_dim]
   return None
 
 

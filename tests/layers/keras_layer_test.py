@@ -181,7 +181,7 @@ def testTrainingArgument():
   with py_utils.EvalMode():
     assert not np.allclose(pipe(x, training=True), evaluated)
   # NumPy inputs split into micro-batches like tensors.
-  assert pipe(x.numpy()).shape == (8, 4)
+  assert _Pipe(model, 2)(x.numpy()).shape == (8, 4)
 
 
 def testFunctionalChain():
