@@ -1,5 +1,8 @@
 """Keras 3 layers in a pipeline: `KerasLayer` and `KerasLayersParams`.
 
+(`pipeline/keras_model.py`'s `PipelinedModel` wraps a pipeline of them as a
+keras.Model, for compile / fit / evaluate / predict.)
+
 `KerasLayer` wraps one Keras layer, given by its config
 (`keras.layers.serialize(layer)`), as a library layer: its variables are the
 Keras layer's weights, created with `CreateVariable` (so they live on the
@@ -15,6 +18,14 @@ gradients, recomputation and micro-batches apply unchanged:
       name='pipe', num_stages=2, num_micro_batches=4,
       layers=keras_layer.KerasLayersParams(
           keras.Sequential([...]), input_shape=[None, 16])).Instantiate()
+  for layer, k in zip(pipe.body, keras_layer.KerasChain(model)):
+    layer.LoadKerasWeights(k)  # CopyWeightsTo(k): the way back
+
+`KerasChain` lists the layers of a keras.Sequential or of a functional model
+that is a chain of layers; other models are refused with the reason. A
+layer's (and so the pipeline's) `trainable_variables` follow Keras's order:
+layer by layer, each layer's as Keras lists them (kernel before bias).
+`pipe(x, training=False)` runs in evaluation mode (`py_utils.EvalMode()`).
 
 Keras state other than weights:
   * Random layers (Dropout, GaussianNoise, ...): the seed of each Keras
