@@ -138,6 +138,13 @@ class PipelinedModel(keras.Model):
         "which Keras computes after the model; use schedule='gpipe' or "
         "'interleaved'."
       )
+    if num_stages != 'auto' and (
+      not isinstance(num_stages, int) or num_stages < 1
+    ):
+      raise ValueError(
+        f'PipelinedModel: num_stages={num_stages!r}; pass a positive int, '
+        f'at most the {len(layers)} layers of the model.'
+      )
     if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
       raise ValueError(
         f'PipelinedModel: num_micro_batches={num_micro_batches!r}; pass a '

@@ -175,6 +175,8 @@ def testErrors():
   branches = keras.layers.Add()([keras.layers.Dense(3)(x), x[:, :3]])
   with pytest.raises(ValueError, match='is not a chain of layers'):
     keras_model.PipelinedModel(keras.Model(x, branches))
+  with pytest.raises(ValueError, match='num_stages=0; pass a positive int'):
+    _Pipelined(_Model(), 0, 1)
   with pytest.raises(ValueError, match='num_stages=5 is more than the 3'):
     _Pipelined(_Model(), 5, 1)
   with pytest.raises(ValueError, match='input_shape=\\[None, ...\\]'):
