@@ -76,6 +76,7 @@ def testFitEqualsThePlainModelsFit(k, m, functional):
   got = pipelined.fit(x, y, **kwargs).history['loss']
   np.testing.assert_allclose(got, ref, rtol=1e-5)
   assert ref[-1] < ref[0]
+  assert len(pipelined.get_weights()) == len(plain.get_weights())
   for a, b in zip(pipelined.get_weights(), plain.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(
@@ -213,3 +214,26 @@ def testSaveAndLoadTheWholeModel(tmp_path):
   np.testing.assert_allclose(
     loaded.evaluate(x, y, verbose=0), pipelined.evaluate(x, y, verbose=0)
   )
+
+
+def testBatchNormFitEqualsThePlainModelsFitForOneMicroBatch():
+  """With M = 1 the batch statistics are the model's, and so are the
+  moving averages, updated once per step (with M > 1, per micro-batch
+  statistics: GPipe's batch norm)."""
+  x, y = _Data()
+  plain = _Model(keras.layers.BatchNormalization(momentum=0.5))
+  pipelined = _Pipelined(
+    _Model(keras.layers.BatchNormalization(momentum=0.5)), 2, 1
+  )
+  _Compile(plain)
+  _Compile(pipelined)
+  kwargs = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+  np.testing.assert_allclose(
+    pipelined.fit(x, y, **kwargs).history['loss'],
+    plain.fit(x, y, **kwargs).history['loss'],
+    rtol=1e-5,
+  )
+  moving_mean = pipelined.pipeline.body[1].vars.moving_mean.numpy()
+  assert np.any(moving_mean != 0)
+  for a, b in zip(pipelined.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
