@@ -100,7 +100,8 @@ class PipelinedModel(keras.Model):
     if not isinstance(model, keras.Model):
       raise TypeError(
         f'PipelinedModel expects a keras.Sequential or functional '
-        f'keras.Model, got {type(model).__name__} {model!r}.'
+        f'keras.Model, got {type(model).__name__} {model!r}; wrap layers in '
+        'keras.Sequential([keras.Input(shape), ...]).'
       )
     super().__init__(name=name or f'pipelined_{model.name}')
     # What get_config returns (the model's architecture, not its weights).
