@@ -148,13 +148,23 @@ class KerasLayer(base_layer.BaseLayer):
     self._has_training_arg = 'training' in params
     if not base_layer.IsAbstract():
       self.LoadKerasWeights(self._keras)
+      self._ShareKerasWeights()
+
+  def _ShareKerasWeights(self):
+    """Points the wrapped Keras layer's variables at ours, so that each
+    weight is held once (the Keras layer only runs stateless, on theta)."""
+    for mine, v in self._Pairs(self._keras):
+      inner = getattr(v, '_value', None)
+      if isinstance(inner, tf.Variable) and inner.dtype == mine.dtype:
+        v._value = mine  # pylint: disable=protected-access
 
   def _WeightParams(self, v):
     return py_utils.WeightParams(list(v.shape), dtype=tf.as_dtype(v.dtype))
 
   @property
   def keras_layer(self):
-    """The wrapped Keras layer (its own variables are not used by FProp)."""
+    """The wrapped Keras layer; its variables hold this layer's (FProp
+    passes theta to it instead)."""
     return self._keras
 
   def KerasOrderedVariables(self):

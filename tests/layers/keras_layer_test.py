@@ -74,6 +74,10 @@ def testGradientsEqualTheKerasModels(num_micro_batches):
   names = sorted(v.name for v in pipe.trainable_variables)
   assert names[:2] == ['pipe/dense_0/bias:0', 'pipe/dense_0/kernel:0']
   assert pipe.body[2].vars.kernel.device.endswith('CPU:1')
+  # The wrapped Keras layer holds no copy of the weights: ours.
+  inner = pipe.body[2].keras_layer
+  assert inner.kernel.value is pipe.body[2].vars.kernel
+  assert inner.bias.value is pipe.body[2].vars.bias
 
 
 def testBatchNormMovingAveragesUpdatedOncePerBatch():
