@@ -625,6 +625,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     replica's logical core k (`tpu.LogicalDeviceAssigner`); the strategy's
     replicas are the data parallelism, so num_replicas must then be 1.
     """
+    args = microbatch.ToTensors(args)  # NumPy inputs split like tensors.
     with self._placement.Call():
       return self._FProp(theta, *args)
 
@@ -734,6 +735,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         f'Pipeline {self.path!r}: FPropWithLoss needs loss_fn=fn(outputs) '
         f'-> scalar; got {loss_fn!r}.'
       )
+    args, loss_inputs = microbatch.ToTensors((args, loss_inputs))
     with self._placement.Call():
       return self._FPropWithLoss(theta, args, loss_fn, loss_inputs, loss_theta)
 
