@@ -42,6 +42,13 @@ setuptools.setup(
     'console_scripts': [
       'gpipe_trainer=lingvo_gpipe.trainer:main',
       'gpipe_tf_server=lingvo_gpipe.runners.tf_server:main',
+      # The tools (also `python tools/<name>.py` in a checkout).
+      'lingvo-gpipe-plan=lingvo_gpipe.tools.plan:main',
+      'lingvo-gpipe-inspect=lingvo_gpipe.tools.inspect_model:main',
+      'lingvo-gpipe-capacity=lingvo_gpipe.tools.max_model_size:main',
+      'lingvo-gpipe-bench=lingvo_gpipe.tools.benchmark_pipeline:RunAndExit',
+      'lingvo-gpipe-build-cost=lingvo_gpipe.tools.build_cost:main',
+      'lingvo-gpipe-accelerator-check=lingvo_gpipe.tools.accelerator_check:main',
     ],
   },
 )

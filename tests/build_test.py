@@ -199,6 +199,7 @@ _LAYERS = {
   'model_registry': 3,
   'runners': 4,
   'trainer': 5,
+  'tools': 6,
   'params': 6,
 }
 # The Lingvo import-path facades re-export the pipeline and the layers.

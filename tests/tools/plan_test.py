@@ -1,23 +1,12 @@
 """tools/plan.py: plans, errors, the predicted timeline, validation against
 a benchmark JSON and the paper's tables."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-_TOOL = os.path.join(os.path.dirname(__file__), '..', '..', 'tools', 'plan.py')
-
-
-def _Tool():
-  spec = importlib.util.spec_from_file_location('plan_tool', _TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-plan = _Tool()
+from lingvo_gpipe.tools import plan
 
 _SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
 
