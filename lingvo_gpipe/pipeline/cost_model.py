@@ -285,7 +285,10 @@ def MemoryBreakdown(
   `Device.allocator_overhead`); a compiled cell's are XLA's buffers of
   each call, which land in such chunks too. Without re-materialization the
   step allocates its activations once, in the order the previous step
-  freed them, and they find chunks of their size.
+  freed them, and they find chunks of their size; so does a
+  re-materialized cell of one micro-batch (M=1), whose recomputation
+  allocates the forward pass's buffers again in the same order: at M=1,
+  re-materialization costs no memory (and saves none).
   """
   m = num_micro_batches
   out = {
@@ -303,7 +306,7 @@ def MemoryBreakdown(
     out['received_gradients'] = int(received_bytes)
   if cell.max_var_bytes:
     out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
-  if allocator_overhead and recompute:
+  if allocator_overhead and recompute and m > 1:
     held = out['weights'] + out['optimizer_slots']
     out['allocator_rounding'] = int(
       allocator_overhead * (PeakOfBreakdown(out) - held)

@@ -119,8 +119,8 @@ def PaperAmoebaNet(batch=PAPER_AMOEBANET_BATCH):
 
 
 def _Registered(key, batch_size):
-  """(layers, input shapes, optimizer slots) of a registered model's first
-  PipeliningLayer with a flat `layers` list."""
+  """(layers, input shapes, optimizer slots, the Params key of the pipeline)
+  of a registered model's first PipeliningLayer with a flat `layers` list."""
   from lingvo_gpipe import trainer  # pylint: disable=g-import-not-at-top
 
   try:
@@ -130,7 +130,7 @@ def _Registered(key, batch_size):
   pipes = trainer.PipelineLayers(p)
   if not pipes:
     raise UserError(f'--model={key} has no PipeliningLayer to plan.')
-  _, lp = pipes[0]
+  pipe_key, lp = pipes[0]
   layers = list(lp.layers) or list(lp.cell_tpl)
   if lp.input_shapes is None:
     raise UserError(
@@ -162,7 +162,7 @@ def _Registered(key, batch_size):
   opt = getattr(getattr(p.task, 'train', None), 'optimizer', None)
   if opt is not None and 'SGD' in getattr(opt.cls, '__name__', ''):
     slots = 0
-  return layers, shapes, slots
+  return layers, shapes, slots, pipe_key
 
 
 def BuildModel(args, key=None):
@@ -185,8 +185,47 @@ def BuildModel(args, key=None):
   if key == 'paper.amoebanet_d18_256':
     layers, shapes = PaperAmoebaNet()
     return key, layers, shapes, 2
-  layers, shapes, slots = _Registered(key, args.batch_size_override)
+  layers, shapes, slots, _ = _Registered(key, args.batch_size_override)
   return key, layers, shapes, slots
+
+
+def PipelineKey(key):
+  """The Params key of registered model `key`'s planned PipeliningLayer
+  (e.g. 'task.network'); None for the built-in bench.* and paper.* models."""
+  if key.startswith(('bench.', 'paper.')):
+    return None
+  return _Registered(key, None)[3]
+
+
+_RECOMPUTE = {True: 'always', False: 'never'}
+
+
+def ApplyText(cand, model, pipe_key, device_name):
+  """How to apply plan `cand`: the trainer's flags for a registered model
+  (`pipe_key`: its pipeline's Params key), else PipeliningLayer Params."""
+  fields = [
+    ('num_micro_batches', cand.num_micro_batches),
+    ('recompute', _RECOMPUTE[cand.recompute]),
+    ('splits', list(cand.splits)),
+  ]
+  if pipe_key is None:
+    sets = [
+      ('num_stages', cand.num_stages),
+      *fields,
+      ('num_replicas', cand.num_replicas),
+    ]
+    body = ', '.join(f'{k}={v!r}' for k, v in sets)
+    return f'PipeliningLayer.Params().Set({body})'
+  devices = cand.num_stages * cand.num_replicas
+  flags = [f'--model={model}', f'--worker_split_size={cand.num_stages}']
+  if cand.num_replicas > 1:
+    flags.append(f'--worker_replicas={cand.num_replicas}')
+  if device_name in ('cpu', 'measure'):
+    flags.append(f'--num_cpu_devices={devices}')
+  prefix = f'{pipe_key}.' if pipe_key else ''
+  override = '; '.join(f'{prefix}{k} : {v}' for k, v in fields)
+  flags.append(f"--model_params_override='{override}'")
+  return 'python -m lingvo_gpipe.trainer ' + ' '.join(flags)
 
 
 def ParseBytes(text):
@@ -290,9 +329,20 @@ def RunPlan(args):
     f'parameters, batch {profile.batch_size}.'
   )
   print(result.ToText(top=args.top))
+  record = result.ToDict()
+  if result.best is not None:
+    how = ApplyText(
+      result.best, args.model, PipelineKey(args.model), args.device
+    )
+    record['apply'] = how
+    print(
+      'To apply the best plan'
+      + (' (add --logdir=...):' if how.startswith('python') else ':')
+    )
+    print('  ' + how)
   if args.json:
     with open(args.json, 'w') as f:
-      json.dump(result.ToDict(), f, indent=1, default=str)
+      json.dump(record, f, indent=1, default=str)
     print(f'Wrote {args.json}')
   if args.timeline:
     best = result.best or result.SmallestNeed()
@@ -757,7 +807,16 @@ def PaperTable1(args):
 
 def ParseArgs(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--model', default='', help='Model key (see above).')
+  parser.add_argument(
+    '--model',
+    default='',
+    help='A registered model key (e.g. image.digits.MlpDigitsTiny: its '
+    'first PipeliningLayer is planned, with the batch of its training '
+    'input), or a built-in model: bench.transformer, bench.mlp, '
+    "bench.conv, bench.amoebanet (benchmark_pipeline's models, sized by "
+    '--num_blocks, --dim, --seq_len, --batch_size), paper.transformer48 '
+    "or paper.amoebanet_d18_256 (the paper's Table 2 models).",
+  )
   parser.add_argument('--num_devices', type=int, default=2)
   parser.add_argument(
     '--device',
