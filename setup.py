@@ -5,6 +5,7 @@ import setuptools
 # TensorFlow comes as an extra so that CPU-only and GPU machines pick their
 # build: `pip install -e ".[cpu]"` or `pip install -e ".[gpu]"`.
 TF_VERSION = '2.21.0'
+DOCS = ['mkdocs>=1.6,<2', 'mkdocstrings[python]>=1.0']
 
 setuptools.setup(
   name='lingvo_gpipe',
@@ -36,7 +37,10 @@ setuptools.setup(
   extras_require={
     'cpu': [f'tensorflow-cpu=={TF_VERSION}'],
     'gpu': [f'tensorflow[and-cuda]=={TF_VERSION}'],
-    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'],
+    # The documentation site (mkdocs.yml): `mkdocs build --strict`.
+    'docs': DOCS,
+    # The tests build the site too (tests/docs_test.py).
+    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'] + DOCS,
   },
   entry_points={
     'console_scripts': [

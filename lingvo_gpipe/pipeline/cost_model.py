@@ -258,10 +258,10 @@ def MemoryBreakdown(
   received_bytes=0,
   allocator_overhead=0.0,
 ):
-  """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
-  'activations'[, 'backward_temporaries'][, 'compiled_gradients']
-  [, 'received_gradients'][, 'update_temporaries']
-  [, 'allocator_rounding']}: bytes of one device holding `cell`.
+  """The bytes of one device holding `cell`, by part: a dict of 'weights',
+  'gradients', 'optimizer_slots', 'stored_inputs', 'activations' and, where
+  they apply, 'backward_temporaries', 'compiled_gradients',
+  'received_gradients', 'update_temporaries' and 'allocator_rounding'.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it

@@ -421,8 +421,10 @@ def Plan(
     num_devices: devices available; candidates use K * R <= num_devices.
     memory_bytes: memory per device (default: the device's).
     optimizer_slots: optimizer slots per weight (Adam 2, SGD 0).
-    num_stages, num_micro_batches, num_replicas, recompute: fix one of them
-      (None: search).
+    num_stages: fixes K (None: search).
+    num_micro_batches: fixes M (None: search).
+    num_replicas: fixes R (None: search).
+    recompute: fixes re-materialization (None: search both).
     max_micro_batches: the largest M tried.
     split_by: how cells are balanced: by 'time' and/or by 'memory'.
     compiled: the cells are XLA-compiled (`jit_compile`; memory only).
