@@ -237,7 +237,7 @@ def testLibraryImportsFollowTheLayers():
   assert not upward, (
     'Library modules importing a higher layer '
     '(core -> layers, input -> pipeline -> models -> runners -> trainer -> '
-    f'params): {upward}. Move the shared code down a layer.'
+    f'tools, params): {upward}. Move the shared code down a layer.'
   )
 
 

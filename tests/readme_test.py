@@ -91,6 +91,7 @@ _SMALL = [
   ('accelerator_check.py', []),
   ('plan.py', []),
   ('eval_bleu.py', ['--max_batches=1', '--beam_size=1']),
+  ('mkdocs build', []),
 ]
 
 # What a command's output must show.
@@ -128,6 +129,8 @@ _GROUPS = {
   'capacity': (True, ['max_model_size.py']),
   'planner': (True, ['plan.py']),
   'mt': (True, ['TransformerTiny']),
+  # tests/docs_test.py builds the site in the default run.
+  'docs': (True, ['mkdocs build']),
 }
 
 
