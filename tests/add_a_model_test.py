@@ -163,3 +163,15 @@ def testTheGuideRunsAsWritten(tmp_path):
   assert 'network/block0/w1' in model
   assert '6 layers -> 3 cells' in inspect
   assert '2 passed' in test
+
+
+def testTheGuideSaysANewModelNeedsItsGoldenFile():
+  # A model added to params/ fails tests/golden_test.py until its golden
+  # file is written with tools/update_golden.py.
+  guide = _Guide()
+  assert 'tests/golden/<model key>.json' in guide
+  assert 'tests/golden_test.py' in guide
+  found = re.findall(r'`python (tools/update_golden\.py) --model=(\S+)`', guide)
+  assert found == [('tools/update_golden.py', 'tabular.digits.ResMlpDigits')]
+  assert os.path.exists(os.path.join(ROOT, found[0][0]))
+  assert "'--model'" in _Read(os.path.join(ROOT, found[0][0]))

@@ -806,7 +806,14 @@ def PaperTable1(args):
 
 
 def ParseArgs(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  # The help ends with the module docstring's examples and notes (all but
+  # its summary and the reason for its length).
+  notes = __doc__.split('\n\n', 2)[2]
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    epilog='examples:\n' + notes,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   parser.add_argument(
     '--model',
     default='',

@@ -298,3 +298,5 @@ def testHelpExplainsTheModelFlag(capsys):
   out = capsys.readouterr().out
   assert 'see above' not in out
   assert 'registered model key' in out and 'bench.transformer' in out
+  assert 'examples:\n  python tools/plan.py --model=' in out
+  assert 'Over 500 lines' not in out
