@@ -31,7 +31,7 @@ def _Run(args, cwd, env=None, timeout=600):
     timeout=timeout,
   )
   assert out.returncode == 0, (args, out.stdout[-2000:], out.stderr[-3000:])
-  return out.stdout + out.stderr
+  return out
 
 
 def _BuildWheel(tmp_path):
@@ -71,7 +71,7 @@ def _FreshVenv(tmp_path):
       "import sysconfig; print(sysconfig.get_paths()['purelib'])",
     ],
     tmp_path,
-  ).strip()
+  ).stdout.strip()
   ours = sysconfig.get_paths()['purelib']
   with open(os.path.join(purelib, 'reuse_installed.pth'), 'w') as f:
     f.write(ours + '\n')
@@ -103,7 +103,7 @@ def testWheelInstallsAndRunsOutsideTheCheckout(tmp_path):
     'import lingvo_gpipe; import params.image.amoebanet as a; '
     'print(lingvo_gpipe.__file__); print(a.__file__)'
   )
-  where = _Run([python, '-c', code], away, env)
+  where = _Run([python, '-c', code], away, env).stdout
   for path in where.split():
     assert path.startswith(str(venv)), where  # Not the checkout's.
   # The console scripts.
@@ -123,6 +123,7 @@ def testWheelInstallsAndRunsOutsideTheCheckout(tmp_path):
     away,
     env,
   )
+  out = out.stdout + out.stderr
   assert 'AmoebaNetTiny' in out and 'Traceback' not in out, out
   out = _Run(
     [str(bin_dir / 'lingvo-gpipe-plan'), '--model=image.digits.MlpDigitsTiny']
@@ -130,6 +131,7 @@ def testWheelInstallsAndRunsOutsideTheCheckout(tmp_path):
     away,
     env,
   )
+  out = out.stdout + out.stderr
   assert 'python -m lingvo_gpipe.trainer --model=image.digits' in out, out
   # The README's main job, for one step, from another directory.
   logdir = tmp_path / 'logdir'
@@ -141,5 +143,6 @@ def testWheelInstallsAndRunsOutsideTheCheckout(tmp_path):
     away,
     env,
   )
+  out = out.stdout + out.stderr
   assert (logdir / 'train' / 'checkpoint').exists(), out[-3000:]
   assert 'Traceback' not in out, out[-3000:]
