@@ -7,9 +7,9 @@ A sequence of layers is split into K cells, cell k placed on device k. A
 mini-batch is split into M micro-batches that flow through the cells in the
 fill-drain schedule (see `schedule.py` for the clock-cycle table):
 
-  forward:  for clock c in 0 .. M+K-2: cell k runs micro-batch c - k
-  backward: the mirror image, starting from the last cell's last micro-batch
-  update:   gradients of all micro-batches are summed, then applied once
+    forward:  for clock c in 0 .. M+K-2: cell k runs micro-batch c - k
+    backward: the mirror image, starting from the last cell's last micro-batch
+    update:   gradients of all micro-batches are summed, then applied once
 
 This module holds the layer (Params, construction, introspection);
 `engine.py` builds the schedule. The whole pipeline is one differentiable op
@@ -18,20 +18,20 @@ pass is built explicitly, cell by cell and micro-batch by micro-batch, on
 each cell's device (`engine.PipelineEngine` runs any schedule of such work
 items; this is `schedule.FillDrain`):
 
-  def Forward(inputs, theta):                 # inside one tf.function
-    xs = split(inputs, M)                     # on device 0
-    for (c, k, m) in ForwardOrder(K, M):      # device k
-      with StepSeed(seed(step, m)):           # random ops are addressable
-        xs[m] = cell[k](theta[k], xs[m])      # keeps only xs[m] if recompute
-    return concat(xs)                         # on device K-1
+    def Forward(inputs, theta):                 # inside one tf.function
+      xs = split(inputs, M)                     # on device 0
+      for (c, k, m) in ForwardOrder(K, M):      # device k
+        with StepSeed(seed(step, m)):           # random ops are addressable
+          xs[m] = cell[k](theta[k], xs[m])      # keeps only xs[m] if recompute
+      return concat(xs)                         # on device K-1
 
-  def Backward(dys):
-    for (c, k, m) in BackwardOrder(K, M):     # device k
-      if recompute: redo cell[k](theta[k], x[k][m]) with the same seed
-      dx[m], dtheta_m = vjp(cell[k], dys[m])
-      dtheta[k] += dtheta_m                   # accumulated on device k
-      dys[m] = dx[m]
-    return concat(dys), dtheta
+    def Backward(dys):
+      for (c, k, m) in BackwardOrder(K, M):     # device k
+        if recompute: redo cell[k](theta[k], x[k][m]) with the same seed
+        dx[m], dtheta_m = vjp(cell[k], dys[m])
+        dtheta[k] += dtheta_m                   # accumulated on device k
+        dys[m] = dx[m]
+      return concat(dys), dtheta
 
 TensorFlow runs each device's ops as soon as their inputs are ready, so cell
 k works on micro-batch m while cell k+1 works on m-1; with `strict_order`
