@@ -219,12 +219,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     )
     p.Define(
       'share_layer_functions',
-      True,
+      'auto',
       'Trace each kind of layer of `layers` (the same class and Params '
       'but for the name) once, as a function that its layers call inside '
       "the cells' functions: the step's size and its first-step time then "
       'grow with the kinds of layers, not with their number (see '
-      '`layer_function.py`). False: every layer inline in its cell.',
+      "`layer_function.py`). 'auto': kinds of at least "
+      f'{layer_function.AUTO_MIN_OPS} ops (a call costs about four small '
+      'ops); True: every kind of two or more layers; False: every layer '
+      'inline in its cell.',
     )
     p.Define(
       'state_dtype',
@@ -258,6 +261,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         ),
       },
     )
+    if p.share_layer_functions not in ('auto', True, False):
+      raise ValueError(
+        f'share_layer_functions={p.share_layer_functions!r}; use '
+        "'auto', True or False."
+      )
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
         f'recompute={p.recompute!r}; use one of {RECOMPUTE_POLICIES}.'
@@ -325,7 +333,14 @@ class PipeliningLayer(base_layer.BaseLayer):
       jit_compile=p.jit_compile,
       inline=lambda: self._placement.on_tpu,
       shared=(
-        layer_function.SharedLayers(list(self.body))
+        layer_function.SharedLayers(
+          list(self.body),
+          min_ops=(
+            layer_function.AUTO_MIN_OPS
+            if p.share_layer_functions == 'auto'
+            else 0
+          ),
+        )
         if self._ranges is not None and p.share_layer_functions
         else None
       ),

@@ -166,6 +166,16 @@ def testSeedsNotHeldByALayerAttributeFallBackToInline():
   _Same(shared, _TrainStep(_Pipe(layers, False)))
 
 
+class _Deep(pipeline_layers.Dense):
+  """Dense, then many small ops: a kind worth a call."""
+
+  def FProp(self, theta, x):
+    y = super().FProp(theta, x)
+    for i in range(layer_function.AUTO_MIN_OPS // 2):
+      y = y * 0.99 + 0.01 * i
+    return y
+
+
 class _DirectRead(pipeline_layers.Dense):
   """Reads its weights from the variables, not from theta."""
 
@@ -185,6 +195,28 @@ def testADirectReadIsStillFoundInASharedKind():
   with pytest.raises(ValueError, match=r'read variables directly.*d_3/w'):
     tf.function(lambda x: pipe(x))(x)
   assert not pipe._cell_functions._shared.Shared(pipe.body[0])
+
+
+def testAutoSharesOnlyKindsWorthACall():
+  # A dense layer, a dropout and a batch norm are a few ops each: inline.
+  pipe = _Pipe(_Layers(2), 'auto')
+  _TrainStep(pipe)
+  shared = pipe._cell_functions._shared
+  assert not any(shared.Shared(l) for l in pipe.body)
+  # A kind of AUTO_MIN_OPS ops or more is shared.
+  layers = [
+    _Deep.Params().Set(name=f'deep_{i}', input_dim=DIM, output_dim=DIM)
+    for i in range(4)
+  ]
+  pipe = _Pipe(layers, 'auto')
+  got = _TrainStep(pipe)
+  assert all(pipe._cell_functions._shared.Shared(l) for l in pipe.body)
+  _Same(got, _TrainStep(_Pipe(layers, False)))
+
+
+def testShareLayerFunctionsRefusesOtherValues():
+  with pytest.raises(ValueError, match=r"share_layer_functions='yes'; use"):
+    _Pipe(_Layers(1), 'yes')
 
 
 def testKindKeyIgnoresOnlyTheName():
