@@ -446,8 +446,12 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     """Forward computation. Subclasses override."""
     raise NotImplementedError(f'{type(self).__name__}.FProp')
 
-  def __call__(self, *args, **kwargs):
+  def FPropDefaultTheta(self, *args, **kwargs):
+    """`FProp` with this layer's own weights (`self.theta`), as in Lingvo."""
     return self.FProp(self.theta, *args, **kwargs)
+
+  def __call__(self, *args, **kwargs):
+    return self.FPropDefaultTheta(*args, **kwargs)
 
   @classmethod
   def FPropMeta(cls, p, *args):

@@ -16,6 +16,7 @@ from lingvo_gpipe.layers.normalizations import LayerNorm
 from lingvo_gpipe.layers.pooling import GlobalPoolingLayer
 from lingvo_gpipe.layers.pooling import PoolingLayer
 from lingvo_gpipe.layers.reshape import FlattenLayer
+from lingvo_gpipe.layers.sequential import FetchLayer
 from lingvo_gpipe.layers.sequential import RepeatLayer
 from lingvo_gpipe.layers.sequential import SequentialLayer
 from lingvo_gpipe.layers.softmax import SimpleFullSoftmax
@@ -32,6 +33,7 @@ __all__ = [
   'DepthwiseConv2DLayer',
   'DropoutLayer',
   'FCLayer',
+  'FetchLayer',
   'FlattenLayer',
   'GlobalPoolingLayer',
   'LayerNorm',

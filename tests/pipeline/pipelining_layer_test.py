@@ -439,15 +439,14 @@ def testLingvoCompatibilityParamsRejectNonDefaults():
   cell = pipelining_layer.FeatureExtractionLayer.Params().Set(
     sub=DenseLayers(1)
   )
-  for name, value in [
-    ('num_act_inputs', 1),
-    ('num_act_outputs', 2),
-    ('act_fetch_layers', ['fc_0']),
-  ]:
-    with pytest.raises(
-      ValueError, match=f'{name}=.* is not supported.*remove it'
-    ):
-      cell.Copy().Set(name='c', **{name: value}).Instantiate()
+  with pytest.raises(
+    ValueError, match='num_act_outputs=2 must be num_act_inputs.* = 1'
+  ):
+    cell.Copy().Set(name='c', num_act_inputs=1, num_act_outputs=2).Instantiate()
+  with pytest.raises(ValueError, match="names 'nope', which is not a sub"):
+    cell.Copy().Set(
+      name='c', act_fetch_layers=['nope'], num_act_outputs=1
+    ).Instantiate()
   for name, value in [('state_dtype', tf.bfloat16), ('nested_map_fprop', True)]:
     with pytest.raises(
       ValueError,
