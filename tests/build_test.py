@@ -202,7 +202,12 @@ _LAYERS = {
   'params': 6,
 }
 # The Lingvo import-path facades re-export the pipeline and the layers.
-_FACADES = {'lingvo_gpipe/core/gpipe.py', 'lingvo_gpipe/core/layers.py'}
+_FACADES = {
+  'lingvo_gpipe/core/gpipe.py',
+  'lingvo_gpipe/core/layers.py',
+  'lingvo_gpipe/core/layers_with_attention.py',
+  'lingvo_gpipe/core/layers_with_gpipe.py',
+}
 
 
 def _Layer(path):

@@ -6,7 +6,9 @@ from lingvo_gpipe.layers.attention import MultiHeadedProjectionLayer
 from lingvo_gpipe.layers.convolutions import Conv2DLayer
 from lingvo_gpipe.layers.convolutions import DepthwiseConv2DLayer
 from lingvo_gpipe.layers.convolutions import SeparableConv2DLayer
+from lingvo_gpipe.layers.dropout import DeterministicDropoutLayer
 from lingvo_gpipe.layers.dropout import DropoutLayer
+from lingvo_gpipe.layers.embedding import PositionalEmbeddingLayer
 from lingvo_gpipe.layers.embedding import SimpleEmbeddingLayer
 from lingvo_gpipe.layers.linears import BiasLayer
 from lingvo_gpipe.layers.linears import FCLayer
@@ -21,6 +23,7 @@ from lingvo_gpipe.layers.sequential import RepeatLayer
 from lingvo_gpipe.layers.sequential import SequentialLayer
 from lingvo_gpipe.layers.softmax import SimpleFullSoftmax
 from lingvo_gpipe.layers.softmax import SoftmaxCrossEntropyWithLabelSmoothing
+from lingvo_gpipe.layers.softmax import UniformLabelSmoother
 from lingvo_gpipe.layers.transformer import TransformerAttentionLayer
 from lingvo_gpipe.layers.transformer import TransformerFeedForwardLayer
 from lingvo_gpipe.layers.transformer import TransformerLayer
@@ -31,6 +34,7 @@ __all__ = [
   'BiasLayer',
   'Conv2DLayer',
   'DepthwiseConv2DLayer',
+  'DeterministicDropoutLayer',
   'DropoutLayer',
   'FCLayer',
   'FetchLayer',
@@ -40,6 +44,7 @@ __all__ = [
   'MultiHeadedAttention',
   'MultiHeadedProjectionLayer',
   'PoolingLayer',
+  'PositionalEmbeddingLayer',
   'ProjectionLayer',
   'RepeatLayer',
   'SeparableConv2DLayer',
@@ -50,4 +55,5 @@ __all__ = [
   'TransformerAttentionLayer',
   'TransformerFeedForwardLayer',
   'TransformerLayer',
+  'UniformLabelSmoother',
 ]

@@ -232,35 +232,36 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define(
       'state_dtype',
       None,
-      'Lingvo compatibility; only None: activations keep the dtype '
-      'each cell returns.',
+      "Lingvo's dtype of the activations between cells: when set, every "
+      "floating output of every cell must have it (a cell's output of "
+      'another dtype is an error naming it); None: activations keep the '
+      'dtype each cell returns.',
     )
     p.Define(
       'nested_map_fprop',
       False,
-      'Lingvo compatibility; only False: NestedMap inputs and outputs '
-      'need no flag, they pass between cells as they are.',
+      "Lingvo's flag for NestedMap inputs and outputs; either value: "
+      'NestedMaps pass between cells as they are.',
     )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    base_layer.RejectUnsupportedParams(
-      p,
-      {
-        'state_dtype': (
-          None,
-          'remove it and cast in the cells (activations '
-          'keep the dtype each cell returns).',
-        ),
-        'nested_map_fprop': (
-          False,
-          'remove it: NestedMap inputs and outputs '
-          'pass between cells without it.',
-        ),
-      },
-    )
+    if p.state_dtype is not None:
+      try:
+        dtype = tf.as_dtype(p.state_dtype)
+      except TypeError as e:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: state_dtype={p.state_dtype!r} is not '
+          'a dtype; use e.g. tf.float32, or None.'
+        ) from e
+      if not dtype.is_floating:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: state_dtype={dtype.name} cannot '
+          'carry activations (not a float dtype); use the float dtype the '
+          'cells return (e.g. tf.float32), or None.'
+        )
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
         f'recompute={p.recompute!r}; use one of {RECOMPUTE_POLICIES}.'
@@ -484,7 +485,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     # others as TensorSpecs (token ids stay ints).
     shapes = tf.nest.map_structure(
       lambda t: (
-        tf.TensorShape(t.shape)
+        None
+        if t is None
+        else tf.TensorShape(t.shape)
         if t.dtype.is_floating
         else tf.TensorSpec(t.shape, t.dtype)
       ),
@@ -601,6 +604,25 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _CellFProp(self, k, theta_k, args, mark=None):
     """Runs cell k; `mark(layer)`, if given, is called before each layer."""
+    outs = self._RunCell(k, theta_k, args, mark)
+    self._CheckStateDtype(k, outs)
+    return outs
+
+  def _CheckStateDtype(self, k, outs):
+    """With `state_dtype`, every floating output of cell k must have it."""
+    dtype = self.params.state_dtype
+    if dtype is None or k == self.num_stages - 1:
+      return
+    dtype = tf.as_dtype(dtype)
+    for i, x in enumerate(tf.nest.flatten(outs)):
+      if py_utils.IsTensor(x) and x.dtype.is_floating and x.dtype != dtype:
+        raise ValueError(
+          f'Pipeline {self.path!r}: state_dtype={dtype.name} cannot carry '
+          f'output {i} of cell {k}, a {x.dtype.name} tensor; cast it in the '
+          f'cell, or set state_dtype=None (activations keep their dtype).'
+        )
+
+  def _RunCell(self, k, theta_k, args, mark=None):
     if self._ranges is None:
       if mark is not None:
         mark(self.cells[k])
