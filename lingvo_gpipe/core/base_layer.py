@@ -495,9 +495,17 @@ def RejectUnsupportedParams(p, unsupported):
     value = p.Get(name)
     if value != default:
       raise ValueError(
-        f'{p.cls.__name__} {p.name!r}: {name}={value!r} is not '
+        f'{p.cls.__name__} {p.name!r}: {name}={_OneLine(value)} is not '
         f'supported (only {default!r}); {instead}'
       )
+
+
+def _OneLine(value):
+  """A value for a one-line message: Params by their class."""
+  if isinstance(value, hyperparams.InstantiableParams):
+    return f'{getattr(value.cls, "__name__", value.cls)}.Params()'
+  text = repr(value)
+  return text if '\n' not in text else text.split('\n')[0] + ' ...'
 
 
 def LayerParams(p):
