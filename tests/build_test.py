@@ -192,6 +192,7 @@ def testFindCycleSeesDeferredImports(tmp_path):
 # or a lower rank (docs/architecture.md, "Layout").
 _LAYERS = {
   'core': 0,
+  'compat': 0,
   'layers': 1,
   'input': 1,
   'pipeline': 2,

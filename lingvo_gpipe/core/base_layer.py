@@ -58,6 +58,7 @@ __all__ = [
   'IsAbstract',
   'CountParams',
   'LayerParams',
+  'initializer',
 ]
 
 _local = threading.local()
@@ -506,6 +507,11 @@ def _OneLine(value):
     return f'{getattr(value.cls, "__name__", value.cls)}.Params()'
   text = repr(value)
   return text if '\n' not in text else text.split('\n')[0] + ' ...'
+
+
+def initializer(func):  # pylint: disable=invalid-name
+  """Lingvo's decorator of a layer's `__init__`; nothing to do here."""
+  return func
 
 
 def LayerParams(p):
