@@ -367,6 +367,24 @@ class GPipeTransformerEmbeddingLayer(base_layer.BaseLayer):
     drop = self.children[f'{prefix}_dropout']
     return drop.FProp(theta[f'{prefix}_dropout'], x)
 
+  def GetEncoderEmbeddingsDefaultTheta(self, input_ids, task_ids=None):
+    """The source embeddings of ids [t, b] (for decoding)."""
+    del task_ids
+    return self._Embed(self.theta, 'src', input_ids)
+
+  def GetDecoderEmbeddingsDefaultTheta(self, input_ids, task_ids=None, t=None):
+    """The target embeddings of ids [t, b]; with step `t`, of ids [b] at
+    position t (step-by-step decoding, t < max_seq_len)."""
+    del task_ids
+    if t is None:
+      return self._Embed(self.theta, 'tgt', input_ids)
+    p = self.params
+    theta = self.theta
+    x = self.tgt_token_emb.EmbLookup(theta.tgt_token_emb, input_ids)
+    pos = self.tgt_pos_emb.FProp(theta.tgt_pos_emb, p.max_seq_len)
+    x += tf.slice(pos, [t, 0], [1, p.token_emb.embedding_dim])
+    return self.tgt_dropout.FProp(theta.tgt_dropout, x)
+
   def FProp(
     self,
     theta,
@@ -577,6 +595,44 @@ class GPipeTransformerStack(pipelining_layer.PipeliningLayer):
     for cell in self.cells:
       out += [lyr for lyr in cell.sub if lyr.params.name.startswith(prefix)]
     return out[:count]
+
+  def EncoderEmbedFPropDefaultTheta(self, source_id, source_task_id=None):
+    """The source embeddings (the `emb` layer of cell 0) of ids [t, b]."""
+    emb = self.cells[0].emb
+    return emb.GetEncoderEmbeddingsDefaultTheta(source_id, source_task_id)
+
+  def DecoderEmbedFPropDefaultTheta(self, tgt_id, tgt_task_id=None, t=None):
+    """The target embeddings of ids [t, b] (or [b] at step t)."""
+    emb = self.cells[0].emb
+    return emb.GetDecoderEmbeddingsDefaultTheta(tgt_id, tgt_task_id, t)
+
+  def EncoderFPropDefaultTheta(
+    self,
+    source_vecs,
+    source_paddings,
+    source_segment_id=None,
+    source_task_id=None,
+    target_task_id=None,
+  ):
+    """The encoder layers, in order, on embeddings [t, b, d] (no pipeline;
+    for decoding)."""
+    acc, helper = None, None
+    for layer in self.GetEncoders():
+      outs = layer.FProp(
+        layer.theta,
+        source_vecs,
+        source_paddings,
+        None,
+        None,
+        source_segment_id,
+        None,
+        acc,
+        helper,
+        source_task_id,
+        target_task_id,
+      )
+      source_vecs, acc, helper = outs[0], outs[6], outs[7]
+    return source_vecs
 
   def GetEncoders(self):
     return self._LayersNamed('encoder_', self.params.num_encoder_layers)

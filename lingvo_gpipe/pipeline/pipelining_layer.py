@@ -606,7 +606,22 @@ class PipeliningLayer(base_layer.BaseLayer):
     """Runs cell k; `mark(layer)`, if given, is called before each layer."""
     outs = self._RunCell(k, theta_k, args, mark)
     self._CheckStateDtype(k, outs)
+    if k == self.num_stages - 1:
+      # The engine joins tensors only: the last cell's None outputs (Lingvo
+      # layers return some) are left out and put back by FProp.
+      self._none_outputs = tuple(i for i, x in enumerate(outs) if x is None)
+      outs = tuple(x for x in outs if x is not None)
     return outs
+
+  def _WithNones(self, outs):
+    """`outs` with the last cell's None outputs back in their places."""
+    nones = getattr(self, '_none_outputs', ())
+    if not nones:
+      return outs
+    outs = list(py_utils.AsTuple(outs))
+    for i in nones:
+      outs.insert(i, None)
+    return py_utils.Unwrap(tuple(outs))
 
   def _CheckStateDtype(self, k, outs):
     """With `state_dtype`, every floating output of cell k must have it."""
@@ -708,7 +723,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     thetas, num_mb, seed = self._Prepare(theta, args)
     if self.do_eval:
       outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
-      return outs
+      return self._WithNones(outs)
     if p.schedule == '1f1b' and _tf_internal.CouldPossiblyRecord():
       raise ValueError(
         f"Pipeline {self.path!r} has schedule='1f1b', which starts a "
@@ -720,7 +735,9 @@ class PipeliningLayer(base_layer.BaseLayer):
         'ComputePredictions does this for its network), or use '
         "schedule='gpipe'."
       )
-    return self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+    return self._WithNones(
+      self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+    )
 
   def _RunBefore(self, theta, args):
     """Runs the `before_tpl` layers on the whole mini-batch on the first

@@ -26,8 +26,8 @@ def _Params(splits, num_micro_batches=2, **kwargs):
     num_decoder_layers=2,
     splits=splits,
     num_micro_batches=num_micro_batches,
-    **kwargs,
   )
+  p.Set(**kwargs)
   for tpl in (p.encoder_tpl, p.decoder_tpl):
     tpl.source_dim = DIM
     tpl.tr_atten_tpl.num_attention_heads = 2
@@ -189,3 +189,16 @@ def testTransformerLayerAttendsCausally():
   y2, _ = layer.FPropDefaultTheta(x2, pad)
   np.testing.assert_allclose(y[:3].numpy(), y2[:3].numpy(), rtol=1e-5)
   assert not np.allclose(y[3:].numpy(), y2[3:].numpy())
+
+
+def testDecodingHelpersMatchThePipeline():
+  """The stack's encoder, run layer by layer, gives the pipeline's encoder
+  output (a stack of encoder layers only, no softmax)."""
+  p = _Params([1, 2], num_decoder_layers=0)
+  p.softmax_tpl = None
+  stack = p.Instantiate()
+  src, src_pad = _Inputs()[:2]
+  outs = stack.FPropDefaultTheta(src, src_pad)
+  emb = stack.EncoderEmbedFPropDefaultTheta(src)
+  enc = stack.EncoderFPropDefaultTheta(emb, src_pad)
+  np.testing.assert_allclose(enc.numpy(), outs[0].numpy(), rtol=1e-5)
