@@ -285,6 +285,13 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._auto_num_stages = None
     self.plan_text = None
     if p.num_stages == 'auto' or p.num_micro_batches == 'auto':
+      if p.before_tpl:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: the planner (num_stages or '
+          "num_micro_batches = 'auto') does not plan before_tpl layers; "
+          'give both as numbers, or move the before_tpl layers to the front '
+          'of layers=.'
+        )
       self._ResolveAuto()
     if p.cell_tpl:
       cells = []

@@ -202,3 +202,35 @@ def testPartitionSequentialLayersAsLingvo():
   assert pipe.theta.d1.cell_004.w.shape == [4, 4]
   with pytest.raises(ValueError, match='the shape of one input'):
     gpipe.PartitionSequentialLayers(seq, 2, [8, 4], [8, 4])
+
+
+def testBeforeTplWithLossOnTheLastCell():
+  """FPropWithLoss (every schedule) runs the before_tpl layers too."""
+  params = dict(cell_tpl=_Cells(), before_tpl=[_Fc('pre')])
+  seq = gpipe.SeqLayer.Params().Set(name='pipe', **params).Instantiate()
+  x = tf.constant(np.random.RandomState(2).randn(8, 4), tf.float32)
+  with tf.GradientTape() as tape:
+    ref = tf.reduce_sum(seq.FPropDefaultTheta(x) ** 2)
+  ref_grads = tape.gradient(ref, seq.vars)
+  pipe = (
+    gpipe.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      num_micro_batches=4,
+      devices=DEVICES[:2],
+      schedule='1f1b',
+      **params,
+    )
+    .Instantiate()
+  )
+  with tf.GradientTape() as tape:
+    loss, _ = pipe.FPropWithLoss(
+      pipe.theta, x, loss_fn=lambda y: tf.reduce_sum(y**2)
+    )
+  grads = tape.gradient(loss, pipe.vars)
+  np.testing.assert_allclose(loss.numpy(), ref.numpy(), rtol=1e-5)
+  _AssertNestedClose(grads, ref_grads)
+  with pytest.raises(ValueError, match='does not plan before_tpl'):
+    gpipe.PipeliningLayer.Params().Set(
+      name='p', num_stages='auto', input_shapes=[[8, 4]], **params
+    ).Instantiate()
