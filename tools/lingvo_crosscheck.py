@@ -20,7 +20,10 @@ library, loads Lingvo's weights into the port by path (the key of each
 variable in `layer.vars`, e.g. `cell_0.fc0.w`: the same in both), and
 compares outputs and gradients: the largest |port - lingvo| / max|lingvo| of
 each tensor must be at most `--rtol` (1e-4). Exit status 1 otherwise, or if a
-weight of one side has no counterpart on the other.
+weight of one side has no counterpart on the other. With `--via_checkpoint`
+the weights come from the TF1 checkpoint Lingvo saved, read by
+`lingvo_gpipe.core.lingvo_checkpoint.LoadLingvoCheckpoint` (by variable
+name, `cell_0/fc0/w/var` -> `pipe/cell_0/fc0/w`).
 
 `--build_venv=DIR` first builds a Lingvo 0.12.7 venv in DIR with a Python
 3.10 (`--python310`), the packages of docs/porting_from_lingvo.md, and uses
@@ -109,11 +112,13 @@ def RunLingvo(model_path, out_path):
     items = layer.vars.FlattenItems()
     grads = tf.gradients(loss, [v for _, v in items])
     init = tf.global_variables_initializer()
+    saver = tf.train.Saver()
   with tf.Session(graph=graph) as sess:
     sess.run(init)
     values, outputs, grad_values = sess.run(
       [[v for _, v in items], flat_outs, grads]
     )
+    saver.save(sess, out_path + '.ckpt', write_meta_graph=False)
   arrays = {}
   for (key, _), value, grad in zip(items, values, grad_values):
     arrays['var/' + key] = value
@@ -136,8 +141,11 @@ def _RelErr(a, b):
   return diff / scale if scale else diff
 
 
-def RunPort(model_path, ref):
+def RunPort(model_path, ref, checkpoint=None):
   """This library's side: loads Lingvo's weights by path and compares.
+
+  With `checkpoint`, the weights come from Lingvo's TF1 checkpoint through
+  `lingvo_checkpoint.LoadLingvoCheckpoint` instead.
 
   Returns:
     (rows, problems): rows of (name, rel_err); problems: missing weights.
@@ -160,8 +168,12 @@ def RunPort(model_path, ref):
   problems += [
     f'weight {k} of the port is not in Lingvo' for k in set(items) - want
   ]
+  if checkpoint:
+    from lingvo_gpipe.core import lingvo_checkpoint  # pylint: disable=g-import-not-at-top
+
+    lingvo_checkpoint.LoadLingvoCheckpoint(layer, checkpoint)
   for key, var in items.items():
-    if key in want:
+    if key in want and not checkpoint:
       value = ref['var/' + key]
       if list(value.shape) != var.shape.as_list():
         problems.append(
@@ -226,6 +238,12 @@ def main(argv=None):
     '--python310', default='python3.10', help='Python 3.10 for --build_venv.'
   )
   parser.add_argument('--rtol', type=float, default=1e-4)
+  parser.add_argument(
+    '--via_checkpoint',
+    action='store_true',
+    help="Load Lingvo's weights from the TF1 checkpoint Lingvo wrote "
+    '(lingvo_checkpoint.LoadLingvoCheckpoint) instead of by key.',
+  )
   parser.add_argument('--json', default=None, help='Write the results here.')
   parser.add_argument('--side', default='both', help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
@@ -262,7 +280,8 @@ def main(argv=None):
       print(f'ERROR: the model failed under Lingvo ({lingvo_python}).')
       return 1
     ref = dict(np.load(out))
-  rows, problems = RunPort(args.model, ref)
+    checkpoint = out + '.ckpt' if args.via_checkpoint else None
+    rows, problems = RunPort(args.model, ref, checkpoint)
   worst = max((e for _, e in rows), default=0.0)
   for name, err in rows:
     print(f'{err:10.2e}  {name}')

@@ -43,8 +43,9 @@ def testPortedSourceChangesOnlyTheImportPrefix(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('via', ['key', 'checkpoint'])
 @pytest.mark.parametrize('model', _MODELS, ids=lambda p: p.stem)
-def testPortMatchesLingvo(model):
+def testPortMatchesLingvo(model, via):
   lingvo_python = os.environ.get('LINGVO_PYTHON')
   if not lingvo_python or not os.path.exists(lingvo_python):
     pytest.skip('LINGVO_PYTHON names no Lingvo 0.12.7 venv Python.')
@@ -54,7 +55,8 @@ def testPortMatchesLingvo(model):
       str(_TOOL),
       f'--model={model}',
       f'--lingvo_python={lingvo_python}',
-    ],
+    ]
+    + (['--via_checkpoint'] if via == 'checkpoint' else []),
     capture_output=True,
     text=True,
     check=False,
