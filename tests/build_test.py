@@ -208,6 +208,7 @@ _FACADES = {
   'lingvo_gpipe/core/layers.py',
   'lingvo_gpipe/core/layers_with_attention.py',
   'lingvo_gpipe/core/layers_with_gpipe.py',
+  'lingvo_gpipe/core/batch_major_attention.py',
 }
 
 

@@ -5,6 +5,15 @@ Re-exports `lingvo_gpipe.pipeline.layers_with_gpipe`
 `from lingvo_gpipe.core import layers_with_gpipe`).
 """
 
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerEmbeddingLayer,
+)
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerSoftmaxLayer,
+)
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerStack,
+)
 from lingvo_gpipe.pipeline.layers_with_gpipe import DeterministicWeightsLayer
 from lingvo_gpipe.pipeline.layers_with_gpipe import (
   GPipeTransformerEmbeddingLayer,
@@ -15,6 +24,9 @@ from lingvo_gpipe.pipeline.layers_with_gpipe import GPipeTransformerStack
 
 __all__ = [
   'DeterministicWeightsLayer',
+  'GPipeBatchMajorTransformerEmbeddingLayer',
+  'GPipeBatchMajorTransformerSoftmaxLayer',
+  'GPipeBatchMajorTransformerStack',
   'GPipeTransformerEmbeddingLayer',
   'GPipeTransformerLayer',
   'GPipeTransformerSoftmaxLayer',
