@@ -5,6 +5,7 @@ import setuptools
 # TensorFlow comes as an extra so that CPU-only and GPU machines pick their
 # build: `pip install -e ".[cpu]"` or `pip install -e ".[gpu]"`.
 TF_VERSION = '2.21.0'
+DOCS = ['mkdocs>=1.6,<2', 'mkdocstrings[python]>=1.0']
 
 setuptools.setup(
   name='lingvo_gpipe',
@@ -36,12 +37,22 @@ setuptools.setup(
   extras_require={
     'cpu': [f'tensorflow-cpu=={TF_VERSION}'],
     'gpu': [f'tensorflow[and-cuda]=={TF_VERSION}'],
-    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'],
+    # The documentation site (mkdocs.yml): `mkdocs build --strict`.
+    'docs': DOCS,
+    # The tests build the site too (tests/docs_test.py).
+    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'] + DOCS,
   },
   entry_points={
     'console_scripts': [
       'gpipe_trainer=lingvo_gpipe.trainer:main',
       'gpipe_tf_server=lingvo_gpipe.runners.tf_server:main',
+      # The tools (also `python tools/<name>.py` in a checkout).
+      'lingvo-gpipe-plan=lingvo_gpipe.tools.plan:main',
+      'lingvo-gpipe-inspect=lingvo_gpipe.tools.inspect_model:main',
+      'lingvo-gpipe-capacity=lingvo_gpipe.tools.max_model_size:main',
+      'lingvo-gpipe-bench=lingvo_gpipe.tools.benchmark_pipeline:RunAndExit',
+      'lingvo-gpipe-build-cost=lingvo_gpipe.tools.build_cost:main',
+      'lingvo-gpipe-accelerator-check=lingvo_gpipe.tools.accelerator_check:main',
     ],
   },
 )

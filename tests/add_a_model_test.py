@@ -5,6 +5,7 @@ fresh directory, then every command of its bash blocks runs there (training
 for a few steps), with the directory on PYTHONPATH as the guide says.
 """
 
+import ast
 import os
 import re
 import shlex
@@ -56,6 +57,37 @@ def _WriteFiles(tmp_path):
     (tmp_path / path).write_text(text)
 
 
+def _ConsoleScripts():
+  """{script: (module, function)} of setup.py's console scripts."""
+  tree = ast.parse(_Read(os.path.join(ROOT, 'setup.py')))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.keyword) and node.arg == 'entry_points':
+      entries = ast.literal_eval(node.value)['console_scripts']
+      out = {}
+      for entry in entries:
+        name, target = [t.strip() for t in entry.split('=')]
+        out[name] = tuple(target.split(':'))
+      return out
+  raise AssertionError('setup.py has no entry_points')
+
+
+def _Read(path):
+  with open(path, encoding='utf-8') as f:
+    return f.read()
+
+
+def testTheGuidesToolsAreConsoleScripts():
+  # Its package may live anywhere: the guide uses the installed commands,
+  # not the checkout's tools/ paths.
+  scripts = _ConsoleScripts()
+  for command in _Commands():
+    args = shlex.split(command)[1:]
+    assert not any(a.startswith('tools/') for a in args), command
+    if args[0] != 'python':
+      assert args[0] in scripts, command
+  assert 'lingvo-gpipe-inspect' in _Guide()
+
+
 def _Env(tmp_path):
   return dict(
     os.environ,
@@ -91,16 +123,22 @@ def testTheGuideRunsAsWritten(tmp_path):
   assert len(commands) == 5, commands
   env = _Env(tmp_path)
   outputs = []
+  scripts = _ConsoleScripts()
   for command in commands:
-    assert command.startswith('PYTHONPATH=. python '), command
+    assert command.startswith('PYTHONPATH=. '), command
     args = shlex.split(command)[1:]
-    args[0] = sys.executable
-    args = [
-      a.replace('/tmp/', f'{tmp_path}/').replace(
-        'tools/', os.path.join(ROOT, 'tools', '')
-      )
-      for a in args
-    ]
+    if args[0] in scripts:
+      # The console script, as pip installs it: its entry point.
+      module, function = scripts[args[0]]
+      args[:1] = [
+        sys.executable,
+        '-c',
+        f'import sys; from {module} import {function}; sys.exit({function}())',
+      ]
+    else:
+      assert args[0] == 'python', command
+      args[0] = sys.executable
+    args = [a.replace('/tmp/', f'{tmp_path}/') for a in args]
     if '--job=trainer,evaler_dev' in args:
       args += ['--max_steps=3', '--eval_max_batches=1']
     out = subprocess.run(
@@ -125,3 +163,15 @@ def testTheGuideRunsAsWritten(tmp_path):
   assert 'network/block0/w1' in model
   assert '6 layers -> 3 cells' in inspect
   assert '2 passed' in test
+
+
+def testTheGuideSaysANewModelNeedsItsGoldenFile():
+  # A model added to params/ fails tests/golden_test.py until its golden
+  # file is written with tools/update_golden.py.
+  guide = _Guide()
+  assert 'tests/golden/<model key>.json' in guide
+  assert 'tests/golden_test.py' in guide
+  found = re.findall(r'`python (tools/update_golden\.py) --model=(\S+)`', guide)
+  assert found == [('tools/update_golden.py', 'tabular.digits.ResMlpDigits')]
+  assert os.path.exists(os.path.join(ROOT, found[0][0]))
+  assert "'--model'" in _Read(os.path.join(ROOT, found[0][0]))

@@ -200,6 +200,7 @@ _LAYERS = {
   'model_registry': 3,
   'runners': 4,
   'trainer': 5,
+  'tools': 6,
   'params': 6,
 }
 # The Lingvo import-path facades re-export the pipeline and the layers.
@@ -243,7 +244,7 @@ def testLibraryImportsFollowTheLayers():
   assert not upward, (
     'Library modules importing a higher layer '
     '(core -> layers, input -> pipeline -> models -> runners -> trainer -> '
-    f'params): {upward}. Move the shared code down a layer.'
+    f'tools, params): {upward}. Move the shared code down a layer.'
   )
 
 

@@ -91,6 +91,7 @@ _SMALL = [
   ('accelerator_check.py', []),
   ('plan.py', []),
   ('eval_bleu.py', ['--max_batches=1', '--beam_size=1']),
+  ('mkdocs build', []),
 ]
 
 # What a command's output must show.
@@ -124,10 +125,19 @@ _GROUPS = {
   'digits_split': (True, ['--logdir=/tmp/d2', '--logdir=/tmp/dp']),
   'main': (True, ['AmoebaNetTiny']),
   'multihost': (True, ['local_cluster.py', '--logdir=/tmp/mh']),
-  'benchmarks': (True, ['benchmark_pipeline.py', 'build_cost.py']),
+  # The planner's validation reads the benchmark's JSON: one group.
+  'benchmarks': (
+    True,
+    ['benchmark_pipeline.py', 'build_cost.py', '--validate=/tmp/bench.json'],
+  ),
   'capacity': (True, ['max_model_size.py']),
-  'planner': (True, ['plan.py']),
+  'planner': (
+    True,
+    ['plan.py --model=', 'plan.py --validate=docs/', 'plan.py --paper'],
+  ),
   'mt': (True, ['TransformerTiny']),
+  # tests/docs_test.py builds the site in the default run.
+  'docs': (True, ['mkdocs build']),
 }
 
 

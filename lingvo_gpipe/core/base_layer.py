@@ -451,8 +451,17 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     """`FProp` with this layer's own weights (`self.theta`), as in Lingvo."""
     return self.FProp(self.theta, *args, **kwargs)
 
-  def __call__(self, *args, **kwargs):
-    return self.FPropDefaultTheta(*args, **kwargs)
+  def __call__(self, *args, training=None, **kwargs):
+    """`FProp` with this layer's own weights (`theta`).
+
+    `training`, as in Keras: None keeps the current mode; False runs in
+    evaluation mode (`py_utils.EvalMode()`: dropout off, batch norm on its
+    moving averages), True in training mode.
+    """
+    if training is None:
+      return self.FPropDefaultTheta(*args, **kwargs)
+    with py_utils.EvalMode(not training):
+      return self.FPropDefaultTheta(*args, **kwargs)
 
   @classmethod
   def FPropMeta(cls, p, *args):

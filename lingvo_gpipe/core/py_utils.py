@@ -301,7 +301,23 @@ def GenerateStepSeedPair(layer_seed):
     An int64 [2] tensor: (layer_seed, current step seed). The same layer and
     step seed always give the same random values.
   """
+  stack = _Stack('layer_seed_map')
+  if stack:
+    return tf.stack([stack[-1](layer_seed), CurrentStepSeed()])
   return tf.stack([tf.constant(layer_seed, tf.int64), CurrentStepSeed()])
+
+
+@contextlib.contextmanager
+def LayerSeedMap(fn):
+  """Inside, a random op's layer seed is `fn(layer_seed)` (an int64 scalar
+  tensor) instead of the constant: one traced function then serves layers
+  whose seeds differ (`pipeline.layer_function`)."""
+  stack = _Stack('layer_seed_map')
+  stack.append(fn)
+  try:
+    yield
+  finally:
+    stack.pop()
 
 
 def MixSeed(seed, index):

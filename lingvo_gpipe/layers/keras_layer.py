@@ -1,5 +1,8 @@
 """Keras 3 layers in a pipeline: `KerasLayer` and `KerasLayersParams`.
 
+(`pipeline/keras_model.py`'s `PipelinedModel` wraps a pipeline of them as a
+keras.Model, for compile / fit / evaluate / predict.)
+
 `KerasLayer` wraps one Keras layer, given by its config
 (`keras.layers.serialize(layer)`), as a library layer: its variables are the
 Keras layer's weights, created with `CreateVariable` (so they live on the
@@ -15,6 +18,14 @@ gradients, recomputation and micro-batches apply unchanged:
       name='pipe', num_stages=2, num_micro_batches=4,
       layers=keras_layer.KerasLayersParams(
           keras.Sequential([...]), input_shape=[None, 16])).Instantiate()
+  for layer, k in zip(pipe.body, keras_layer.KerasChain(model)):
+    layer.LoadKerasWeights(k)  # CopyWeightsTo(k): the way back
+
+`KerasChain` lists the layers of a keras.Sequential or of a functional model
+that is a chain of layers; other models are refused with the reason. A
+layer's (and so the pipeline's) `trainable_variables` follow Keras's order:
+layer by layer, each layer's as Keras lists them (kernel before bias).
+`pipe(x, training=False)` runs in evaluation mode (`py_utils.EvalMode()`).
 
 Keras state other than weights:
   * Random layers (Dropout, GaussianNoise, ...): the seed of each Keras
@@ -37,7 +48,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 
-__all__ = ['KerasLayer', 'KerasLayersParams']
+__all__ = ['KerasChain', 'KerasInputShape', 'KerasLayer', 'KerasLayersParams']
 
 
 def _Serialize(layer):
@@ -124,18 +135,36 @@ class KerasLayer(base_layer.BaseLayer):
       name = _VarName(v, taken)
       self.CreateVariable(name, self._WeightParams(v), trainable=False)
       self._non_trainable_names.append(name)
+    # tf.Module lists a layer's variables by attribute name (bias before
+    # kernel); this tuple, whose name sorts first, lists them in Keras order,
+    # so `trainable_variables` of this layer and of a pipeline of such layers
+    # follow the Keras model's. Not a tracked attribute: checkpoints name
+    # variables by path.
+    object.__setattr__(
+      self, '_keras_order', tuple(self.KerasOrderedVariables())
+    )
     self._seed = py_utils.StableHash(p.random_seed or 0, self.path, 'keras')
     params = inspect.signature(self._keras.call).parameters
     self._has_training_arg = 'training' in params
     if not base_layer.IsAbstract():
       self.LoadKerasWeights(self._keras)
+      self._ShareKerasWeights()
+
+  def _ShareKerasWeights(self):
+    """Points the wrapped Keras layer's variables at ours, so that each
+    weight is held once (the Keras layer only runs stateless, on theta)."""
+    for mine, v in self._Pairs(self._keras):
+      inner = getattr(v, '_value', None)
+      if isinstance(inner, tf.Variable) and inner.dtype == mine.dtype:
+        v._value = mine  # pylint: disable=protected-access
 
   def _WeightParams(self, v):
     return py_utils.WeightParams(list(v.shape), dtype=tf.as_dtype(v.dtype))
 
   @property
   def keras_layer(self):
-    """The wrapped Keras layer (its own variables are not used by FProp)."""
+    """The wrapped Keras layer; its variables hold this layer's (FProp
+    passes theta to it instead)."""
     return self._keras
 
   def KerasOrderedVariables(self):
@@ -145,9 +174,13 @@ class KerasLayer(base_layer.BaseLayer):
     names = self._trainable_names + [n for n in self._non_trainable_names if n]
     return [self._private_vars[n] for n in names]
 
-  def LoadKerasWeights(self, keras_layer):
-    """Sets this layer's weights to those of built `keras_layer` (a layer of
-    the same config, e.g. one of an unpipelined keras.Sequential)."""
+  def _Pairs(self, keras_layer):
+    """[(our variable, the Keras variable)] of built `keras_layer`."""
+    if not isinstance(keras_layer, keras.layers.Layer):
+      raise TypeError(
+        f'{self.path}: expected a Keras layer, got '
+        f'{type(keras_layer).__name__} {keras_layer!r}.'
+      )
     ours = self.KerasOrderedVariables()
     theirs = list(keras_layer.trainable_variables) + [
       v for v in keras_layer.non_trainable_variables if not _IsSeedState(v)
@@ -162,9 +195,22 @@ class KerasLayer(base_layer.BaseLayer):
       if mine.shape.as_list() != list(v.shape):
         raise ValueError(
           f'{self.path}: weight {mine.name} has shape {mine.shape.as_list()} '
-          f'but {v.path} of the Keras layer has {list(v.shape)}.'
+          f'but {v.path} of the Keras layer has {list(v.shape)}; pass a '
+          'layer of the same config.'
         )
+    return list(zip(ours, theirs))
+
+  def LoadKerasWeights(self, keras_layer):
+    """Sets this layer's weights to those of built `keras_layer` (a layer of
+    the same config, e.g. one of an unpipelined keras.Sequential)."""
+    for mine, v in self._Pairs(keras_layer):
       mine.assign(tf.convert_to_tensor(v.value))
+
+  def CopyWeightsTo(self, keras_layer):
+    """Sets the weights of built `keras_layer` (a layer of the same config)
+    to this layer's: the way back of `LoadKerasWeights`."""
+    for mine, v in self._Pairs(keras_layer):
+      v.assign(tf.convert_to_tensor(mine))
 
   def FProp(self, theta, *args):
     """Runs the Keras layer on `args` with the weights of `theta`."""
@@ -207,11 +253,116 @@ class KerasLayer(base_layer.BaseLayer):
     return tf.group(ops)
 
 
-def KerasLayersParams(layers, input_shape, name_prefix=None):
-  """`KerasLayer` Params for a list of Keras layers or a keras.Sequential.
+def _FunctionalChain(model):
+  """The layers of functional `model` from input to output; raises unless
+  each takes the previous one's output alone."""
+  where = f'The functional model {model.name!r}'
+  fix = (
+    'a pipeline runs one layer after the other, each on the output of the '
+    'one before; write the branches as one custom Keras layer, or pipeline '
+    'a keras.Sequential.'
+  )
+  inputs, outputs = list(model.inputs), list(model.outputs)
+  if len(inputs) != 1 or len(outputs) != 1:
+    raise ValueError(
+      f'{where} takes {len(inputs)} inputs and returns {len(outputs)} '
+      f'outputs, not 1 and 1: {fix}'
+    )
+  chain, tensor = [], outputs[0]
+  while True:
+    op, node_index, _ = tensor._keras_history  # pylint: disable=protected-access
+    if isinstance(op, keras.layers.InputLayer):
+      break
+    if not isinstance(op, keras.layers.Layer):
+      raise ValueError(
+        f'{where} applies {type(op).__name__} {op.name!r}, an operation, '
+        'not a Keras layer: use a layer (keras.layers.Activation, '
+        'keras.layers.Lambda or a custom one) instead.'
+      )
+    node = op._inbound_nodes[node_index]  # pylint: disable=protected-access
+    ins = list(node.input_tensors)
+    if len(ins) != 1 or len(node.output_tensors) != 1:
+      raise ValueError(
+        f'{where} is not a chain of layers: layer {op.name!r} takes '
+        f'{len(ins)} inputs and returns {len(node.output_tensors)} '
+        f'outputs; {fix}'
+      )
+    kwargs = sorted(
+      k for k, v in node.arguments.kwargs.items() if v is not None
+    )
+    if kwargs:
+      raise ValueError(
+        f'{where} calls layer {op.name!r} with arguments {kwargs}, which a '
+        'pipeline does not keep: '
+        'call it on its input alone (the pipeline passes training= itself).'
+      )
+    if any(op is other for other in chain):
+      raise ValueError(
+        f'{where} calls layer {op.name!r} twice (shared weights); a '
+        'pipeline gives each call its own weights: use two layers.'
+      )
+    chain.append(op)
+    tensor = ins[0]
+  return chain[::-1]
+
+
+def KerasChain(model):
+  """The Keras layers `model` applies one after the other.
 
   Args:
-    layers: a list of Keras 3 layers, or a keras.Sequential (its layers).
+    model: a keras.Sequential, or a functional keras.Model that is a chain
+      of layers (one input; each layer takes the previous layer's output
+      alone; one output). Nested models of either kind are expanded.
+
+  Returns:
+    The list of Keras layers, first to last.
+  """
+  if isinstance(model, keras.Sequential):
+    layers = list(model.layers)
+  elif isinstance(model, keras.Model):
+    try:
+      functional = bool(model.inputs) and bool(model.outputs)
+    except (AttributeError, ValueError):
+      functional = False
+    if not functional:
+      raise ValueError(
+        f'Model {model.name!r} ({type(model).__name__}) is a subclassed '
+        'keras.Model, whose call() a pipeline cannot split: build it as a '
+        'keras.Sequential or a functional chain of layers.'
+      )
+    layers = _FunctionalChain(model)
+  else:
+    raise TypeError(
+      f'Expected a keras.Sequential or a functional keras.Model, got '
+      f'{type(model).__name__} {model!r}.'
+    )
+  out = []
+  for layer in layers:
+    out.extend(KerasChain(layer) if isinstance(layer, keras.Model) else [layer])
+  return out
+
+
+def KerasInputShape(model):
+  """The input shape of Keras `model`, batch first, or None if unbuilt."""
+  try:
+    inputs = model.inputs
+  except (AttributeError, ValueError):
+    inputs = None
+  if inputs and len(inputs) == 1:
+    return list(inputs[0].shape)
+  try:
+    shape = model.input_shape
+  except (AttributeError, ValueError):
+    return None
+  return list(shape) if isinstance(shape, (list, tuple)) else None
+
+
+def KerasLayersParams(layers, input_shape, name_prefix=None):
+  """`KerasLayer` Params for Keras layers or a model that chains them.
+
+  Args:
+    layers: a list of Keras 3 layers, a keras.Sequential, or a functional
+      keras.Model that is a chain of layers (see `KerasChain`).
     input_shape: the first layer's input shape, batch first, e.g. [None, 16].
     name_prefix: names the layers f'{name_prefix}{i}'; None: the Keras
       class in snake case and the index, e.g. 'dense_0' (not the Keras
@@ -222,12 +373,12 @@ def KerasLayersParams(layers, input_shape, name_prefix=None):
     A list of KerasLayer Params, e.g. for PipeliningLayer.Params().layers.
     Each gets the input shape the previous layer outputs.
   """
-  if isinstance(layers, keras.Sequential):
-    layers = list(layers.layers)
+  if isinstance(layers, keras.Model):
+    layers = KerasChain(layers)
   if not isinstance(layers, (list, tuple)) or not layers:
     raise ValueError(
-      f'layers={layers!r}: pass a non-empty list of Keras layers or a '
-      'keras.Sequential.'
+      f'layers={layers!r}: pass a non-empty list of Keras layers, a '
+      'keras.Sequential or a functional chain of layers.'
     )
   if input_shape is None:
     raise ValueError(

@@ -38,7 +38,7 @@ class FlattenLayer(base_layer.BaseLayer):
       inputs: [batch, ...].
 
     Returns:
-      [batch, prod(...)].
+      `[batch, prod(...)]`.
     """
     del theta
     inputs = tf.convert_to_tensor(inputs)

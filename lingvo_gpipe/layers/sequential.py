@@ -109,7 +109,7 @@ class SequentialLayer(base_layer.BaseLayer):
     self.CreateChildren('sub', list(self.params.sub))
 
   def FProp(self, theta, *args):
-    """Runs sub[0](args) -> sub[1](...) -> ...; returns the last outputs."""
+    """Runs `sub[0](args) -> sub[1](...) -> ...`; returns the last outputs."""
     for i, layer in enumerate(self.sub):
       args = py_utils.AsTuple(layer.FProp(theta.sub[i], *args))
     return py_utils.Unwrap(args)
@@ -158,7 +158,7 @@ class RepeatLayer(base_layer.BaseLayer):
     self.CreateChildren('body', self._BodyParams(self.params))
 
   def FProp(self, theta, *args):
-    """Runs body_0(args) -> body_1(...) -> ...; returns the last outputs."""
+    """Runs `body_0(args) -> body_1(...) -> ...`; returns the last outputs."""
     for i, layer in enumerate(self.body):
       args = py_utils.AsTuple(layer.FProp(theta.body[i], *args))
     return py_utils.Unwrap(args)

@@ -48,32 +48,13 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import cell_checks
+from lingvo_gpipe.pipeline import cell_layout
 from lingvo_gpipe.pipeline import graph_ops
 
 __all__ = ['CellFunctions', 'Loss']
 
-
-def _IsFloat(t):
-  return py_utils.IsTensor(t) and t.dtype.is_floating
-
-
-def _Dense(t):
-  """A gradient as a dense tensor (an embedding's gradient comes as
-  IndexedSlices, which the running sum and the optimizer densify anyway)."""
-  if isinstance(t, tf.IndexedSlices):
-    return tf.convert_to_tensor(t)
-  return t
-
-
-class Loss(collections.namedtuple('Loss', ['fn', 'inputs', 'theta'])):
-  """The loss of one micro-batch on the last cell.
-
-  fn(outputs, inputs, theta) -> float scalar, the micro-batch's share of the
-  loss, given the last cell's outputs (as FProp returns them); `inputs`
-  (labels, weights) and `theta` (the loss's own weights, e.g. a softmax
-  outside the pipeline) are structures of tensors or None. `theta` is
-  differentiated with the cell's weights.
-  """
+# The loss of one micro-batch on the last cell (see `cell_layout.Loss`).
+Loss = cell_layout.Loss
 
 
 def _Anchored(flat):
@@ -95,51 +76,18 @@ def _Anchored(flat):
   return [graph_ops.After(flat[0], [keep])] + list(flat[1:])
 
 
-class _Layout:
-  """How (theta_k, args, seed, loss inputs, loss theta) map to a flat list
-  of tensors, and back."""
-
-  def __init__(self, theta_k, args, seed, loss):
-    loss_in = None if loss is None else loss.inputs
-    loss_th = None if loss is None else loss.theta
-    self.structure = (theta_k, tuple(args), seed, loss_in, loss_th)
-    parts = [tf.nest.flatten(s) for s in self.structure]
-    flat = [t for part in parts for t in part]
-    starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
-    self.tensor_idx = [i for i, t in enumerate(flat) if py_utils.IsTensor(t)]
-    pos = {i: n for n, i in enumerate(self.tensor_idx)}
-    self.statics = [None if py_utils.IsTensor(t) else t for t in flat]
-    self.tensors = [flat[i] for i in self.tensor_idx]
-
-    def Floats(part):
-      a = starts[part]
-      return [(i, pos[a + i]) for i, t in enumerate(parts[part]) if _IsFloat(t)]
-
-    # (index in the part's flat list, position in `tensors`) of the float
-    # tensors of the weights (the cell's, then the loss's) and the inputs.
-    self.theta_floats = Floats(0) + [
-      (len(parts[0]) + i, p) for i, p in Floats(4)
-    ]
-    self.num_theta = len(parts[0]) + len(parts[4])
-    self.arg_floats = Floats(1)
-    self.num_args = len(parts[1])
-    self.key = (
-      repr(tf.nest.map_structure(lambda _: 0, self.structure)),
-      repr([s for s in self.statics if s is not None]),
-    )
-
-  def Unpack(self, tensors):
-    flat = list(self.statics)
-    for i, t in zip(self.tensor_idx, tensors):
-      flat[i] = t
-    return tf.nest.pack_sequence_as(self.structure, flat)
-
-  def Sources(self, input_grad):
-    """[(index, position in `tensors`)] of what is differentiated: the float
-    weights (the cell's, then the loss's; index into both flattened one
-    after the other) and, with `input_grad`, the float inputs (index into
-    the flattened inputs)."""
-    return self.theta_floats + (self.arg_floats if input_grad else [])
+def _CallOp(f, tensors):
+  """f.fn(*tensors) in a graph: where no tape records the call, the call
+  op is built without shape inference of the body, which otherwise costs
+  the step's trace about 18 us per op of the cell per work item
+  (`_tf_internal.CallFunction`)."""
+  if _tf_internal.ShouldRecordBackprop(tensors):
+    return f.fn(*tensors)
+  sig = tuple((tuple(t.shape.as_list()), t.dtype) for t in tensors)
+  concrete = f.concrete.get(sig)
+  if concrete is None:
+    concrete = f.concrete[sig] = f.fn.get_concrete_function(*tensors)
+  return _tf_internal.CallFunction(concrete, tensors)
 
 
 class _Function:
@@ -149,6 +97,7 @@ class _Function:
     self.fn = None
     self.meta = {}
     self.traces = collections.Counter()
+    self.concrete = {}  # {input signature: concrete function}
 
 
 class CellFunctions:
@@ -164,11 +113,21 @@ class CellFunctions:
     inline: fn() -> whether cells must run inline where built now (e.g. in a
       TPU replica, whose computation XLA compiles as a whole); inside an XLA
       context they always do.
+    shared: a `layer_function.SharedLayers`: inside the cells' functions,
+      its layers of a shared kind run as calls of their kind's function
+      (not with `jit_compile`: XLA compiles the cell as one computation).
   """
 
   def __init__(
-    self, cell_fprop, cell_layers, name, jit_compile=False, inline=None
+    self,
+    cell_fprop,
+    cell_layers,
+    name,
+    jit_compile=False,
+    inline=None,
+    shared=None,
   ):
+    self._shared = None if jit_compile else shared
     self._inline = inline
     self._cell_fprop = cell_fprop
     self._cell_layers = cell_layers
@@ -192,17 +151,20 @@ class CellFunctions:
 
   # -- What the engine calls ---------------------------------------------------
 
-  def Forward(self, k, theta_k, args, seed, loss=None, after=None):
+  def Forward(self, k, theta_k, args, seed, loss=None, after=None, taped=False):
     """Cell k on one micro-batch (and its loss, with `loss`).
 
-    `after`: tensors the call waits for (control dependencies).
+    `after`: tensors the call waits for (control dependencies). `taped`: a
+    gradient tape records the call (its layers then run inline in it: the
+    gradient of a call of calls would take a zero gradient for every
+    intermediate of every layer, a few ops per work item).
 
     Returns:
       (outputs tuple, the loss or None, [(layer, stats)] of the deferred
       updates, e.g. batch-norm statistics).
     """
     is_eval = py_utils.IsEval()
-    layout = _Layout(theta_k, args, seed, loss)
+    layout = cell_layout.Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
     if self.Inline():
       collector = py_utils.UpdateCollector()
@@ -210,7 +172,10 @@ class CellFunctions:
         k, layout, layout.tensors, is_eval, collector, loss_fn
       )
       return out, loss_value, collector.updates
-    f = self._Forward(k, layout, is_eval, loss_fn)
+    # A call that a tape records is differentiated through its body, where
+    # the layers then run inline.
+    taped = taped or _tf_internal.ShouldRecordBackprop(layout.tensors)
+    f = self._Forward(k, layout, is_eval, loss_fn, taped)
     self._Check(k, f, layout.tensors, ('forward', k, is_eval))
     flat = list(self._Call(f, layout.tensors, after))
     if self._jit:
@@ -252,9 +217,9 @@ class CellFunctions:
       inputs' gradients, flat like args), None where there is none.
     """
     is_eval = py_utils.IsEval()
-    layout = _Layout(theta_k, args, seed, loss)
+    layout = cell_layout.Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
-    present = tuple(dy is not None and _IsFloat(dy) for dy in dys)
+    present = tuple(dy is not None and cell_layout.IsFloat(dy) for dy in dys)
     sources = layout.Sources(input_grad)
     given = [dy for dy, p in zip(dys, present) if p]
     if self.Inline():
@@ -273,7 +238,7 @@ class CellFunctions:
         running = [
           tf.zeros_like(layout.tensors[p])
           if sums[i] is None
-          else _Dense(sums[i])
+          else cell_layout.Dense(sums[i])
           for i, p in layout.theta_floats
         ]
       call_inputs = layout.tensors + given + running
@@ -297,32 +262,37 @@ class CellFunctions:
     out = [g if s is None else s for s, g in zip(sums, grads)]
     if not pairs:
       return out
-    a = [_Dense(sums[i]) for i in pairs]
-    b = [_Dense(grads[i]) for i in pairs]
+    a = [cell_layout.Dense(sums[i]) for i in pairs]
+    b = [cell_layout.Dense(grads[i]) for i in pairs]
     if self.Inline() or tf.executing_eagerly():
       added = [x + y for x, y in zip(a, b)]
     else:
       sig = tuple((tuple(t.shape.as_list()), t.dtype.name) for t in a)
       f = self._Get(('sum', sig), self._MakeSum)
-      added = f.fn(a, b)
+      added = _CallOp(f, a + b)
     for i, t in zip(pairs, added):
       out[i] = t
     return out
 
   def _Call(self, f, tensors, after):
     deps = [t for t in tf.nest.flatten(after) if py_utils.IsTensor(t)]
-    if not deps or tf.executing_eagerly():
+    if tf.executing_eagerly():
       return f.fn(*tensors)
     with tf.control_dependencies(deps):
-      return f.fn(*tensors)
+      return _CallOp(f, tensors)
 
   # -- Running a cell ----------------------------------------------------------
 
-  def _Run(self, k, layout, tensors, is_eval, collector, loss_fn, mark=None):
-    """(outputs tuple, the loss or None) of cell k on `tensors`."""
+  def _Run(
+    self, k, layout, tensors, is_eval, collector, loss_fn, mark=None, fprop=None
+  ):
+    """(outputs tuple, the loss or None) of cell k on `tensors`; `fprop`
+    runs each layer (default: its FProp, inline)."""
     theta_k, args, seed, loss_in, loss_th = layout.Unpack(tensors)
     with py_utils.EvalMode(is_eval), py_utils.StepSeed(seed), collector:
-      out = py_utils.AsTuple(self._cell_fprop(k, theta_k, args, mark))
+      out = py_utils.AsTuple(
+        self._cell_fprop(k, theta_k, args, mark, fprop=fprop)
+      )
       loss = None
       if loss_fn is not None:
         loss = tf.convert_to_tensor(
@@ -336,8 +306,39 @@ class CellFunctions:
           )
     return out, loss
 
+  def _LayerFProp(self, f, first_inline=False):
+    """How the layers of function `f` run: shared kinds as calls (not in
+    the XLA check's trace, which looks for the layer of each op, nor in a
+    forward that a tape records).
+
+    `first_inline`: the cell's first layer runs inline (a backward that
+    needs no input gradient: a call's gradient computes every input's).
+    """
+    if self._shared is None or 'mark' in f.meta or f.meta.get('taped'):
+      return None
+    if not first_inline:
+      return self._shared.FProp
+    calls = []
+
+    def FProp(layer, theta, args):
+      calls.append(layer)
+      if len(calls) == 1:
+        return layer.FProp(theta, *args)
+      return self._shared.FProp(layer, theta, args)
+
+    return FProp
+
   def _Differentiate(
-    self, k, layout, tensors, is_eval, given, present, sources, loss_fn
+    self,
+    k,
+    layout,
+    tensors,
+    is_eval,
+    given,
+    present,
+    sources,
+    loss_fn,
+    fprop=None,
   ):
     """Gradients of cell k's outputs (or loss) on `tensors` for the output
     gradients `given` (those of the outputs marked in `present`), w.r.t.
@@ -350,12 +351,18 @@ class CellFunctions:
     ):
       tape.watch(xs)
       out, loss = self._Run(
-        k, layout, tensors, is_eval, py_utils.UpdateCollector(), loss_fn
+        k,
+        layout,
+        tensors,
+        is_eval,
+        py_utils.UpdateCollector(),
+        loss_fn,
+        fprop=fprop,
       )
     ys = [loss] if loss is not None else tf.nest.flatten(out)
     given = list(given)
     pairs = [(y, given.pop(0)) for y, p in zip(ys, present) if p]
-    pairs = [(y, dy) for y, dy in pairs if _IsFloat(y)]
+    pairs = [(y, dy) for y, dy in pairs if cell_layout.IsFloat(y)]
     if not pairs or not xs:
       return [None] * len(xs)
     return list(
@@ -406,23 +413,32 @@ class CellFunctions:
   def _MakeSum(self):
     f = _Function()
 
-    def Sum(sums, grads):
-      return [s + g for s, g in zip(sums, grads)]
+    def Sum(*tensors):
+      n = len(tensors) // 2
+      return [s + g for s, g in zip(tensors[:n], tensors[n:])]
 
     f.fn = self._Wrap(Sum)
     return f
 
-  def _Forward(self, k, layout, is_eval, loss_fn):
-    key = ('forward', k, is_eval, layout.key, loss_fn)
+  def _Forward(self, k, layout, is_eval, loss_fn, taped):
+    key = ('forward', k, is_eval, layout.key, loss_fn, taped)
 
     def Make():
       f = _Function()
+      f.meta['taped'] = taped
 
       def Forward(*tensors):
         self._traces.Count(f, k, 'forward', key, tensors)
         collector = py_utils.UpdateCollector()
         out, loss = self._Run(
-          k, layout, tensors, is_eval, collector, loss_fn, f.meta.get('mark')
+          k,
+          layout,
+          tensors,
+          is_eval,
+          collector,
+          loss_fn,
+          f.meta.get('mark'),
+          fprop=self._LayerFProp(f),
         )
         f.meta['out'] = out
         f.meta['updates'] = list(collector.updates)
@@ -461,9 +477,10 @@ class CellFunctions:
           present,
           sources,
           loss_fn,
+          fprop=self._LayerFProp(f, first_inline=not input_grad),
         )
         running = list(tensors[n_in + n_dy :])
-        grads = [None if g is None else _Dense(g) for g in grads]
+        grads = [None if g is None else cell_layout.Dense(g) for g in grads]
         for j, s in enumerate(running):
           # The same sum, in the same order, as adding micro-batch by
           # micro-batch outside. A weight without a gradient keeps its sum

@@ -258,10 +258,10 @@ def MemoryBreakdown(
   received_bytes=0,
   allocator_overhead=0.0,
 ):
-  """{'weights', 'gradients', 'optimizer_slots', 'stored_inputs',
-  'activations'[, 'backward_temporaries'][, 'compiled_gradients']
-  [, 'received_gradients'][, 'update_temporaries']
-  [, 'allocator_rounding']}: bytes of one device holding `cell`.
+  """The bytes of one device holding `cell`, by part: a dict of 'weights',
+  'gradients', 'optimizer_slots', 'stored_inputs', 'activations' and, where
+  they apply, 'backward_temporaries', 'compiled_gradients',
+  'received_gradients', 'update_temporaries' and 'allocator_rounding'.
 
   With recompute the device stores the input of every micro-batch and holds
   the activations of the one micro-batch being recomputed; without, it
@@ -285,7 +285,10 @@ def MemoryBreakdown(
   `Device.allocator_overhead`); a compiled cell's are XLA's buffers of
   each call, which land in such chunks too. Without re-materialization the
   step allocates its activations once, in the order the previous step
-  freed them, and they find chunks of their size.
+  freed them, and they find chunks of their size; so does a
+  re-materialized cell of one micro-batch (M=1), whose recomputation
+  allocates the forward pass's buffers again in the same order: at M=1,
+  re-materialization costs no memory (and saves none).
   """
   m = num_micro_batches
   out = {
@@ -303,7 +306,7 @@ def MemoryBreakdown(
     out['received_gradients'] = int(received_bytes)
   if cell.max_var_bytes:
     out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
-  if allocator_overhead and recompute:
+  if allocator_overhead and recompute and m > 1:
     held = out['weights'] + out['optimizer_slots']
     out['allocator_rounding'] = int(
       allocator_overhead * (PeakOfBreakdown(out) - held)

@@ -36,6 +36,8 @@ With R data-parallel replicas, every work item runs on each replica's own
 devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
@@ -346,12 +348,18 @@ class PipelineEngine:
         with tape:
           tape.watch([t for t in tf.nest.flatten(watched) if _IsFloat(t)])
           raw, loss_value, upd = self._cells.Forward(
-            k, theta_k, x, seed_m, loss, after=after
+            k, theta_k, x, seed_m, loss, after=after, taped=True
           )
       else:
-        raw, loss_value, upd = self._cells.Forward(
-          k, theta_k, x, seed_m, loss, after=after
-        )
+        # The pipeline's own tape operation differentiates this item (its
+        # backward is a call of its own): the forward call need not be
+        # recorded, and a recorded call would run its layers inline.
+        with (
+          _tf_internal.StopRecording() if train else contextlib.nullcontext()
+        ):
+          raw, loss_value, upd = self._cells.Forward(
+            k, theta_k, x, seed_m, loss, after=after
+          )
       y = raw if loss is None else (loss_value,)
       # The backward differentiates the tape's own outputs, not the placed
       # or stamped copies made after the tape stopped recording.

@@ -6,9 +6,25 @@ leaves and non-tensor leaves (None, Python numbers) are passed unchanged to
 every micro-batch.
 """
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ['NumMicroBatches', 'Split', 'Concat', 'BatchSize', 'IsSplittable']
+__all__ = [
+  'NumMicroBatches',
+  'Split',
+  'Concat',
+  'BatchSize',
+  'IsSplittable',
+  'ToTensors',
+]
+
+
+def ToTensors(structure):
+  """`structure` with its NumPy arrays as tensors (a pipeline's inputs)."""
+  return tf.nest.map_structure(
+    lambda x: tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x,
+    structure,
+  )
 
 
 def IsSplittable(x):

@@ -7,9 +7,9 @@ A sequence of layers is split into K cells, cell k placed on device k. A
 mini-batch is split into M micro-batches that flow through the cells in the
 fill-drain schedule (see `schedule.py` for the clock-cycle table):
 
-  forward:  for clock c in 0 .. M+K-2: cell k runs micro-batch c - k
-  backward: the mirror image, starting from the last cell's last micro-batch
-  update:   gradients of all micro-batches are summed, then applied once
+    forward:  for clock c in 0 .. M+K-2: cell k runs micro-batch c - k
+    backward: the mirror image, starting from the last cell's last micro-batch
+    update:   gradients of all micro-batches are summed, then applied once
 
 This module holds the layer (Params, construction, introspection);
 `engine.py` builds the schedule. The whole pipeline is one differentiable op
@@ -18,20 +18,20 @@ pass is built explicitly, cell by cell and micro-batch by micro-batch, on
 each cell's device (`engine.PipelineEngine` runs any schedule of such work
 items; this is `schedule.FillDrain`):
 
-  def Forward(inputs, theta):                 # inside one tf.function
-    xs = split(inputs, M)                     # on device 0
-    for (c, k, m) in ForwardOrder(K, M):      # device k
-      with StepSeed(seed(step, m)):           # random ops are addressable
-        xs[m] = cell[k](theta[k], xs[m])      # keeps only xs[m] if recompute
-    return concat(xs)                         # on device K-1
+    def Forward(inputs, theta):                 # inside one tf.function
+      xs = split(inputs, M)                     # on device 0
+      for (c, k, m) in ForwardOrder(K, M):      # device k
+        with StepSeed(seed(step, m)):           # random ops are addressable
+          xs[m] = cell[k](theta[k], xs[m])      # keeps only xs[m] if recompute
+      return concat(xs)                         # on device K-1
 
-  def Backward(dys):
-    for (c, k, m) in BackwardOrder(K, M):     # device k
-      if recompute: redo cell[k](theta[k], x[k][m]) with the same seed
-      dx[m], dtheta_m = vjp(cell[k], dys[m])
-      dtheta[k] += dtheta_m                   # accumulated on device k
-      dys[m] = dx[m]
-    return concat(dys), dtheta
+    def Backward(dys):
+      for (c, k, m) in BackwardOrder(K, M):     # device k
+        if recompute: redo cell[k](theta[k], x[k][m]) with the same seed
+        dx[m], dtheta_m = vjp(cell[k], dys[m])
+        dtheta[k] += dtheta_m                   # accumulated on device k
+        dys[m] = dx[m]
+      return concat(dys), dtheta
 
 TensorFlow runs each device's ops as soon as their inputs are ready, so cell
 k works on micro-batch m while cell k+1 works on m-1; with `strict_order`
@@ -70,6 +70,7 @@ from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import cell_function
 from lingvo_gpipe.pipeline import cell_shapes
 from lingvo_gpipe.pipeline import engine
+from lingvo_gpipe.pipeline import layer_function
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
@@ -230,6 +231,15 @@ class PipeliningLayer(base_layer.BaseLayer):
       'pipeline is first traced.',
     )
     p.Define(
+      'share_layer_functions',
+      True,
+      'Trace each kind of layer of `layers` (the same class and Params '
+      'but for the name) once, as a function that its layers call inside '
+      "the cells' functions: the step's size and its first-step time then "
+      'grow with the kinds of layers, not with their number (see '
+      '`layer_function.py`). False: every layer inline in its cell.',
+    )
+    p.Define(
       'state_dtype',
       None,
       "Lingvo's dtype of the activations between cells: when set, every "
@@ -338,6 +348,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       self.path,
       jit_compile=p.jit_compile,
       inline=lambda: self._placement.on_tpu,
+      shared=(
+        layer_function.SharedLayers(list(self.body))
+        if self._ranges is not None and p.share_layer_functions
+        else None
+      ),
     )
     self._input_checked = False
 
@@ -609,9 +624,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     a, b = self._ranges[k]
     return theta.body[a:b]
 
-  def _CellFProp(self, k, theta_k, args, mark=None):
-    """Runs cell k; `mark(layer)`, if given, is called before each layer."""
-    outs = self._RunCell(k, theta_k, args, mark)
+  def _CellFProp(self, k, theta_k, args, mark=None, fprop=None):
+    """Runs cell k; `mark(layer)`, if given, is called before each layer;
+    `fprop(layer, theta, args)`, if given, runs each layer of the body."""
+    outs = self._RunCell(k, theta_k, args, mark, fprop)
     self._CheckStateDtype(k, outs)
     if k == self.num_stages - 1:
       # The engine joins tensors only: the last cell's None outputs (Lingvo
@@ -644,16 +660,20 @@ class PipeliningLayer(base_layer.BaseLayer):
           f'cell, or set state_dtype=None (activations keep their dtype).'
         )
 
-  def _RunCell(self, k, theta_k, args, mark=None):
+  def _RunCell(self, k, theta_k, args, mark=None, fprop=None):
     if self._ranges is None:
       if mark is not None:
         mark(self.cells[k])
       return py_utils.AsTuple(self.cells[k].FProp(theta_k, *args))
     a, _ = self._ranges[k]
     for i, th in enumerate(theta_k):
+      layer = self.body[a + i]
       if mark is not None:
-        mark(self.body[a + i])
-      args = py_utils.AsTuple(self.body[a + i].FProp(th, *args))
+        mark(layer)
+      if fprop is None:
+        args = py_utils.AsTuple(layer.FProp(th, *args))
+      else:
+        args = py_utils.AsTuple(fprop(layer, th, args))
     return args
 
   def _Device(self, k, r=0):
@@ -705,6 +725,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     replica's logical core k (`tpu.LogicalDeviceAssigner`); the strategy's
     replicas are the data parallelism, so num_replicas must then be 1.
     """
+    args = microbatch.ToTensors(args)  # NumPy inputs split like tensors.
     with self._placement.Call():
       return self._FProp(theta, *args)
 
@@ -827,6 +848,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         f'Pipeline {self.path!r}: FPropWithLoss needs loss_fn=fn(outputs) '
         f'-> scalar; got {loss_fn!r}.'
       )
+    args, loss_inputs = microbatch.ToTensors((args, loss_inputs))
     with self._placement.Call():
       return self._FPropWithLoss(theta, args, loss_fn, loss_inputs, loss_theta)
 

@@ -234,7 +234,9 @@ def Evaluate(
     step_s=sim.step_s,
     examples_per_s=profile.batch_size / sim.step_s,
     busy_fraction=list(sim.busy_fraction),
-    bubble=1.0 - sum(sim.busy_fraction) / k,
+    # One cell per replica has no pipeline bubble (its idle time is the
+    # replicas' weight and gradient transfers, in step_s).
+    bubble=0.0 if k == 1 else 1.0 - sum(sim.busy_fraction) / k,
     peak_bytes=peaks,
     memory=sim.memory[worst],
     bytes_sent=list(sim.bytes_sent),
@@ -282,6 +284,11 @@ def _Splits(profile, k, split_by, device, optimizer_slots):
 
 def _Divisors(n, limit):
   return [m for m in range(1, min(n, limit) + 1) if n % m == 0]
+
+
+def _Bubble(cand):
+  """The bubble column: '-' for one stage (no pipeline, no bubble)."""
+  return '-' if cand.num_stages == 1 else f'{100 * cand.bubble:.0f}%'
 
 
 @dataclasses.dataclass
@@ -333,7 +340,7 @@ class PlanResult:
           f'{i + 1:>3} {c.num_replicas:>2} {c.num_stages:>3} '
           f'{c.num_micro_batches:>4} {"yes" if c.recompute else "no":>9} '
           f'{_FormatS(c.step_s):>10} {c.examples_per_s:>11.4g} '
-          f'{100 * c.bubble:>5.0f}% '
+          f'{_Bubble(c):>6} '
           f'{FormatBytes(c.max_peak_bytes):>12}  {c.splits} '
           f'({c.split_by}){note}'
         )
@@ -414,8 +421,10 @@ def Plan(
     num_devices: devices available; candidates use K * R <= num_devices.
     memory_bytes: memory per device (default: the device's).
     optimizer_slots: optimizer slots per weight (Adam 2, SGD 0).
-    num_stages, num_micro_batches, num_replicas, recompute: fix one of them
-      (None: search).
+    num_stages: fixes K (None: search).
+    num_micro_batches: fixes M (None: search).
+    num_replicas: fixes R (None: search).
+    recompute: fixes re-materialization (None: search both).
     max_micro_batches: the largest M tried.
     split_by: how cells are balanced: by 'time' and/or by 'memory'.
     compiled: the cells are XLA-compiled (`jit_compile`; memory only).
@@ -579,7 +588,9 @@ def Resolve(
     f'planned ({", ".join(a + "=auto" for a in auto)}; device preset '
     f'{device.name}, {FormatBytes(result.memory_bytes)} per device): '
     f'K={best.num_stages}, M={best.num_micro_batches}; predicted step '
-    f'{_FormatS(best.step_s)}, bubble {100 * best.bubble:.0f}%, peak '
+    f'{_FormatS(best.step_s)}, '
+    + ('' if best.num_stages == 1 else f'bubble {_Bubble(best)}, ')
+    + 'peak '
     f'{FormatBytes(best.max_peak_bytes)} per device, '
     f'{len(result.feasible)} feasible of '
     f'{len(result.feasible) + len(result.rejected)} configurations'

@@ -471,7 +471,7 @@ def EvaluateBleuCheckpoint(
     logdir: the training logdir (its train/ holds the checkpoints).
     dataset: 'Dev' or 'Test'.
     beam_size: overrides the task's beam_size (1: greedy).
-    max_batches, **decode: as DecodeColumns' (progress, progress_every_s).
+    max_batches: as DecodeColumns' (and **decode: progress, progress_every_s).
     checkpoint: a checkpoint prefix; None: the latest in <logdir>/train.
     overrides: Params text ("a.b : value" lines) applied to the model Params.
 

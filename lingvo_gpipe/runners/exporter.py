@@ -1,9 +1,9 @@
 """Exports a task's inference function as a SavedModel.
 
-  exporter.ExportSavedModel(task, '/tmp/export',
-                            variables=model.VariablesByName())
-  loaded = tf.saved_model.load('/tmp/export')
-  out = loaded.signatures['serving_default'](image=images)   # dict of tensors
+    exporter.ExportSavedModel(task, '/tmp/export',
+                              variables=model.VariablesByName())
+    loaded = tf.saved_model.load('/tmp/export')
+    out = loaded.signatures['serving_default'](image=images)  # dict of tensors
 
 The exported function runs `task.ComputePredictions(task.theta, batch)` under
 `py_utils.EvalMode()` (dropout off, batch norm on its moving averages). Its

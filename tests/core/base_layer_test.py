@@ -402,6 +402,22 @@ def testDoEval():
   assert infer.do_eval
 
 
+class _Mode(base_layer.BaseLayer):
+  def FProp(self, theta, x):
+    return x + (1.0 if self.do_eval else 0.0)
+
+
+def testCallTakesKerasTrainingArgument():
+  layer = _Mode.Params().Set(name='m').Instantiate()
+  assert layer(0.0) == 0.0
+  assert layer(0.0, training=False) == 1.0
+  assert layer(0.0, training=True) == 0.0
+  with py_utils.EvalMode():
+    assert layer(0.0) == 1.0
+    assert layer(0.0, training=True) == 0.0
+  assert not py_utils.IsEval()
+
+
 # -- Shared variables ----------------------------------------------------------
 
 

@@ -106,3 +106,41 @@ def testRecordingOnUndoesInitScope():
         recorded = x * x
   assert tape.gradient(stopped, x) is None
   assert float(tape.gradient(recorded, x)) == 4.0
+
+
+def testStopRecording():
+  x = tf.constant(3.0)
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    with _tf_internal.StopRecording():
+      assert not _tf_internal.ShouldRecordBackprop([x]), (
+        'tensorflow.python.eager.record.stop_recording changed'
+      )
+      y = x * 2.0
+  assert tape.gradient(y, x) is None
+
+
+def testCallFunctionSkipsShapeInferenceOfTheBody():
+  @tf.function(autograph=False)
+  def Body(x, y):
+    return tf.tanh(x) * y, tf.reduce_sum(x)
+
+  concrete = Body.get_concrete_function(
+    tf.TensorSpec([2, 3], tf.float32), tf.TensorSpec([], tf.float32)
+  )
+
+  @tf.function(autograph=False)
+  def Step(x, y):
+    a, b = _tf_internal.CallFunction(concrete, [x, y])
+    op = a.op
+    assert op.type in ('PartitionedCall', 'StatefulPartitionedCall'), op.type
+    assert op.get_attr('_disable_call_shape_inference')
+    assert op.get_attr('f').name == concrete.name.decode()
+    # The outputs carry the function's shapes.
+    assert a.shape == [2, 3] and b.shape == [], (a.shape, b.shape)
+    return a, b
+
+  x = tf.reshape(tf.range(6, dtype=tf.float32), [2, 3])
+  a, b = Step(x, tf.constant(2.0))
+  np.testing.assert_allclose(a, np.tanh(x.numpy()) * 2.0, rtol=1e-6)
+  assert float(b) == 15.0

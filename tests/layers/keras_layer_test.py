@@ -45,7 +45,7 @@ def _Pipe(model, num_micro_batches):
     )
     .Instantiate()
   )
-  for layer, k in zip(pipe.body, model.layers):
+  for layer, k in zip(pipe.body, keras_layer.KerasChain(model)):
     layer.LoadKerasWeights(k)
   return pipe
 
@@ -74,6 +74,10 @@ def testGradientsEqualTheKerasModels(num_micro_batches):
   names = sorted(v.name for v in pipe.trainable_variables)
   assert names[:2] == ['pipe/dense_0/bias:0', 'pipe/dense_0/kernel:0']
   assert pipe.body[2].vars.kernel.device.endswith('CPU:1')
+  # The wrapped Keras layer holds no copy of the weights: ours.
+  inner = pipe.body[2].keras_layer
+  assert inner.kernel.value is pipe.body[2].vars.kernel
+  assert inner.bias.value is pipe.body[2].vars.bias
 
 
 def testBatchNormMovingAveragesUpdatedOncePerBatch():
@@ -141,3 +145,100 @@ def testErrors():
   p = keras_layer.KerasLayersParams([_Model()], [None, 8])[0]
   with pytest.raises(ValueError, match='wraps a Keras model'):
     p.Instantiate()
+
+
+def testVariablesInKerasOrder():
+  model = _Model(keras.layers.BatchNormalization())
+  pipe = _Pipe(model, 2)
+  pipe(tf.random.normal([8, 8], seed=5))  # Calls add no earlier attribute.
+  want = [v.path.split('/', 1)[1] for v in model.trainable_variables]
+  got = [
+    '/'.join(v.name.split(':')[0].split('/')[1:])
+    for v in pipe.trainable_variables
+  ]
+  # Our layer names are the Keras class and index, the weight names Keras's.
+  assert [g.split('/')[1] for g in got] == [w.split('/')[1] for w in want]
+  assert got[:4] == [
+    'dense_0/kernel',
+    'dense_0/bias',
+    'batch_normalization_1/gamma',
+    'batch_normalization_1/beta',
+  ]
+  # So the lists zip: the same values, the same gradients.
+  for a, b in zip(pipe.trainable_variables, model.trainable_variables):
+    np.testing.assert_array_equal(a, b)
+  assert [v.name for v in pipe.variables][4:6] == [
+    'pipe/batch_normalization_1/moving_mean:0',
+    'pipe/batch_normalization_1/moving_variance:0',
+  ]
+
+
+def testTrainingArgument():
+  model = _Model(keras.layers.Dropout(0.5))
+  pipe = _Pipe(model, 2)
+  x = tf.random.normal([8, 8], seed=6)
+  with py_utils.EvalMode():
+    evaluated = pipe(x)
+  np.testing.assert_array_equal(pipe(x, training=False), evaluated)
+  np.testing.assert_allclose(evaluated, model(x, training=False), rtol=1e-5)
+  assert not np.allclose(pipe(x, training=True), evaluated)
+  with py_utils.EvalMode():
+    assert not np.allclose(pipe(x, training=True), evaluated)
+  # NumPy inputs split into micro-batches like tensors.
+  assert _Pipe(model, 2)(x.numpy()).shape == (8, 4)
+
+
+def testFunctionalChain():
+  keras.utils.set_random_seed(1)
+  inner = keras.Sequential([keras.layers.Dense(16, activation='tanh')])
+  x = keras.Input((8,))
+  y = keras.layers.Dense(4)(inner(keras.layers.Dense(16, 'relu')(x)))
+  model = keras.Model(x, y)
+  assert [type(k).__name__ for k in keras_layer.KerasChain(model)] == [
+    'Dense'
+  ] * 3
+  assert keras_layer.KerasInputShape(model) == [None, 8]
+  pipe = _Pipe(model, 2)
+  data = tf.random.normal([8, 8], seed=7)
+  np.testing.assert_allclose(pipe(data), model(data), rtol=1e-5, atol=1e-6)
+  # And back: the Keras model takes the pipeline's weights.
+  for v in pipe.trainable_variables:
+    v.assign(v * 2.0)
+  for layer, k in zip(pipe.body, keras_layer.KerasChain(model)):
+    layer.CopyWeightsTo(k)
+  np.testing.assert_allclose(pipe(data), model(data), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  'build,message',
+  [
+    (
+      lambda x: keras.layers.Concatenate()(
+        [keras.layers.Dense(4)(x), keras.layers.Dense(4)(x)]
+      ),
+      "layer 'concatenate' takes 2 inputs",
+    ),
+    (lambda x: keras.ops.relu(keras.layers.Dense(4)(x)), 'not a Keras layer'),
+    (
+      lambda x: keras.layers.Dropout(0.1)(
+        keras.layers.Dense(4)(x), training=True
+      ),
+      "with arguments \\['training'\\]",
+    ),
+  ],
+)
+def testNonChainFunctionalModels(build, message):
+  x = keras.Input((8,))
+  model = keras.Model(x, build(x))
+  with pytest.raises(ValueError, match=message) as e:
+    keras_layer.KerasLayersParams(model, [None, 8])
+  assert '\n' not in str(e.value)
+
+
+def testSubclassedModelRefused():
+  class Net(keras.Model):
+    def call(self, x):
+      return x
+
+  with pytest.raises(ValueError, match='subclassed keras.Model'):
+    keras_layer.KerasChain(Net())

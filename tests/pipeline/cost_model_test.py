@@ -169,6 +169,23 @@ def testAllocatorRoundsUpTheReMaterializedStep():
   assert 'allocator_rounding' not in res.memory[0]
 
 
+def testReMaterializingOneMicroBatchCostsNoMemory():
+  # At M=1 the recomputation allocates the forward pass's buffers again, in
+  # the same order: no rounding, and the same peak as without it.
+  spec = _FREE_LINKS._replace(allocator_overhead=0.15)
+  cell = _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50)
+  with_rc = cost_model.Simulate([cell], 1, spec, recompute=True)
+  without = cost_model.Simulate([cell], 1, spec, recompute=False)
+  assert 'allocator_rounding' not in with_rc.memory[0]
+  assert with_rc.peak_memory == without.peak_memory
+  assert cost_model.PeakMemoryBytes(
+    cell, 1, True, allocator_overhead=0.15
+  ) == cost_model.PeakMemoryBytes(cell, 1, False, allocator_overhead=0.15)
+  # From M=2 on, the buffers are allocated again for every micro-batch.
+  rc2 = cost_model.Simulate([cell], 2, spec, recompute=True)
+  assert rc2.memory[0]['allocator_rounding'] > 0
+
+
 def testAllocatorOverheadOfThePresets():
   # TensorFlow's BFC allocator (CPU, GPU) rounds buffers up; XLA on TPU
   # assigns them ahead of time.

@@ -74,6 +74,36 @@ def testPlanRanksAndExplainsRejections():
   assert 'Feasible, best first' in text and 'does not fit' in text
 
 
+def testOneStageHasNoBubbleAndReMaterializingOneMicroBatchIsFree():
+  prof = planner.ProfileLayers(_Fcs(4, 128), [[64, 128]])
+  device = cost_model.GetPreset('cpu')
+  res = planner.Plan(prof, device, 2, num_stages=1, num_micro_batches=1)
+  cands = res.feasible + res.rejected
+  # R=2 replicas of one stage idle while their weights and gradients move,
+  # but that is no pipeline bubble.
+  assert {c.num_replicas for c in cands} == {1, 2}
+  assert all(c.bubble == 0.0 for c in cands)
+  rows = [
+    line.split()
+    for line in res.ToText(top=10).splitlines()
+    if line.split()[:1] and line.split()[0].isdigit()
+  ]
+  assert rows and all(row[8] == '-' for row in rows), rows
+  # K=1, M=1: the recomputed forward pass reuses its own buffers.
+  for r in (1, 2):
+    peaks = {
+      c.recompute: c.max_peak_bytes for c in cands if c.num_replicas == r
+    }
+    assert peaks[True] == peaks[False], peaks
+  two = planner.Plan(prof, device, 2, num_stages=2, num_micro_batches=4)
+  assert all(c.bubble > 0 for c in two.feasible + two.rejected)
+  assert '-' not in [
+    line.split()[8]
+    for line in two.ToText().splitlines()
+    if line.split()[:1] and line.split()[0].isdigit()
+  ]
+
+
 def testCompiledCellsNeedOneMoreCopyOfTheirGradients():
   # 8 layers of 1 MiB weights on 2 cells: 4 MiB of weights per device.
   prof = planner.ProfileLayers(_Fcs(8, 512), [[256, 512]])

@@ -4,19 +4,17 @@ The checks run here on the test's virtual CPU devices; on a GPU host the tool
 runs the same functions on 2 logical GPUs.
 """
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
 import tensorflow as tf
 
+from lingvo_gpipe.tools import accelerator_check
+
 _PATH = (
   pathlib.Path(__file__).resolve().parents[2] / 'tools' / 'accelerator_check.py'
 )
-_spec = importlib.util.spec_from_file_location('accelerator_check', _PATH)
-accelerator_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(accelerator_check)
 
 DEVICES = ['/device:CPU:0', '/device:CPU:1']
 

@@ -1,22 +1,8 @@
 """tools/build_cost.py: its records, its table and its errors."""
 
-import importlib.util
 import json
-import os
 
-_TOOL = os.path.join(
-  os.path.dirname(__file__), '..', '..', 'tools', 'build_cost.py'
-)
-
-
-def _Tool():
-  spec = importlib.util.spec_from_file_location('build_cost_tool', _TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-build_cost = _Tool()
+from lingvo_gpipe.tools import build_cost
 
 
 def testBadConfigsAreOneLineNamingTheFix(capsys):

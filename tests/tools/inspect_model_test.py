@@ -1,8 +1,6 @@
 """tools/inspect_model.py: sizes registered models without allocating."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
@@ -14,13 +12,7 @@ from lingvo_gpipe.layers import linears
 from lingvo_gpipe.layers import reshape
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.models import classifier
-
-_PATH = (
-  pathlib.Path(__file__).resolve().parents[2] / 'tools' / 'inspect_model.py'
-)
-_spec = importlib.util.spec_from_file_location('inspect_model', _PATH)
-inspect_model = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(inspect_model)
+from lingvo_gpipe.tools import inspect_model
 
 
 @model_registry.RegisterSingleTaskModel

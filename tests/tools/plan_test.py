@@ -1,23 +1,13 @@
 """tools/plan.py: plans, errors, the predicted timeline, validation against
 a benchmark JSON and the paper's tables."""
 
-import importlib.util
 import json
+import shlex
 import os
 
 import pytest
 
-_TOOL = os.path.join(os.path.dirname(__file__), '..', '..', 'tools', 'plan.py')
-
-
-def _Tool():
-  spec = importlib.util.spec_from_file_location('plan_tool', _TOOL)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-plan = _Tool()
+from lingvo_gpipe.tools import plan
 
 _SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
 
@@ -254,3 +244,59 @@ def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
     ]
     == (row['predicted_peak_bytes'])
   )
+
+
+def _ApplyLine(out):
+  lines = out.splitlines()
+  at = next(
+    i for i, line in enumerate(lines) if 'To apply the best plan' in line
+  )
+  return lines[at + 1].strip()
+
+
+def testPrintsTheTrainerFlagsThatApplyTheBestPlan(tmp_path, capsys):
+  from lingvo_gpipe import trainer_params  # pylint: disable=g-import-not-at-top
+
+  key = 'image.digits.MlpDigitsTiny'
+  path = tmp_path / 'plan.json'
+  # Fixed K=2, M=4 so that the flags set something other than the model's.
+  argv = [f'--model={key}', '--num_devices=2', '--device=cpu']
+  argv += ['--num_stages=2', '--num_micro_batches=4', f'--json={path}']
+  assert plan.main(argv) == 0
+  line = _ApplyLine(capsys.readouterr().out)
+  assert json.loads(path.read_text())['apply'] == line
+  best = json.loads(path.read_text())['feasible'][0]
+  args = shlex.split(line)
+  assert args[:3] == ['python', '-m', 'lingvo_gpipe.trainer'], line
+  flags = dict(a[2:].split('=', 1) for a in args[3:])
+  assert flags['model'] == key
+  assert flags['num_cpu_devices'] == '2'
+  p = trainer_params.BuildParams(
+    flags['model'],
+    overrides=[flags['model_params_override']],
+    worker_split_size=int(flags['worker_split_size']),
+    devices=[f'/device:CPU:{i}' for i in range(2)],
+  )
+  net = p.task.network
+  assert net.num_stages == best['num_stages'] == 2
+  assert net.num_micro_batches == best['num_micro_batches'] == 4
+  assert net.recompute == ('always' if best['recompute'] else 'never')
+  assert list(net.splits) == best['splits']
+
+
+def testPrintsThePipelineParamsOfABuiltInModel(capsys):
+  argv = ['--model=bench.mlp', '--num_devices=2', '--num_stages=2', *_SMALL]
+  assert plan.main(argv) == 0
+  line = _ApplyLine(capsys.readouterr().out)
+  assert line.startswith('PipeliningLayer.Params().Set(num_stages=2, ')
+  assert 'num_micro_batches=' in line and 'splits=[' in line
+
+
+def testHelpExplainsTheModelFlag(capsys):
+  with pytest.raises(SystemExit):
+    plan.main(['--help'])
+  out = capsys.readouterr().out
+  assert 'see above' not in out
+  assert 'registered model key' in out and 'bench.transformer' in out
+  assert 'examples:\n  python tools/plan.py --model=' in out
+  assert 'Over 500 lines' not in out
