@@ -44,7 +44,6 @@ __all__ = [
   'IsTensor',
   'GetOrCreateGlobalStep',
   'GetOrCreateGlobalStepVar',
-  'GetGlobalStep',
 ]
 
 Flatten = tf.nest.flatten
@@ -497,8 +496,3 @@ def GetOrCreateGlobalStep():
 
 
 GetOrCreateGlobalStepVar = GetOrCreateGlobalStep
-
-
-def GetGlobalStep():
-  """The variable of `GetOrCreateGlobalStep`, or None before its first call."""
-  return _GLOBAL_STEP[0] if _GLOBAL_STEP else None
