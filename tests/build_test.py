@@ -192,6 +192,7 @@ def testFindCycleSeesDeferredImports(tmp_path):
 # or a lower rank (docs/architecture.md, "Layout").
 _LAYERS = {
   'core': 0,
+  'compat': 0,
   'layers': 1,
   'input': 1,
   'pipeline': 2,
@@ -203,7 +204,13 @@ _LAYERS = {
   'params': 6,
 }
 # The Lingvo import-path facades re-export the pipeline and the layers.
-_FACADES = {'lingvo_gpipe/core/gpipe.py', 'lingvo_gpipe/core/layers.py'}
+_FACADES = {
+  'lingvo_gpipe/core/gpipe.py',
+  'lingvo_gpipe/core/layers.py',
+  'lingvo_gpipe/core/layers_with_attention.py',
+  'lingvo_gpipe/core/layers_with_gpipe.py',
+  'lingvo_gpipe/core/batch_major_attention.py',
+}
 
 
 def _Layer(path):

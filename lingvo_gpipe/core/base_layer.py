@@ -58,6 +58,7 @@ __all__ = [
   'IsAbstract',
   'CountParams',
   'LayerParams',
+  'initializer',
 ]
 
 _local = threading.local()
@@ -446,6 +447,10 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     """Forward computation. Subclasses override."""
     raise NotImplementedError(f'{type(self).__name__}.FProp')
 
+  def FPropDefaultTheta(self, *args, **kwargs):
+    """`FProp` with this layer's own weights (`self.theta`), as in Lingvo."""
+    return self.FProp(self.theta, *args, **kwargs)
+
   def __call__(self, *args, training=None, **kwargs):
     """`FProp` with this layer's own weights (`theta`).
 
@@ -454,9 +459,9 @@ class BaseLayer(tf.Module, metaclass=_LayerMeta):
     moving averages), True in training mode.
     """
     if training is None:
-      return self.FProp(self.theta, *args, **kwargs)
+      return self.FPropDefaultTheta(*args, **kwargs)
     with py_utils.EvalMode(not training):
-      return self.FProp(self.theta, *args, **kwargs)
+      return self.FPropDefaultTheta(*args, **kwargs)
 
   @classmethod
   def FPropMeta(cls, p, *args):
@@ -500,9 +505,22 @@ def RejectUnsupportedParams(p, unsupported):
     value = p.Get(name)
     if value != default:
       raise ValueError(
-        f'{p.cls.__name__} {p.name!r}: {name}={value!r} is not '
+        f'{p.cls.__name__} {p.name!r}: {name}={_OneLine(value)} is not '
         f'supported (only {default!r}); {instead}'
       )
+
+
+def _OneLine(value):
+  """A value for a one-line message: Params by their class."""
+  if isinstance(value, hyperparams.InstantiableParams):
+    return f'{getattr(value.cls, "__name__", value.cls)}.Params()'
+  text = repr(value)
+  return text if '\n' not in text else text.split('\n')[0] + ' ...'
+
+
+def initializer(func):  # pylint: disable=invalid-name
+  """Lingvo's decorator of a layer's `__init__`; nothing to do here."""
+  return func
 
 
 def LayerParams(p):

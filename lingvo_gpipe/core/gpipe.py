@@ -2,7 +2,9 @@
 
 The implementation lives in `lingvo_gpipe.pipeline`; this module re-exports
 its public surface under the name Lingvo users know
-(`from lingvo.core import gpipe` -> `from lingvo_gpipe.core import gpipe`).
+(`from lingvo.core import gpipe` -> `from lingvo_gpipe.core import gpipe`):
+`PipeliningLayer` (Lingvo's Params, `before_tpl` included), `SeqLayer`,
+`FeatureExtractionLayer` and Lingvo's `PartitionSequentialLayers`.
 """
 
 from lingvo_gpipe.pipeline.balance import BalancedSplits
@@ -11,12 +13,13 @@ from lingvo_gpipe.pipeline.balance import PartitionReport
 from lingvo_gpipe.pipeline.balance import UniformSplits
 from lingvo_gpipe.pipeline.partition import ComputeSplits
 from lingvo_gpipe.pipeline.partition import LayerCosts
-from lingvo_gpipe.pipeline.partition import PartitionSequentialLayers
 from lingvo_gpipe.pipeline.partition import Report
 from lingvo_gpipe.pipeline.pipelining_layer import FeatureExtractionLayer
 from lingvo_gpipe.pipeline.pipelining_layer import PipeliningLayer
 from lingvo_gpipe.pipeline.pipelining_layer import RECOMPUTE_POLICIES
 from lingvo_gpipe.pipeline.pipelining_layer import SCHEDULES
+from lingvo_gpipe.pipeline.seq_layer import PartitionSequentialLayers
+from lingvo_gpipe.pipeline.seq_layer import SeqLayer
 from lingvo_gpipe.pipeline.schedule import BubbleFraction
 from lingvo_gpipe.pipeline.schedule import IdealSpeedup
 from lingvo_gpipe.pipeline.schedule import ScheduleText
@@ -36,6 +39,7 @@ __all__ = [
   'RECOMPUTE_POLICIES',
   'Report',
   'SCHEDULES',
+  'SeqLayer',
   'ScheduleText',
   'ScheduleTracer',
   'UniformSplits',

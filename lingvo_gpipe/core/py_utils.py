@@ -42,6 +42,8 @@ __all__ = [
   'OutOfLineFunction',
   'Unwrap',
   'IsTensor',
+  'GetOrCreateGlobalStep',
+  'GetOrCreateGlobalStepVar',
 ]
 
 Flatten = tf.nest.flatten
@@ -477,3 +479,20 @@ def HasShape(tensor, expected, layer_name='', what='input'):
 
 def CheckNumerics(x, message='NaN or Inf found'):
   return tf.debugging.check_numerics(x, message)
+
+
+_GLOBAL_STEP = []
+
+
+def GetOrCreateGlobalStep():
+  """Lingvo's process-wide int64 step variable `global_step`, made at the
+  first call (a task's trainer keeps its own, `task.global_step`)."""
+  if not _GLOBAL_STEP:
+    with tf.init_scope():
+      _GLOBAL_STEP.append(
+        tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+      )
+  return _GLOBAL_STEP[0]
+
+
+GetOrCreateGlobalStepVar = GetOrCreateGlobalStep

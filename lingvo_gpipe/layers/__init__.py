@@ -6,7 +6,9 @@ from lingvo_gpipe.layers.attention import MultiHeadedProjectionLayer
 from lingvo_gpipe.layers.convolutions import Conv2DLayer
 from lingvo_gpipe.layers.convolutions import DepthwiseConv2DLayer
 from lingvo_gpipe.layers.convolutions import SeparableConv2DLayer
+from lingvo_gpipe.layers.dropout import DeterministicDropoutLayer
 from lingvo_gpipe.layers.dropout import DropoutLayer
+from lingvo_gpipe.layers.embedding import PositionalEmbeddingLayer
 from lingvo_gpipe.layers.embedding import SimpleEmbeddingLayer
 from lingvo_gpipe.layers.linears import BiasLayer
 from lingvo_gpipe.layers.linears import FCLayer
@@ -16,10 +18,12 @@ from lingvo_gpipe.layers.normalizations import LayerNorm
 from lingvo_gpipe.layers.pooling import GlobalPoolingLayer
 from lingvo_gpipe.layers.pooling import PoolingLayer
 from lingvo_gpipe.layers.reshape import FlattenLayer
+from lingvo_gpipe.layers.sequential import FetchLayer
 from lingvo_gpipe.layers.sequential import RepeatLayer
 from lingvo_gpipe.layers.sequential import SequentialLayer
 from lingvo_gpipe.layers.softmax import SimpleFullSoftmax
 from lingvo_gpipe.layers.softmax import SoftmaxCrossEntropyWithLabelSmoothing
+from lingvo_gpipe.layers.softmax import UniformLabelSmoother
 from lingvo_gpipe.layers.transformer import TransformerAttentionLayer
 from lingvo_gpipe.layers.transformer import TransformerFeedForwardLayer
 from lingvo_gpipe.layers.transformer import TransformerLayer
@@ -30,14 +34,17 @@ __all__ = [
   'BiasLayer',
   'Conv2DLayer',
   'DepthwiseConv2DLayer',
+  'DeterministicDropoutLayer',
   'DropoutLayer',
   'FCLayer',
+  'FetchLayer',
   'FlattenLayer',
   'GlobalPoolingLayer',
   'LayerNorm',
   'MultiHeadedAttention',
   'MultiHeadedProjectionLayer',
   'PoolingLayer',
+  'PositionalEmbeddingLayer',
   'ProjectionLayer',
   'RepeatLayer',
   'SeparableConv2DLayer',
@@ -48,4 +55,5 @@ __all__ = [
   'TransformerAttentionLayer',
   'TransformerFeedForwardLayer',
   'TransformerLayer',
+  'UniformLabelSmoother',
 ]

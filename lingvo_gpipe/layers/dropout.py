@@ -16,7 +16,7 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import _shapes
 
-__all__ = ['DropoutLayer', 'StatelessDropout']
+__all__ = ['DropoutLayer', 'StatelessDropout', 'DeterministicDropoutLayer']
 
 
 def StatelessDropout(inputs, keep_prob, seed_pair, noise_shape=None):
@@ -123,3 +123,9 @@ class DropoutLayer(base_layer.BaseLayer):
     n = _shapes.NumElements(_shapes.Dims(inputs))
     flops = 0 if p.keep_prob >= 1.0 else 3 * n
     return meta.Meta(flops, _shapes.ToShape(inputs))
+
+
+class DeterministicDropoutLayer(DropoutLayer):
+  """Lingvo's name for a dropout whose mask is a function of the step and
+  the layer: every `DropoutLayer` here is one (stateless seeds), so a
+  re-materialized cell draws the forward pass's mask."""

@@ -299,7 +299,9 @@ class LayerNorm(base_layer.BaseLayer):
   """Layer normalization over the last dim: [..., input_dim] -> same.
 
   out = (x - mean) / sqrt(var + epsilon) * scale + bias, with variables
-  `scale` [input_dim] (initialized to 1) and `bias` [input_dim] (0).
+  `scale` [input_dim] (initialized to 1) and `bias` [input_dim] (0). With
+  `direct_scale=False` (Lingvo's default) `scale` starts at 0 and the
+  output is multiplied by 1 + scale, so Lingvo's weights load unchanged.
   """
 
   @classmethod
@@ -307,6 +309,12 @@ class LayerNorm(base_layer.BaseLayer):
     p = super().Params()
     p.Define('input_dim', 0, 'Depth of the input (the last dim).')
     p.Define('epsilon', 1e-6, 'Added to the variance before rsqrt.')
+    p.Define(
+      'direct_scale',
+      True,
+      'True: multiply by `scale` (initialized to 1); False: by 1 + `scale` '
+      "(initialized to 0), Lingvo's LayerNorm default.",
+    )
     return p
 
   def __init__(self, params):
@@ -315,7 +323,10 @@ class LayerNorm(base_layer.BaseLayer):
     _shapes.CheckPositive(p, 'input_dim')
     self.CreateVariable(
       'scale',
-      py_utils.WeightParams([p.input_dim], py_utils.WeightInit.Constant(1.0)),
+      py_utils.WeightParams(
+        [p.input_dim],
+        py_utils.WeightInit.Constant(1.0 if p.direct_scale else 0.0),
+      ),
     )
     self.CreateVariable(
       'bias',
@@ -345,7 +356,8 @@ class LayerNorm(base_layer.BaseLayer):
     )
     mean, variance = tf.nn.moments(inputs, [-1], keepdims=True)
     normed = (inputs - mean) * tf.math.rsqrt(variance + p.epsilon)
-    return normed * theta.scale + theta.bias
+    scale = theta.scale if p.direct_scale else 1.0 + theta.scale
+    return normed * scale + theta.bias
 
   @classmethod
   def FPropMeta(cls, p, inputs, paddings=None):

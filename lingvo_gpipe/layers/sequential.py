@@ -19,6 +19,7 @@ __all__ = [
   'SequentialLayer',
   'RepeatLayer',
   'FeatureExtractionLayer',
+  'FetchLayer',
   'ChainFPropMeta',
   'LayerMetas',
   'FormatShapes',
@@ -168,51 +169,167 @@ class RepeatLayer(base_layer.BaseLayer):
     return ChainFPropMeta(cls._BodyParams(p), *args)
 
 
-class FeatureExtractionLayer(SequentialLayer):
-  """A pipeline cell: runs its `sub` layers in sequence (Lingvo's name).
+class FetchLayer(base_layer.BaseLayer):
+  """Identity; a cell's `act_fetch_layers` names it to return its output.
 
-  Lingvo's activation-passing params are accepted only at their defaults:
-  every output of a cell is the next cell's input, so there is nothing to
-  select.
+  `activation` holds the outputs of the latest FProp (Lingvo's attribute).
   """
 
-  _UNSUPPORTED = {
-    'num_act_inputs': (0, 'remove it: FProp takes every input.'),
-    'num_act_outputs': (0, 'remove it: FProp returns every output.'),
-    'act_fetch_layers': (
-      [],
-      'remove it and return the activations you '
-      'need from the last sub layer (e.g. a NestedMap).',
-    ),
-  }
+  def FProp(self, theta, *args):
+    del theta
+    object.__setattr__(self, '_activation', args)
+    return py_utils.Unwrap(args)
+
+  @property
+  def activation(self):
+    """The inputs (= outputs) of the latest FProp, as a tuple."""
+    return self.__dict__.get('_activation')
+
+  @classmethod
+  def FPropMeta(cls, p, *args):
+    return meta.Meta(0, *args)
+
+
+def _FirstOf(x):
+  """A fetched activation: the first output of a layer with several."""
+  return x[0] if isinstance(x, (tuple, list)) else x
+
+
+class FeatureExtractionLayer(base_layer.BaseLayer):
+  """A pipeline cell (Lingvo's): runs its `sub` layers in sequence.
+
+  Each sub layer is a child named `variable_name_prefix + its name` (an
+  unnamed one `sub_<i>`): `theta.fc0`, variables `<path>/fc0/w`.
+
+  Activations pass through a cell and can be fetched from inside it:
+  FProp(theta, *args) runs the sub layers on args[:-num_act_inputs] and
+  returns (their outputs..., args[-num_act_inputs:]..., the output of each
+  layer in `act_fetch_layers`...), so num_act_outputs = num_act_inputs +
+  len(act_fetch_layers). With neither, it returns the last layer's outputs.
+  """
 
   @classmethod
   def Params(cls):
     p = super().Params()
+    p.Define('sub', [], 'List of layer Params, run in this order.')
+    p.Define(
+      'variable_name_prefix',
+      '',
+      "Prefix of the sub layers' names (and so of their variables).",
+    )
     p.Define(
       'num_act_inputs',
       0,
-      'Lingvo compatibility; only 0: FProp takes every input.',
+      'Number of trailing inputs passed through to the outputs unchanged '
+      '(activations fetched by earlier cells).',
     )
     p.Define(
       'num_act_outputs',
       0,
-      'Lingvo compatibility; only 0: FProp returns every output.',
+      "Number of trailing outputs after the last layer's: "
+      'num_act_inputs + len(act_fetch_layers).',
     )
     p.Define(
       'act_fetch_layers',
       [],
-      'Lingvo compatibility; only []: the cell returns only its last '
-      "layer's outputs.",
+      'Names of sub layers whose output (the first, if several) is '
+      'appended to the outputs.',
     )
     return p
 
   @classmethod
+  def _SubNames(cls, p):
+    return [
+      p.variable_name_prefix + (sp.name or f'sub_{i}')
+      for i, sp in enumerate(p.sub)
+    ]
+
+  @classmethod
+  def _FetchIndices(cls, p):
+    names = cls._SubNames(p)
+    plain = [sp.name for sp in p.sub]
+    out = []
+    for f in p.act_fetch_layers or []:
+      if f in names:
+        out.append(names.index(f))
+      elif f in plain:
+        out.append(plain.index(f))
+      else:
+        raise ValueError(
+          f'{_shapes.LayerName(p)}: act_fetch_layers names {f!r}, which is '
+          f'not a sub layer; use one of {names}.'
+        )
+    return out
+
+  @classmethod
   def _Validate(cls, p):
-    base_layer.RejectUnsupportedParams(p, cls._UNSUPPORTED)
-    if not p.sub:
+    name = _shapes.LayerName(p)
+    if not isinstance(p.sub, (list, tuple)) or not p.sub:
       raise ValueError(
-        f'{_shapes.LayerName(p)} has no sub layers; an empty '
-        'cell does nothing: give it layers or remove it.'
+        f'{name} has no sub layers; an empty cell does nothing: give it '
+        'layers or remove it.'
       )
-    super()._Validate(p)
+    for sp in p.sub:
+      base_layer.LayerParams(sp)
+    for key in ('num_act_inputs', 'num_act_outputs'):
+      v = p.Get(key)
+      if not isinstance(v, int) or v < 0:
+        raise ValueError(f'{name}: {key}={v!r}; use an int >= 0.')
+    fetch = list(p.act_fetch_layers or [])
+    if p.num_act_outputs != p.num_act_inputs + len(fetch):
+      raise ValueError(
+        f'{name}: num_act_outputs={p.num_act_outputs} must be num_act_inputs '
+        f'+ len(act_fetch_layers) = {p.num_act_inputs + len(fetch)}.'
+      )
+    cls._FetchIndices(p)
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self._Validate(p)
+    self._names = self._SubNames(p)
+    self._fetch = self._FetchIndices(p)
+    for name, sp in zip(self._names, p.sub):
+      self.CreateChild(name, sp.Copy().Set(name=name))
+
+  @property
+  def sub(self):
+    """The sub layers, in order."""
+    return [self.children[n] for n in self._names]
+
+  @classmethod
+  def _SplitArgs(cls, p, args):
+    n = p.num_act_inputs
+    if len(args) <= n:
+      raise ValueError(
+        f'{_shapes.LayerName(p)} takes {len(args)} inputs but passes '
+        f'num_act_inputs={n} of them through; it needs at least one more.'
+      )
+    return (args[:-n], args[-n:]) if n else (args, ())
+
+  def FProp(self, theta, *args):
+    """Runs the sub layers; see the class docstring for the outputs."""
+    p = self.params
+    args, extra = self._SplitArgs(p, args)
+    fetched = {}
+    for i, name in enumerate(self._names):
+      args = py_utils.AsTuple(self.children[name].FProp(theta[name], *args))
+      if i in self._fetch:
+        fetched[i] = _FirstOf(py_utils.Unwrap(args))
+    extra = tuple(extra) + tuple(fetched[i] for i in self._fetch)
+    return args + extra if extra else py_utils.Unwrap(args)
+
+  @classmethod
+  def FPropMeta(cls, p, *args):
+    cls._Validate(p)
+    args, extra = cls._SplitArgs(p, args)
+    subs = [sp.Copy().Set(name=n) for sp, n in zip(p.sub, cls._SubNames(p))]
+    metas = LayerMetas(subs, *args)
+    outs = py_utils.AsTuple(metas[-1][2])
+    fetched = tuple(
+      _FirstOf(py_utils.Unwrap(py_utils.AsTuple(metas[i][2])))
+      for i in cls._FetchIndices(p)
+    )
+    extra = tuple(extra) + fetched
+    flops = sum(m[0] for m in metas)
+    return meta.Meta(flops, *(outs + extra if extra else outs))

@@ -17,7 +17,11 @@ from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.layers import linears
 
-__all__ = ['SimpleFullSoftmax', 'SoftmaxCrossEntropyWithLabelSmoothing']
+__all__ = [
+  'SimpleFullSoftmax',
+  'SoftmaxCrossEntropyWithLabelSmoothing',
+  'UniformLabelSmoother',
+]
 
 
 def SoftmaxCrossEntropyWithLabelSmoothing(
@@ -323,4 +327,58 @@ class SimpleFullSoftmax(base_layer.BaseLayer):
         total_weight=scalar,
         avg_xent=scalar,
       ),
+    )
+
+
+class UniformLabelSmoother(base_layer.BaseLayer):
+  """Lingvo's label smoother: the label gets 1 - uncertainty, each other
+  class uncertainty / (num_classes - 1)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_classes', 0, 'Number of classes.')
+    p.Define('uncertainty', 0.1, 'Probability mass taken from the label.')
+    p.Define(
+      'uncertainty_larger',
+      0.1,
+      "Lingvo's uncertainty for punctuation tokens; unused (no token ids).",
+    )
+    p.Define(
+      'token_id_uncertainty_larger',
+      None,
+      "Lingvo's punctuation token ids; only None.",
+    )
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _shapes.CheckPositive(p, 'num_classes')
+    if not 0.0 <= p.uncertainty < 1.0:
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: uncertainty={p.uncertainty!r} must be in '
+        '[0, 1).'
+      )
+    base_layer.RejectUnsupportedParams(
+      p,
+      {
+        'token_id_uncertainty_larger': (
+          None,
+          'remove it: every label is smoothed by `uncertainty`.',
+        )
+      },
+    )
+
+  def FProp(self, theta, target_paddings, target_labels, target_ids=None):
+    """Target distributions [..., num_classes] for labels [...] (paddings
+    and ids unused, as in Lingvo's uniform smoother)."""
+    del theta, target_paddings, target_ids
+    p = self.params
+    low = p.uncertainty / (p.num_classes - 1)
+    return tf.one_hot(
+      tf.cast(target_labels, tf.int32),
+      p.num_classes,
+      on_value=tf.constant(1.0 - p.uncertainty, self.fprop_dtype),
+      off_value=tf.constant(low, self.fprop_dtype),
     )

@@ -25,7 +25,7 @@ def Check(path, cells, shapes, source):
     ValueError: naming the pipeline, the cell and the layer that cannot
       take its input, and what it gets.
   """
-  shapes = tuple(meta.ToShape(s) for s in shapes)
+  shapes = tuple(None if s is None else meta.ToShape(s) for s in shapes)
   for k, cell in enumerate(cells):
     for j, lp in enumerate(cell):
       try:
@@ -44,10 +44,15 @@ def _Message(path, cells, k, j, shapes, source, error):
   lp = cells[k][j]
   layer = f'{lp.name} ({lp.cls.__name__})'
   reason = str(error).strip().rstrip('.')
-  got = tf.nest.map_structure(
-    lambda s: s.shape.as_list() if s.shape.rank is not None else '?',
-    [meta.ToSpec(x) for x in shapes],
-  )
+  got = [
+    None
+    if x is None
+    else tf.nest.map_structure(
+      lambda s: s.shape.as_list() if s.shape.rank is not None else '?',
+      meta.ToSpec(x),
+    )
+    for x in shapes
+  ]
   got = got[0] if len(got) == 1 else got
   head = f'Pipeline {path!r} cell {k} ({Names(cells[k])})'
   if j == 0 and k == 0:

@@ -55,6 +55,7 @@ Two ways to describe the cells:
     split: a checkpoint of K=8 restores into K=1.
 """
 
+import contextlib
 import functools
 
 import tensorflow as tf
@@ -99,7 +100,19 @@ class PipeliningLayer(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('cell_tpl', [], 'List of cell Params, one per stage (Lingvo).')
+    p.Define(
+      'before_tpl',
+      [],
+      "Lingvo's SeqLayer: layers run in order before the pipeline, on the "
+      "first cell's device, on the whole mini-batch; children named by "
+      'their Params names.',
+    )
+    p.Define(
+      'cell_tpl',
+      [],
+      'List of cell Params, one per stage (Lingvo); each cell is a child '
+      'named by its Params name (default cell_<k>): theta.cell_0.',
+    )
     p.Define(
       'layers',
       [],
@@ -232,35 +245,36 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define(
       'state_dtype',
       None,
-      'Lingvo compatibility; only None: activations keep the dtype '
-      'each cell returns.',
+      "Lingvo's dtype of the activations between cells: when set, every "
+      "floating output of every cell must have it (a cell's output of "
+      'another dtype is an error naming it); None: activations keep the '
+      'dtype each cell returns.',
     )
     p.Define(
       'nested_map_fprop',
       False,
-      'Lingvo compatibility; only False: NestedMap inputs and outputs '
-      'need no flag, they pass between cells as they are.',
+      "Lingvo's flag for NestedMap inputs and outputs; either value: "
+      'NestedMaps pass between cells as they are.',
     )
     return p
 
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    base_layer.RejectUnsupportedParams(
-      p,
-      {
-        'state_dtype': (
-          None,
-          'remove it and cast in the cells (activations '
-          'keep the dtype each cell returns).',
-        ),
-        'nested_map_fprop': (
-          False,
-          'remove it: NestedMap inputs and outputs '
-          'pass between cells without it.',
-        ),
-      },
-    )
+    if p.state_dtype is not None:
+      try:
+        dtype = tf.as_dtype(p.state_dtype)
+      except TypeError as e:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: state_dtype={p.state_dtype!r} is not '
+          'a dtype; use e.g. tf.float32, or None.'
+        ) from e
+      if not dtype.is_floating:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: state_dtype={dtype.name} cannot '
+          'carry activations (not a float dtype); use the float dtype the '
+          'cells return (e.g. tf.float32), or None.'
+        )
     if p.share_layer_functions not in ('auto', True, False):
       raise ValueError(
         f'share_layer_functions={p.share_layer_functions!r}; use '
@@ -289,6 +303,13 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._auto_num_stages = None
     self.plan_text = None
     if p.num_stages == 'auto' or p.num_micro_batches == 'auto':
+      if p.before_tpl:
+        raise ValueError(
+          f'PipeliningLayer {p.name!r}: the planner (num_stages or '
+          "num_micro_batches = 'auto') does not plan before_tpl layers; "
+          'give both as numbers, or move the before_tpl layers to the front '
+          'of layers=.'
+        )
       self._ResolveAuto()
     if p.cell_tpl:
       cells = []
@@ -304,17 +325,20 @@ class PipeliningLayer(base_layer.BaseLayer):
       self._ranges = None
       num_stages = len(cells)
       self._SetDevices(num_stages)
+      self._CreateBefore()
       self._CheckCellShapes([[c] for c in cells])
-      self.CreateChildren('cell', cells, devices=self._DeviceList())
+      self._cell_names = self._CreateNamed(cells, self._DeviceList(), 'cell')
     else:
       layers = [lp.Copy() for lp in p.layers]
       for i, lp in enumerate(layers):
         if not lp.name:
           lp.name = f'layer_{i}'
+      self._cell_names = []
       self._splits = self._Splits(layers)
       self._ranges = balance.SplitsToRanges(self._splits)
       num_stages = len(self._splits)
       self._SetDevices(num_stages)
+      self._CreateBefore()
       self._CheckCellShapes([layers[a:b] for a, b in self._ranges])
       per_layer = None
       if self._devices:
@@ -349,6 +373,28 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   # -- Construction helpers ----------------------------------------------------
 
+  def _CreateNamed(self, params_list, devices, what):
+    """Children named by their Params names (Lingvo's SeqLayer); unnamed
+    ones become `<what>_<i>`. Returns the names in order."""
+    names = []
+    for i, lp in enumerate(params_list):
+      lp = base_layer.LayerParams(lp).Copy()
+      if not lp.name:
+        lp.name = f'{what}_{i}'
+      scope = tf.device(devices[i]) if devices else contextlib.nullcontext()
+      with scope:
+        self.CreateChild(lp.name, lp)
+      names.append(lp.name)
+    return names
+
+  def _CreateBefore(self):
+    """The `before_tpl` layers, on the first cell's device."""
+    before = list(self.params.before_tpl or [])
+    devices = self._DeviceList()
+    self._before_names = self._CreateNamed(
+      before, [devices[0]] * len(before) if devices else None, 'before'
+    )
+
   def _ResolveAuto(self):
     """Resolves num_stages / num_micro_batches = 'auto' with the planner."""
     k, m, text = auto_plan.Resolve(self.params)
@@ -365,7 +411,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._auto_num_stages,
         None,
         'flops' if p.balance_by == 'auto' else p.balance_by,
-        p.input_shapes,
+        self._CellInputShapes(),
         device=(p.devices or [None])[0],
       )
     num_stages = p.num_stages or (
@@ -374,7 +420,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     by = p.balance_by
     if by == 'auto':
       by = 'flops' if p.input_shapes is not None else 'params'
-    shapes = p.input_shapes
+    shapes = self._CellInputShapes()
     num_micro_batches = p.num_micro_batches
     if by == 'memory' and p.micro_batch_size and shapes:
       batch = tf.nest.flatten(meta.ToShape(tuple(shapes)))[0].as_list()[
@@ -441,13 +487,21 @@ class PipeliningLayer(base_layer.BaseLayer):
       )
     self._num_schedule_devices = d_count
 
+  def _CellInputShapes(self):
+    """`input_shapes` after the `before_tpl` layers (what cell 0 takes)."""
+    p = self.params
+    if p.input_shapes is None or not p.before_tpl:
+      return p.input_shapes
+    m = sequential.ChainFPropMeta(list(p.before_tpl), *p.input_shapes)
+    return list(py_utils.AsTuple(m.out_shapes))
+
   def _DeviceList(self):
     return list(self._devices) if self._devices else None
 
   def _CheckCellShapes(self, cells, shapes=None, source=None):
     """`cell_shapes.Check` on `input_shapes` (or `shapes` from `source`)."""
     if shapes is None:
-      shapes, source = self.params.input_shapes, 'input_shapes'
+      shapes, source = self._CellInputShapes(), 'input_shapes'
       if shapes is None:
         return
     cell_shapes.Check(self.path, cells, shapes, source)
@@ -455,7 +509,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _CellParams(self):
     """Per cell, the list of its layers' Params."""
     if self._ranges is None:
-      return [[c.params] for c in self.cell]
+      return [[c.params] for c in self.cells]
     return [[lyr.params for lyr in self.body[a:b]] for a, b in self._ranges]
 
   def _CheckFirstInput(self, args):
@@ -468,7 +522,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     # others as TensorSpecs (token ids stay ints).
     shapes = tf.nest.map_structure(
       lambda t: (
-        tf.TensorShape(t.shape)
+        None
+        if t is None
+        else tf.TensorShape(t.shape)
         if t.dtype.is_floating
         else tf.TensorSpec(t.shape, t.dtype)
       ),
@@ -486,6 +542,16 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'Pipeline {self.path!r}: {e}') from e
 
   # -- Introspection -----------------------------------------------------------
+
+  @property
+  def cells(self):
+    """The cells of `cell_tpl`, in order (also children by name)."""
+    return [self.children[n] for n in self._cell_names]
+
+  @property
+  def before_layers(self):
+    """The `before_tpl` layers, in order."""
+    return [self.children[n] for n in self._before_names]
 
   @property
   def num_stages(self):
@@ -515,7 +581,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def CellLayers(self, k):
     """The layers of cell k."""
     if self._ranges is None:
-      return [self.cell[k]]
+      return [self.cells[k]]
     a, b = self._ranges[k]
     return self.body[a:b]
 
@@ -563,23 +629,57 @@ class PipeliningLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, p, *args):
     layers = list(p.layers) if p.layers else list(p.cell_tpl)
-    return sequential.ChainFPropMeta(layers, *args)
+    return sequential.ChainFPropMeta(list(p.before_tpl or []) + layers, *args)
 
   # -- Computation -------------------------------------------------------------
 
   def _CellTheta(self, theta, k):
     if self._ranges is None:
-      return theta.cell[k]
+      return theta[self._cell_names[k]]
     a, b = self._ranges[k]
     return theta.body[a:b]
 
   def _CellFProp(self, k, theta_k, args, mark=None, fprop=None):
     """Runs cell k; `mark(layer)`, if given, is called before each layer;
     `fprop(layer, theta, args)`, if given, runs each layer of the body."""
+    outs = self._RunCell(k, theta_k, args, mark, fprop)
+    self._CheckStateDtype(k, outs)
+    if k == self.num_stages - 1:
+      # The engine joins tensors only: the last cell's None outputs (Lingvo
+      # layers return some) are left out and put back by FProp.
+      self._none_outputs = tuple(i for i, x in enumerate(outs) if x is None)
+      outs = tuple(x for x in outs if x is not None)
+    return outs
+
+  def _WithNones(self, outs):
+    """`outs` with the last cell's None outputs back in their places."""
+    nones = getattr(self, '_none_outputs', ())
+    if not nones:
+      return outs
+    outs = list(py_utils.AsTuple(outs))
+    for i in nones:
+      outs.insert(i, None)
+    return py_utils.Unwrap(tuple(outs))
+
+  def _CheckStateDtype(self, k, outs):
+    """With `state_dtype`, every floating output of cell k must have it."""
+    dtype = self.params.state_dtype
+    if dtype is None or k == self.num_stages - 1:
+      return
+    dtype = tf.as_dtype(dtype)
+    for i, x in enumerate(tf.nest.flatten(outs)):
+      if py_utils.IsTensor(x) and x.dtype.is_floating and x.dtype != dtype:
+        raise ValueError(
+          f'Pipeline {self.path!r}: state_dtype={dtype.name} cannot carry '
+          f'output {i} of cell {k}, a {x.dtype.name} tensor; cast it in the '
+          f'cell, or set state_dtype=None (activations keep their dtype).'
+        )
+
+  def _RunCell(self, k, theta_k, args, mark=None, fprop=None):
     if self._ranges is None:
       if mark is not None:
-        mark(self.cell[k])
-      return py_utils.AsTuple(self.cell[k].FProp(theta_k, *args))
+        mark(self.cells[k])
+      return py_utils.AsTuple(self.cells[k].FProp(theta_k, *args))
     a, _ = self._ranges[k]
     for i, th in enumerate(theta_k):
       layer = self.body[a + i]
@@ -662,10 +762,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       The last cell's outputs for the whole mini-batch.
     """
     p = self.params
+    args = self._RunBefore(theta, args)
     thetas, num_mb, seed = self._Prepare(theta, args)
     if self.do_eval:
       outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
-      return outs
+      return self._WithNones(outs)
     if p.schedule == '1f1b' and _tf_internal.CouldPossiblyRecord():
       raise ValueError(
         f"Pipeline {self.path!r} has schedule='1f1b', which starts a "
@@ -677,7 +778,19 @@ class PipeliningLayer(base_layer.BaseLayer):
         'ComputePredictions does this for its network), or use '
         "schedule='gpipe'."
       )
-    return self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+    return self._WithNones(
+      self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
+    )
+
+  def _RunBefore(self, theta, args):
+    """Runs the `before_tpl` layers on the whole mini-batch on the first
+    cell's device (outside the pipeline, as Lingvo's SeqLayer does)."""
+    if not self._before_names:
+      return args
+    with self._Device(0):
+      for name in self._before_names:
+        args = py_utils.AsTuple(self.children[name].FProp(theta[name], *args))
+    return args
 
   def _Prepare(self, theta, args):
     """(thetas [replica][cell] on their devices, M, the step seed)."""
@@ -756,6 +869,7 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @tf.autograph.experimental.do_not_convert
   def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs, loss_theta):
+    args = self._RunBefore(theta, args)
     thetas, num_mb, seed = self._Prepare(theta, args)
     last = self.num_stages - 1
     loss_thetas = None

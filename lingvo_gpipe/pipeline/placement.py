@@ -5,6 +5,7 @@ import contextlib
 import tensorflow as tf
 
 from lingvo_gpipe.core import cluster
+from lingvo_gpipe.core import cluster_factory
 from lingvo_gpipe.core import tpu
 
 __all__ = [
@@ -71,7 +72,12 @@ def CanonicalDevice(name, available=None):
 
 
 def DefaultDevices():
-  """Accelerators if there are any (TPU, then GPU), else the CPU devices."""
+  """The devices of the model split of the cluster entered with
+  `cluster_factory.Cluster(p)`; without one, the accelerators if there are
+  any (TPU, then GPU), else the CPU devices."""
+  top = cluster_factory.Top()
+  if top is not None:
+    return top.split_devices
   return cluster.PreferredDevices()
 
 

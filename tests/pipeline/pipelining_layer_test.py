@@ -434,31 +434,46 @@ def testEvalRunsBatchesThatMDoesNotDivide(reference):
     pipe(x[:5])
 
 
-def testLingvoCompatibilityParamsRejectNonDefaults():
+def testLingvoCompatibilityParamsAreChecked():
   P = pipelining_layer.PipeliningLayer.Params
   cell = pipelining_layer.FeatureExtractionLayer.Params().Set(
     sub=DenseLayers(1)
   )
-  for name, value in [
-    ('num_act_inputs', 1),
-    ('num_act_outputs', 2),
-    ('act_fetch_layers', ['fc_0']),
-  ]:
-    with pytest.raises(
-      ValueError, match=f'{name}=.* is not supported.*remove it'
-    ):
-      cell.Copy().Set(name='c', **{name: value}).Instantiate()
-  for name, value in [('state_dtype', tf.bfloat16), ('nested_map_fprop', True)]:
-    with pytest.raises(
-      ValueError,
-      match=f'PipeliningLayer .p.: {name}=.* is not supported.*remove it',
-    ):
-      P().Set(
-        name='p',
-        layers=DenseLayers(2),
-        num_stages=1,
-        devices=DEVICES[:1],
-        **{name: value},
-      ).Instantiate()
+  with pytest.raises(
+    ValueError, match='num_act_outputs=2 must be num_act_inputs.* = 1'
+  ):
+    cell.Copy().Set(name='c', num_act_inputs=1, num_act_outputs=2).Instantiate()
+  with pytest.raises(ValueError, match="names 'nope', which is not a sub"):
+    cell.Copy().Set(
+      name='c', act_fetch_layers=['nope'], num_act_outputs=1
+    ).Instantiate()
+  with pytest.raises(
+    ValueError, match="PipeliningLayer 'p': state_dtype=int32 cannot carry"
+  ):
+    P().Set(
+      name='p',
+      layers=DenseLayers(2),
+      num_stages=1,
+      devices=DEVICES[:1],
+      state_dtype=tf.int32,
+    ).Instantiate()
+  pipe = (
+    P()
+    .Set(
+      name='p',
+      layers=DenseLayers(2),
+      num_stages=2,
+      devices=DEVICES[:2],
+      state_dtype=tf.bfloat16,
+      nested_map_fprop=True,
+    )
+    .Instantiate()
+  )
+  with pytest.raises(
+    ValueError,
+    match="Pipeline 'p': state_dtype=bfloat16 cannot carry output 0 of cell "
+    '0, a float32 tensor',
+  ):
+    pipe(tf.ones([2, 6]))
   # The defaults still build.
   P().Set(name='p', cell_tpl=[cell.Copy()], devices=DEVICES[:1]).Instantiate()

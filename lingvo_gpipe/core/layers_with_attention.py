@@ -1,0 +1,24 @@
+"""Lingvo's import path of its time-major Transformer layers.
+
+Re-exports `lingvo_gpipe.layers.layers_with_attention`
+(`from lingvo.core import layers_with_attention` ->
+`from lingvo_gpipe.core import layers_with_attention`).
+"""
+
+from lingvo_gpipe.layers.layers_with_attention import DotProductAttention
+from lingvo_gpipe.layers.layers_with_attention import FeedForwardNet
+from lingvo_gpipe.layers.layers_with_attention import MultiHeadedAttention
+from lingvo_gpipe.layers.layers_with_attention import TransformerAttentionLayer
+from lingvo_gpipe.layers.layers_with_attention import (
+  TransformerFeedForwardLayer,
+)
+from lingvo_gpipe.layers.layers_with_attention import TransformerLayer
+
+__all__ = [
+  'DotProductAttention',
+  'FeedForwardNet',
+  'MultiHeadedAttention',
+  'TransformerAttentionLayer',
+  'TransformerFeedForwardLayer',
+  'TransformerLayer',
+]

@@ -1,0 +1,34 @@
+"""Lingvo's import path of the GPipe Transformer.
+
+Re-exports `lingvo_gpipe.pipeline.layers_with_gpipe`
+(`from lingvo.core import layers_with_gpipe` ->
+`from lingvo_gpipe.core import layers_with_gpipe`).
+"""
+
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerEmbeddingLayer,
+)
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerSoftmaxLayer,
+)
+from lingvo_gpipe.pipeline.batch_major_gpipe import (
+  GPipeBatchMajorTransformerStack,
+)
+from lingvo_gpipe.pipeline.layers_with_gpipe import DeterministicWeightsLayer
+from lingvo_gpipe.pipeline.layers_with_gpipe import (
+  GPipeTransformerEmbeddingLayer,
+)
+from lingvo_gpipe.pipeline.layers_with_gpipe import GPipeTransformerLayer
+from lingvo_gpipe.pipeline.layers_with_gpipe import GPipeTransformerSoftmaxLayer
+from lingvo_gpipe.pipeline.layers_with_gpipe import GPipeTransformerStack
+
+__all__ = [
+  'DeterministicWeightsLayer',
+  'GPipeBatchMajorTransformerEmbeddingLayer',
+  'GPipeBatchMajorTransformerSoftmaxLayer',
+  'GPipeBatchMajorTransformerStack',
+  'GPipeTransformerEmbeddingLayer',
+  'GPipeTransformerLayer',
+  'GPipeTransformerSoftmaxLayer',
+  'GPipeTransformerStack',
+]
