@@ -232,15 +232,16 @@ class PipeliningLayer(base_layer.BaseLayer):
     )
     p.Define(
       'share_layer_functions',
-      'auto',
+      False,
       'Trace each kind of layer of `layers` (the same class and Params '
       'but for the name) once, as a function that its layers call inside '
       "the cells' functions: the step's size and its first-step time then "
       'grow with the kinds of layers, not with their number (see '
       "`layer_function.py`). 'auto': kinds of at least "
-      f'{layer_function.AUTO_MIN_OPS} ops (a call costs about four small '
-      'ops); True: every kind of two or more layers; False: every layer '
-      'inline in its cell.',
+      f'{layer_function.AUTO_MIN_OPS} ops (a call costs about 3.5 small '
+      'ops); True: every kind of two or more layers; False (the default): '
+      'every layer inline in its cell. Deep Transformer stacks gain most; '
+      'docs/benchmarks.md has the measured trade-off.',
     )
     p.Define(
       'state_dtype',

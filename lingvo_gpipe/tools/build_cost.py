@@ -19,7 +19,10 @@ It reports
   rss_mb        the peak resident memory of this (driving) process
 
 A configuration is `model:L=..:K=..:M=..`, optionally `:jit` (XLA-compiled
-cells) and `:B=..` (the batch; default 2 examples per micro-batch, the
+cells), `:shared` (share_layer_functions='auto': identical layers of 48 ops
+or more as calls of one function), `:inline` (share_layer_functions=False,
+the default, named) and `:B=..` (the batch; default 2 examples per
+micro-batch, the
 capacity models' own batch for lm and amoebanet). Models:
 
   transformer  Transformer layers of dim 32, hidden 64, 2 heads, 8 tokens
@@ -67,23 +70,24 @@ class UsageError(ValueError):
 
 
 def ParseConfig(text):
-  """'model:L=16:K=2:M=8[:jit][:B=..]' -> dict."""
+  """'model:L=16:K=2:M=8[:jit][:shared|:inline][:B=..]' -> dict."""
   parts = text.strip().split(':')
   if parts[0] not in MODELS:
     raise UsageError(
       f'Unknown model {parts[0]!r} in --configs item {text!r}; use one of '
       f'{", ".join(MODELS)}.'
     )
-  config = dict(model=parts[0], jit=False, B=None)
+  config = dict(model=parts[0], jit=False, B=None, inline=False, shared=False)
   for part in parts[1:]:
-    if part == 'jit':
-      config['jit'] = True
+    if part in ('jit', 'inline', 'shared'):
+      config[part] = True
       continue
     m = re.fullmatch(r'([LKMB])=(\d+)', part)
     if not m or int(m.group(2)) < 1:
       raise UsageError(
         f'Bad part {part!r} of --configs item {text!r}; write e.g. '
-        'transformer:L=16:K=2:M=8 (positive L, K, M, B) or add :jit.'
+        'transformer:L=16:K=2:M=8 (positive L, K, M, B), and :jit, '
+        ':shared or :inline if wanted.'
       )
     config[m.group(1)] = int(m.group(2))
   for need in 'LKM':
@@ -97,7 +101,9 @@ def ParseConfig(text):
 
 def Name(config):
   name = f'{config["model"]} L={config["L"]} K={config["K"]} M={config["M"]}'
-  return name + (' jit' if config['jit'] else '')
+  name += ' jit' if config['jit'] else ''
+  name += ' shared' if config.get('shared') else ''
+  return name + (' inline' if config.get('inline') else '')
 
 
 # ----------------------------------------------------------------------------
@@ -177,6 +183,7 @@ def _Model(config, devices):
       recompute='always',
       balance_by='params' if model in ('lm', 'amoebanet') else 'uniform',
       jit_compile=config['jit'],
+      share_layer_functions='auto' if config.get('shared') else False,
     )
     .Instantiate()
   )

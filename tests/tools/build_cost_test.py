@@ -13,6 +13,9 @@ def testBadConfigsAreOneLineNamingTheFix(capsys):
   assert 'has no M=..' in capsys.readouterr().err
   assert build_cost.main(['--configs=fc:L=2:K=2:M=0']) == 2
   assert "Bad part 'M=0'" in capsys.readouterr().err
+  assert build_cost.ParseConfig('fc:L=2:K=2:M=2:inline')['inline']
+  assert build_cost.ParseConfig('fc:L=2:K=2:M=2:shared')['shared']
+  assert not build_cost.ParseConfig('fc:L=2:K=2:M=2')['shared']
 
 
 def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
