@@ -214,7 +214,7 @@ class GPipeBatchMajorTransformerStack(pipelining_layer.PipeliningLayer):
     return p
 
   @classmethod
-  def _StackCells(cls, p):
+  def CellParams(cls, p):
     _RejectPacked(p)
     splits = layers_with_gpipe.GPipeTransformerStack._EndIndices(p)  # pylint: disable=protected-access
     deterministic = len(splits) > 1 or p.num_micro_batches != 1
@@ -261,7 +261,7 @@ class GPipeBatchMajorTransformerStack(pipelining_layer.PipeliningLayer):
 
   def __init__(self, params):
     p = params.Copy()
-    p.cell_tpl = self._StackCells(p)
+    p.cell_tpl = self.CellParams(p)
     p.state_dtype = p.fprop_dtype or p.dtype
     super().__init__(p)
     if p.label_smoothing is not None:

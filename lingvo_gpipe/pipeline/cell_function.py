@@ -155,9 +155,8 @@ class CellFunctions:
     """Cell k on one micro-batch (and its loss, with `loss`).
 
     `after`: tensors the call waits for (control dependencies). `taped`: a
-    gradient tape records the call (its layers then run inline in it: the
-    gradient of a call of calls would take a zero gradient for every
-    intermediate of every layer, a few ops per work item).
+    tape records the call (its layers then run inline: the gradient of a call
+    of calls takes a zero gradient for every intermediate of every layer).
 
     Returns:
       (outputs tuple, the loss or None, [(layer, stats)] of the deferred
@@ -180,9 +179,14 @@ class CellFunctions:
     flat = list(self._Call(f, layout.tensors, after))
     if self._jit:
       flat = _Anchored(flat)
+    # None outputs (Lingvo's layers pass some on) are not returned by calls.
     out_flat = tf.nest.flatten(f.meta['out'])
-    out = tf.nest.pack_sequence_as(f.meta['out'], flat[: len(out_flat)])
-    rest = flat[len(out_flat) :]
+    n = sum(t is not None for t in out_flat)
+    got = iter(flat[:n])
+    out = tf.nest.pack_sequence_as(
+      f.meta['out'], [None if t is None else next(got) for t in out_flat]
+    )
+    rest = flat[n:]
     loss_value = None
     if loss is not None:
       loss_value, rest = rest[0], rest[1:]
@@ -198,8 +202,7 @@ class CellFunctions:
   ):
     """Re-materializes cell k on one micro-batch and back-propagates `dys`.
 
-    Nothing of the forward computation is kept or re-run outside the call:
-    the forward values live only inside it.
+    The forward values live only inside the call.
 
     Args:
       k: the cell.
@@ -442,7 +445,7 @@ class CellFunctions:
         )
         f.meta['out'] = out
         f.meta['updates'] = list(collector.updates)
-        flat = tf.nest.flatten(out)
+        flat = [t for t in tf.nest.flatten(out) if t is not None]
         if loss is not None:
           flat = flat + [loss]
         return flat + tf.nest.flatten([s for _, s in collector.updates])

@@ -509,7 +509,7 @@ class GPipeTransformerStack(pipelining_layer.PipeliningLayer):
     return splits
 
   @classmethod
-  def _StackCells(cls, p):
+  def CellParams(cls, p):
     """The stack's layers grouped into cells, as Lingvo groups them."""
     _Unsupported(
       p,
@@ -574,7 +574,7 @@ class GPipeTransformerStack(pipelining_layer.PipeliningLayer):
 
   def __init__(self, params):
     p = params.Copy()
-    p.cell_tpl = self._StackCells(p)
+    p.cell_tpl = self.CellParams(p)
     super().__init__(p)
     if p.label_smoothing is not None:
       self.CreateChild(

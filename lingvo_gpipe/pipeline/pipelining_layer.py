@@ -259,6 +259,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     )
     return p
 
+  @classmethod
+  def CellParams(cls, p):
+    """The cells' Params of pipeline Params `p`: its `cell_tpl` (a stack
+    that builds its cells from its own Params, e.g. Lingvo's
+    GPipeTransformerStack, returns those), for tools that size a pipeline
+    from its Params alone."""
+    return list(p.cell_tpl or [])
+
   def __init__(self, params):
     super().__init__(params)
     p = self.params

@@ -111,7 +111,7 @@ def _LayerStats(layers, optimizer):
 
 def _InspectPipeline(key, pp, optimizer):
   """A dict describing one pipeline's cells."""
-  layers = list(pp.layers) if pp.layers else list(pp.cell_tpl)
+  layers = list(pp.layers) if pp.layers else pp.cls.CellParams(pp)
   layers = [
     lp.Copy().Set(name=lp.name or f'layer_{i}') for i, lp in enumerate(layers)
   ]
