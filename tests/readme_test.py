@@ -135,7 +135,8 @@ _GROUPS = {
     True,
     ['plan.py --model=', 'plan.py --validate=docs/', 'plan.py --paper'],
   ),
-  'mt': (True, ['TransformerTiny']),
+  'mt': (True, ['mt.multilingual.TransformerTiny']),
+  'lm': (True, ['OneBWdsGPipeTransformerTiny']),
   # tests/docs_test.py builds the site in the default run.
   'docs': (True, ['mkdocs build']),
 }
