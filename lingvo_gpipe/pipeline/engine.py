@@ -403,9 +403,13 @@ class PipelineEngine:
     if backward is not None:
       _tf_internal.RecordOperation(op_type, results, sources, backward)
     for layer, stats in updates:
-      py_utils.AddDeferredUpdate(
-        layer, tf.nest.map_structure(tf.stop_gradient, stats)
-      )
+      # Statistics of calls no tape recorded need no StopGradient (one op
+      # per statistic per micro-batch: most of a batch-normalized model's
+      # step graph).
+      flat = [t for t in tf.nest.flatten(stats) if py_utils.IsTensor(t)]
+      if _tf_internal.ShouldRecordBackprop(flat):
+        stats = tf.nest.map_structure(tf.stop_gradient, stats)
+      py_utils.AddDeferredUpdate(layer, stats)
 
   def ForwardWithGrad(self, thetas, args, num_mb, seed):
     """Runs the forward schedule and records it on the gradient tape as one
