@@ -20,8 +20,8 @@ import traceback
 from absl import logging
 import tensorflow as tf
 
+from lingvo_gpipe.core import base_input_generator
 from lingvo_gpipe.core import quiet_start
-from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import train_loop
 
@@ -83,7 +83,7 @@ def OneLine(error, logdir=None, is_user_error=False):
   if is_user_error or isinstance(error, _KNOWN_ERRORS):
     return ' '.join(text.split('\n')).strip() or type(error).__name__
   if isinstance(error, tf.errors.OpError):
-    message = imagenet.ErrorMessage(error)
+    message = base_input_generator.CheckMessage(error)
     if message:
       return message
     text = _TensorFlowText(error)

@@ -39,13 +39,44 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseInputGenerator', 'REMAINDER_MODES']
+__all__ = ['BaseInputGenerator', 'CheckMessage', 'REMAINDER_MODES']
 
 REMAINDER_MODES = ('drop', 'pad', 'keep')
+
+# The class names of every input generator, which begin the messages of
+# their in-graph checks (see `CheckMessage`).
+_GENERATOR_NAMES = set()
+
+
+def CheckMessage(error):
+  """The message of an input generator's own in-graph check inside a
+  TensorFlow error, or None.
+
+  A generator checks its data with `tf.debugging.Assert(ok, [message])`
+  where the message begins with the generator's class name, e.g.
+  "ImageNetInput: record 12 of ... is not a JPEG". The error then holds
+  "assertion failed: [<message>]", and the trainer reports the message in
+  one line.
+  """
+  text = str(getattr(error, 'message', None) or error)
+  marker = 'assertion failed: ['
+  i = text.find(marker)
+  if i < 0:
+    return None
+  line = text[i + len(marker) :].split('\n')[0]
+  if not any(name in line for name in _GENERATOR_NAMES):
+    return None
+  j = line.rfind(']')
+  line = (line[:j] if j >= 0 else line).strip()
+  return line.replace("\\'", "'").replace('\\"', '"')
 
 
 class BaseInputGenerator(base_layer.BaseLayer):
   """Base class of input generators. See the module docstring."""
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _GENERATOR_NAMES.add(cls.__name__)
 
   @classmethod
   def Params(cls):

@@ -69,15 +69,8 @@ _LOG_FIRST = 20
 def ErrorMessage(error):
   """The message of an ImageNetInput check inside a TensorFlow error (the
   text between 'assertion failed: [' and its ']'), or None."""
-  text = str(getattr(error, 'message', None) or error)
-  marker = 'assertion failed: ['
-  i = text.find(marker)
-  if i < 0 or 'ImageNetInput' not in text[i:]:
-    return None
-  line = text[i + len(marker) :].split('\n')[0]
-  j = line.rfind(']')
-  line = (line[:j] if j >= 0 else line).strip()
-  return line.replace("\\'", "'").replace('\\"', '"')
+  message = base_input_generator.CheckMessage(error)
+  return message if message and 'ImageNetInput' in message else None
 
 
 def _Try(fn, arg, fallback):

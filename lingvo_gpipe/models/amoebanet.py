@@ -398,22 +398,20 @@ class AmoebaNetTask(classifier.ClassifierTask):
     return terms
 
 
-def BenchmarkCells(args):
-  """An AmoebaNet-D for tools/benchmark_pipeline.py --model=amoebanet.
-
-  2 normal cells per stack (num_cells 6), the CIFAR stem, 10-class logits
-  from the last layer; by default 16 filters and 32x32x3 inputs (a small
-  model), `--amoebanet_filters` and `--image_size` make it larger.
+def BenchmarkCells(batch_size, filters=16, image_size=32):
+  """A small AmoebaNet-D for benchmarks (tools/benchmark_pipeline.py
+  --model=amoebanet): 2 normal cells per stack (num_cells 6), the CIFAR
+  stem, 10-class logits from the last layer.
 
   Args:
-    args: the benchmark's flags; uses `args.batch_size` and, where given,
-      `args.amoebanet_filters` and `args.image_size`.
+    batch_size: examples per batch.
+    filters: the number of filters (stem and cells).
+    image_size: the side of the square RGB input images.
 
   Returns:
-    (list of layer Params, input shape [batch, 32, 32, 3]).
+    (list of layer Params, input shape [batch, size, size, 3]).
   """
-  filters = int(getattr(args, 'amoebanet_filters', None) or 16)
-  size = int(getattr(args, 'image_size', None) or 32)
+  filters, size = int(filters), int(image_size)
   net = (
     AmoebaNet.Params()
     .Set(
@@ -427,4 +425,4 @@ def BenchmarkCells(args):
     )
     .Instantiate()
   )
-  return net.Layers(), net.InputShape(int(args.batch_size))
+  return net.Layers(), net.InputShape(int(batch_size))

@@ -159,7 +159,11 @@ def ConvModel(args):
 def AmoebaNetModel(args):
   from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
 
-  return amoebanet.BenchmarkCells(args)
+  return amoebanet.BenchmarkCells(
+    args.batch_size,
+    filters=getattr(args, 'amoebanet_filters', None) or 16,
+    image_size=getattr(args, 'image_size', None) or 32,
+  )
 
 
 MODELS = {

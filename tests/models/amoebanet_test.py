@@ -6,8 +6,6 @@ Everything runs eagerly: tracing the pipeline of even a tiny AmoebaNet into
 a graph takes longer than running it.
 """
 
-import types
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -466,7 +464,7 @@ def testImageSizeErrors():
 
 
 def testBenchmarkCellsEndWithLogits():
-  layers, shape = amoebanet.BenchmarkCells(types.SimpleNamespace(batch_size=2))
+  layers, shape = amoebanet.BenchmarkCells(2)
   assert shape == [2, 32, 32, 3]
   state = _Rand(shape)
   with py_utils.UpdateCollector():

@@ -1,0 +1,38 @@
+"""base_input_generator.CheckMessage: an input's own in-graph check, found
+in a TensorFlow error by the generator's class name (the trainer reports it
+in one line, knowing no input in particular)."""
+
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_input_generator
+
+
+class RowCheckedInput(base_input_generator.BaseInputGenerator):
+  """An input generator whose checks name it."""
+
+
+def _Failed(message):
+  """The error of a failed check in a graph, as in an input pipeline."""
+
+  @tf.function
+  def Check(ok):
+    tf.debugging.Assert(ok, [message])
+    return ok
+
+  with pytest.raises(tf.errors.InvalidArgumentError) as e:
+    Check(tf.constant(False))
+  return e.value
+
+
+def testAGeneratorsCheckIsItsMessage():
+  error = _Failed("RowCheckedInput: row 3 of 'a.txt' is empty")
+  assert (
+    base_input_generator.CheckMessage(error)
+    == "RowCheckedInput: row 3 of 'a.txt' is empty"
+  )
+
+
+def testOtherErrorsAreNotInputChecks():
+  assert base_input_generator.CheckMessage(_Failed('x > 0 failed')) is None
+  assert base_input_generator.CheckMessage(ValueError('no assertion')) is None
