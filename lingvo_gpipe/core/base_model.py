@@ -272,6 +272,16 @@ class BaseTask(base_layer.BaseLayer):
     with py_utils.EvalMode(), py_utils.NoUpdateCollection():
       return self.ComputePredictions(self.theta, input_batch)
 
+  def EvaluateDecoder(self, max_batches=None, **decode):
+    """Decodes this task's input and scores it (e.g. BLEU): what
+    `runners.evaler.EvaluateBleuCheckpoint` reports. A task with a decoder
+    metric overrides this."""
+    del max_batches, decode
+    raise ValueError(
+      f'Task {self.params.name!r} ({type(self).__name__}) has no decoder '
+      'evaluation; evaluate it with --job=evaler_dev (its metrics) instead.'
+    )
+
 
 class SingleTaskModel(base_layer.BaseLayer):
   """A model of one task (Lingvo's). See the module docstring.

@@ -35,7 +35,6 @@ import tensorflow as tf
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.models.mt import evaluation
 from lingvo_gpipe.runners import batch_norm_check
 from lingvo_gpipe.runners import checkpointer as ckpt_lib
 from lingvo_gpipe.runners import train_loop
@@ -495,5 +494,5 @@ def EvaluateBleuCheckpoint(
   ckpt_lib.Checkpointer(
     train_dir, built.VariablesByName(), writable=False
   ).RestoreFrom(prefix, strict=False)
-  report = evaluation.EvaluateBleu(built.GetTask(), max_batches, **decode)
+  report = built.GetTask().EvaluateDecoder(max_batches, **decode)
   return ckpt_lib.StepOf(prefix), report

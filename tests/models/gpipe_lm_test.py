@@ -217,3 +217,9 @@ def testTinyTrainsThroughTheTrainerAndPerplexityFalls(tmp_path):
   trained = Run(tmp_path / 'b', 300)
   # About ln(1000) = 6.9 at the start; under ln(3) after 300 steps.
   assert untrained > 6.0 and trained < 1.1, (untrained, trained)
+
+
+def testHasNoDecoderEvaluationAndSaysWhatToUse():
+  with pytest.raises(ValueError, match='has no decoder evaluation') as e:
+    _Task(splits=(4,), num_micro_batches=1).EvaluateDecoder()
+  assert '\n' not in str(e.value) and '--job=evaler_dev' in str(e.value)

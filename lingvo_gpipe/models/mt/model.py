@@ -45,6 +45,7 @@ from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.models.mt import decoding
+from lingvo_gpipe.models.mt import evaluation
 from lingvo_gpipe.models.mt import layers as mt_layers
 
 __all__ = ['TransformerMTTask']
@@ -334,6 +335,11 @@ class TransformerMTTask(base_model.BaseTask):
     if 'text' in input_batch.tgt:
       out.ref_text = input_batch.tgt.text
     return out
+
+  def EvaluateDecoder(self, max_batches=None, **decode):
+    """Decodes the input and returns its `bleu.BleuReport` (**decode:
+    progress, progress_every_s; see `evaluation.DecodeColumns`)."""
+    return evaluation.EvaluateBleu(self, max_batches, **decode)
 
   def PostProcessDecodeOut(self, columns, vocab=None, languages=None):
     """BLEU of decoded outputs, per source language and averaged.
