@@ -248,6 +248,27 @@ def testLibraryImportsFollowTheLayers():
   )
 
 
+# General modules know no particular model or input: a model's or input's
+# behaviour reaches them through the task's or generator's methods.
+_GENERAL = ('core', 'compat', 'layers', 'pipeline', 'runners', 'trainer')
+_SPECIFIC = ('models', 'input')
+
+
+def testGeneralModulesImportNoSpecificModelOrInput():
+  graph = _GenBuild().LibraryGraph(_GenBuild().ImportGraph())
+  found = [
+    f'{f} -> {d}'
+    for f, deps in sorted(graph.items())
+    if _Layer(f) in _GENERAL and f not in _FACADES
+    for d in sorted(deps)
+    if _Layer(d) in _SPECIFIC
+  ]
+  assert not found, (
+    f'General modules importing a particular model or input: {found}. '
+    'Ask the task or the input generator instead (a method they override).'
+  )
+
+
 def testLayerCheckSeesAnUpwardImport():
   cluster = 'lingvo_gpipe/core/cluster.py'
   placement = 'lingvo_gpipe/pipeline/placement.py'
