@@ -52,11 +52,12 @@ def CheckMessage(error):
   """The message of an input generator's own in-graph check inside a
   TensorFlow error, or None.
 
-  A generator checks its data with `tf.debugging.Assert(ok, [message])`
-  where the message begins with the generator's class name, e.g.
+  A generator checks its data with `tf.debugging.Assert(ok, [message])`,
+  one string that begins with the generator's class name and a colon, e.g.
   "ImageNetInput: record 12 of ... is not a JPEG". The error then holds
   "assertion failed: [<message>]", and the trainer reports the message in
-  one line.
+  one line. (A check with several data items is left to the trainer's
+  general report of a failed assertion.)
   """
   text = str(getattr(error, 'message', None) or error)
   marker = 'assertion failed: ['
@@ -64,7 +65,7 @@ def CheckMessage(error):
   if i < 0:
     return None
   line = text[i + len(marker) :].split('\n')[0]
-  if not any(name in line for name in _GENERATOR_NAMES):
+  if line.split(':', 1)[0] not in _GENERATOR_NAMES or '] [' in line:
     return None
   j = line.rfind(']')
   line = (line[:j] if j >= 0 else line).strip()

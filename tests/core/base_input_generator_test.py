@@ -12,12 +12,12 @@ class RowCheckedInput(base_input_generator.BaseInputGenerator):
   """An input generator whose checks name it."""
 
 
-def _Failed(message):
+def _Failed(message, *more):
   """The error of a failed check in a graph, as in an input pipeline."""
 
   @tf.function
   def Check(ok):
-    tf.debugging.Assert(ok, [message])
+    tf.debugging.Assert(ok, [message, *more])
     return ok
 
   with pytest.raises(tf.errors.InvalidArgumentError) as e:
@@ -35,4 +35,12 @@ def testAGeneratorsCheckIsItsMessage():
 
 def testOtherErrorsAreNotInputChecks():
   assert base_input_generator.CheckMessage(_Failed('x > 0 failed')) is None
+  # Another check that merely names the generator.
+  error = _Failed('expected a RowCheckedInput: got none')
+  assert base_input_generator.CheckMessage(error) is None
   assert base_input_generator.CheckMessage(ValueError('no assertion')) is None
+
+
+def testAMultiItemCheckIsLeftToTheGeneralReport():
+  error = _Failed('RowCheckedInput: bad label', tf.constant(17))
+  assert base_input_generator.CheckMessage(error) is None
