@@ -31,7 +31,6 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_input_generator
-from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_demo
@@ -94,18 +93,7 @@ class LmTextInput(base_input_generator.BaseInputGenerator):
       '',
       'Where the demo corpus is cached; "": ~/.cache/lingvo_gpipe/demo_mt.',
     )
-    p.Define('demo', hyperparams.Params(), 'Settings of the demo corpus.')
-    p.demo.Define(
-      'languages',
-      [],
-      'Source languages whose English sides are read; []: all.',
-    )
-    p.demo.Define('seed', 1234, 'Seed of the demo corpus.')
-    p.demo.Define(
-      'max_train_pairs', 4000, 'Training pairs of the largest language.'
-    )
-    p.demo.Define('eval_pairs', 100, 'Dev and test pairs per language.')
-    p.demo.Define('max_digits', 4, 'Numbers have up to this many digits.')
+    p.Define('demo', mt_demo.DemoParams(), 'Settings of the demo corpus.')
     return p
 
   def __init__(self, params):
@@ -155,16 +143,7 @@ class LmTextInput(base_input_generator.BaseInputGenerator):
 
   def _EnsureDemo(self):
     p = self.params
-    d = p.demo
-    mt_demo.EnsureDemoCorpus(
-      self.data_dir,
-      languages=list(d.languages) or None,
-      seed=d.seed,
-      max_train_pairs=d.max_train_pairs,
-      eval_pairs=d.eval_pairs,
-      max_digits=d.max_digits,
-      vocab_size=p.vocab_size,
-    )
+    mt_demo.EnsureDemoFromParams(self.data_dir, p.demo, p.vocab_size)
 
   def _Sentences(self):
     p = self.params

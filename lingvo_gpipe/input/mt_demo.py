@@ -32,6 +32,7 @@ import time
 
 from absl import logging
 
+from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_vocab
 
@@ -41,6 +42,8 @@ __all__ = [
   'BuildDemoCorpus',
   'EnsureDemoCorpus',
   'DemoSettings',
+  'DemoParams',
+  'EnsureDemoFromParams',
   'MANIFEST',
   'VOCAB_PREFIX',
 ]
@@ -298,3 +301,33 @@ def EnsureDemoCorpus(out_dir=None, **settings):
       'settings you want, or use another data_dir.'
     )
   return manifest
+
+
+def DemoParams():
+  """The `demo` Params of an input that reads the demo corpus: the
+  settings `EnsureDemoCorpus` takes (but the vocabulary size, which is the
+  model's)."""
+  d = hyperparams.Params()
+  d.Define(
+    'languages',
+    [],
+    'Source languages (DEMO_LANGUAGES keys); []: all.',
+  )
+  d.Define('seed', 1234, 'Seed of the demo corpus.')
+  d.Define('max_train_pairs', 4000, 'Training pairs of the largest language.')
+  d.Define('eval_pairs', 100, 'Dev and test pairs per language.')
+  d.Define('max_digits', 4, 'Numbers have up to this many digits.')
+  return d
+
+
+def EnsureDemoFromParams(out_dir, demo, vocab_size):
+  """`EnsureDemoCorpus` with the settings of `demo` (`DemoParams`)."""
+  return EnsureDemoCorpus(
+    out_dir,
+    languages=list(demo.languages) or None,
+    seed=demo.seed,
+    max_train_pairs=demo.max_train_pairs,
+    eval_pairs=demo.eval_pairs,
+    max_digits=demo.max_digits,
+    vocab_size=vocab_size,
+  )
