@@ -35,6 +35,13 @@ from tensorflow.python.eager.polymorphic_function import (
 )
 from tensorflow.python.framework import auto_control_deps_utils as _acd
 
+# The graphs that tf.cond and tf.while_loop trace their branches and bodies
+# into: a pipeline built as a loop calls, from inside them, the cell
+# functions of the step the loop is part of.
+from tensorflow.python.ops import (
+  control_flow_v2_func_graphs as _cf_graphs,
+)
+
 # Silences the deprecation notice that TensorFlow's own flop statistics
 # print (they call a TF1 shape helper) every time a new graph is counted.
 from tensorflow.python.util import deprecation as _deprecation
@@ -51,6 +58,7 @@ __all__ = [
   'InXlaContext',
   'RecordingOn',
   'CallFunction',
+  'OutermostOfControlFlow',
   'StopRecording',
 ]
 
@@ -197,3 +205,18 @@ def CallFunction(concrete, args):
   for t, o in zip(result, outs):
     t.set_shape(o.shape)
   return result
+
+
+_CONTROL_FLOW_GRAPHS = (
+  _cf_graphs.CondBranchFuncGraph,
+  _cf_graphs.WhileBodyFuncGraph,
+  _cf_graphs.WhileCondFuncGraph,
+)
+
+
+def OutermostOfControlFlow(graph):
+  """The graph that `graph` belongs to once its tf.cond branches and
+  tf.while_loop bodies are left: itself unless it is one of those."""
+  while isinstance(graph, _CONTROL_FLOW_GRAPHS):
+    graph = graph.outer_graph
+  return graph

@@ -76,6 +76,15 @@ def _Anchored(flat):
   return [graph_ops.After(flat[0], [keep])] + list(flat[1:])
 
 
+def _Concrete(f, tensors):
+  """f's concrete function for `tensors`' shapes and types."""
+  sig = tuple((tuple(t.shape.as_list()), t.dtype) for t in tensors)
+  concrete = f.concrete.get(sig)
+  if concrete is None:
+    concrete = f.concrete[sig] = f.fn.get_concrete_function(*tensors)
+  return concrete
+
+
 def _CallOp(f, tensors):
   """f.fn(*tensors) in a graph: where no tape records the call, the call
   op is built without shape inference of the body, which otherwise costs
@@ -83,11 +92,7 @@ def _CallOp(f, tensors):
   (`_tf_internal.CallFunction`)."""
   if _tf_internal.ShouldRecordBackprop(tensors):
     return f.fn(*tensors)
-  sig = tuple((tuple(t.shape.as_list()), t.dtype) for t in tensors)
-  concrete = f.concrete.get(sig)
-  if concrete is None:
-    concrete = f.concrete[sig] = f.fn.get_concrete_function(*tensors)
-  return _tf_internal.CallFunction(concrete, tensors)
+  return _tf_internal.CallFunction(_Concrete(f, tensors), tensors)
 
 
 class _Function:
@@ -196,6 +201,28 @@ class CellFunctions:
       updates.append((layer, tf.nest.pack_sequence_as(stats, rest[:n])))
       rest = rest[n:]
     return out, loss_value, updates
+
+  def ForwardSpecs(self, k, theta_k, args, seed, loss=None):
+    """The `tf.TensorSpec`s of the flat results of cell k's forward call on
+    these arguments (its outputs but None, the loss, the updates'
+    statistics), from the function's trace (nothing runs)."""
+    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    loss_fn = None if loss is None else loss.fn
+    is_eval = py_utils.IsEval()
+    f = self._Forward(k, layout, is_eval, loss_fn, False)
+    self._Check(k, f, layout.tensors, ('forward', k, is_eval))
+    concrete = _Concrete(f, layout.tensors)
+    return [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
+
+  def ForwardTemplate(self, k, theta_k, args, seed, loss=None):
+    """(outputs, whether there is a loss, [(layer, statistics)]) of cell
+    k's traced forward on these arguments: the structures its flat results
+    unflatten into (the leaves are the trace's tensors). After
+    `ForwardSpecs`."""
+    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    loss_fn = None if loss is None else loss.fn
+    f = self._Forward(k, layout, py_utils.IsEval(), loss_fn, False)
+    return f.meta['out'], loss is not None, list(f.meta['updates'])
 
   def Backward(
     self, k, theta_k, args, seed, dys, sums, input_grad, loss=None, after=None
@@ -402,7 +429,11 @@ class CellFunctions:
       self._xla_check.Check(k, f, tensors, key)
 
   def _Get(self, key, make):
-    graph = tf.compat.v1.get_default_graph()
+    # A loop's or a branch's body graph calls the functions of the step it
+    # is part of.
+    graph = _tf_internal.OutermostOfControlFlow(
+      tf.compat.v1.get_default_graph()
+    )
     fns = self._graphs.setdefault(graph, {})
     if key not in fns:
       fns[key] = make()

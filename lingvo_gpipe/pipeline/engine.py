@@ -43,6 +43,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import cell_function
+from lingvo_gpipe.pipeline import clock_loop
 from lingvo_gpipe.pipeline import graph_ops
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import schedule as schedule_lib
@@ -167,6 +168,7 @@ class _Walk:
     self.updates = []
     self.input_grads = input_grads
     self.tracer = schedule_lib.ActiveTracer()
+    self.run = None  # The forward loop's `clock_loop._Run`, if it ran.
 
   def Items(self, work):
     """Yields (item, replica r, micro-batch j of the mini-batch)."""
@@ -187,6 +189,8 @@ class PipelineEngine:
     strict_order: run each device's work items in schedule order.
     name: the pipeline's name in error messages.
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
+    loop: build the fill-drain schedule as loops over its clock ticks
+      (`clock_loop`) where it applies; False: always one call per work item.
   """
 
   def __init__(
@@ -199,6 +203,7 @@ class PipelineEngine:
     strict_order=True,
     name='pipeline',
     schedule=schedule_lib.FillDrain,
+    loop=False,
   ):
     if recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
@@ -212,12 +217,19 @@ class PipelineEngine:
     self._strict_order = strict_order
     self._name = name
     self._schedule = schedule
+    self._loop = loop
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
     work = list(self._schedule(self._num_cells, num_micro_batches))
     CheckSchedule(work, self._num_cells, num_micro_batches)
     return work
+
+  def Loops(self, num_micro_batches):
+    """A `clock_loop.ClockLoops` where it builds this step, else None."""
+    if self._loop and clock_loop.ClockLoops.Applies(self, num_micro_batches):
+      return clock_loop.ClockLoops(self)
+    return None
 
   def _Pass(self, work, kind):
     return [w for w in work if w.kind == kind]
@@ -293,6 +305,20 @@ class PipelineEngine:
     Returns:
       (outputs, updates, the walk).
     """
+    # Outside the pipeline's own tape operation (evaluation), a tape
+    # differentiates the forward calls themselves: not through a loop.
+    loops = None
+    if walk is not None or not _tf_internal.CouldPossiblyRecord():
+      loops = self.Loops(num_mb)
+    run = None if loops is None else loops.Forward(thetas, args, num_mb, seed)
+    if run is not None:
+      with self._Device(self._num_cells - 1):
+        outs = microbatch.Concat(
+          [py_utils.Unwrap(y) for y in run.raws], self._batch_dim
+        )
+      if walk is not None:
+        walk.run = run
+      return outs, run.updates, walk
     if walk is None:
       walk = _Walk(thetas, num_mb, None)
     walk.states = self._SplitInputs(args, len(thetas), num_mb)
@@ -534,6 +560,16 @@ class PipelineEngine:
       gradients of [input tensors] + [flat thetas[0]] (the loss's weights
       after the last cell's) or None).
     """
+    loops = self.Loops(num_mb)
+    run = None
+    if loops is not None:
+      run = loops.Forward(
+        thetas, args, num_mb, seed, loss_fn, loss_inputs, loss_thetas
+      )
+    if run is not None:
+      return self._LoopWithLoss(
+        run, thetas, args, num_mb, train, input_grads, loss_thetas
+      )
     last = self._num_cells - 1
     num_j = len(thetas) * num_mb
     loss_mbs = [None] * num_j
@@ -584,6 +620,27 @@ class PipelineEngine:
     grads = self._JoinGradients(args, walk) if train else None
     return loss, outs, walk.updates, grads
 
+  def _LoopWithLoss(
+    self, run, thetas, args, num_mb, train, input_grads, loss_thetas
+  ):
+    """`ForwardBackwardWithLoss` after the forward loop `run`."""
+    with self._Device(self._num_cells - 1):
+      parts = run.losses
+      loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
+      outs = microbatch.Concat(
+        [
+          tf.nest.map_structure(tf.stop_gradient, py_utils.Unwrap(y))
+          for y in run.raws
+        ],
+        self._batch_dim,
+      )
+    grads = None
+    if train:
+      walk = _Walk(thetas, num_mb, None, input_grads, loss_thetas)
+      walk.run = run
+      grads = self._LoopBackward(args, walk)
+    return loss, outs, run.updates, grads
+
   # -- The backward pass -------------------------------------------------------
 
   def Backward(self, inputs, outs, walk, dys):
@@ -601,6 +658,10 @@ class PipelineEngine:
     dys = [
       tf.zeros_like(y) if dy is None else dy for y, dy in zip(flat_outs, dys)
     ]
+    if walk.run is not None:
+      return self._LoopBackward(
+        inputs, walk, tf.nest.pack_sequence_as(outs, dys)
+      )
     with self._Device(self._num_cells - 1):
       dy_mbs = microbatch.Split(
         graph_ops.Opaque(tf.nest.pack_sequence_as(outs, dys)),
@@ -620,6 +681,26 @@ class PipelineEngine:
         # last forward ended; a cell with a tape waits for it anyway.
         walk.last_on_device[key] = after.get(key)
       self._BackwardItem(walk, w, r, j)
+    return self._JoinGradients(inputs, walk)
+
+  def _LoopBackward(self, inputs, walk, dys=None):
+    """The backward loop after the forward loop `walk.run`, for the
+    gradients `dys` of the pipeline's outputs (None: of the summed loss);
+    returns the gradients of (input tensors, thetas[0]), as `Backward`
+    does."""
+    stacked = None
+    if dys is not None:
+      with self._Device(self._num_cells - 1):
+        shards = microbatch.Split(
+          graph_ops.Opaque(dys), len(walk.thetas), self._batch_dim
+        )
+        stacked = [
+          clock_loop.Stacked(s, walk.num_mb, self._batch_dim) for s in shards
+        ]
+    loops = clock_loop.ClockLoops(self)
+    walk.grads, walk.sums = loops.Backward(
+      walk.run, walk.thetas, stacked, walk.input_grads
+    )
     return self._JoinGradients(inputs, walk)
 
   def _BackwardItem(self, walk, w, r, j):

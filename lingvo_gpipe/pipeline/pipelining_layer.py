@@ -221,6 +221,16 @@ class PipeliningLayer(base_layer.BaseLayer):
       'feeds the next cell as early as possible.',
     )
     p.Define(
+      'micro_batch_loop',
+      False,
+      "With schedule='gpipe' and recompute='always', build the step as two "
+      "loops over the clock ticks, each calling every cell once (Lingvo's "
+      'recurrent GPipe): the step and its first run do not grow with the '
+      'micro-batches. False: one call per cell and micro-batch. Both '
+      'compute the same bits; the loops keep memory of the order of the '
+      'largest weights allocated between steps (docs/gpipe.md).',
+    )
+    p.Define(
       'jit_compile',
       False,
       "Compile each cell with XLA: a cell's forward pass on one "
@@ -719,6 +729,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       strict_order=p.strict_order,
       name=self.path,
       schedule=self.ScheduleFn(),
+      loop=p.micro_batch_loop,
     )
 
   def ScheduleFn(self):

@@ -109,11 +109,14 @@ def testBatchNormStatisticsMergeInAFewOps():
 def testCellFunctionsAreNotInlined():
   _, graph = _StepSize(_Pipe(4, 4))
   library = graph.as_graph_def().library.function
+  calls = ('PartitionedCall', 'StatefulPartitionedCall')
+  # The calls stand in the step's graph or, where the schedule is a loop
+  # (`clock_loop`), in the loop's body and branch functions.
   called = {
-    op.get_attr('f').name
-    for op in graph.get_operations()
-    if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    op.get_attr('f').name for op in graph.get_operations() if op.type in calls
   }
+  for f in library:
+    called |= {n.attr['f'].func.name for n in f.node_def if n.op in calls}
   assert called
   by_name = {f.signature.name: f for f in library}
   for name in called:

@@ -121,7 +121,7 @@ def testAnInvalidScheduleFailsBeforeBuildingOps():
     _LossAndGrads(_Broken, x)
 
 
-def _StepGraph(watch_input):
+def _StepGraph(watch_input, loop=True):
   layers = [
     linears.FCLayer.Params().Set(
       name=f'fc_{i}', input_dim=4, output_dim=4, activation='TANH'
@@ -137,6 +137,7 @@ def _StepGraph(watch_input):
       num_micro_batches=4,
       devices=DEVICES,
       recompute='always',
+      micro_batch_loop=loop,
     )
     .Instantiate()
   )
@@ -163,4 +164,14 @@ def testAnUnwatchedInputGetsNoGradientComputed():
   grads2, matmuls2 = _StepGraph(watch_input=False)
   for g2, g in zip(grads2, grads):
     np.testing.assert_allclose(g2, g, rtol=1e-6)
-  assert matmuls - matmuls2 == 4, (matmuls, matmuls2)
+  # Built as loops, the backward loop's body calls cell 0 once.
+  assert matmuls - matmuls2 == 1, (matmuls, matmuls2)
+  grads3, matmuls3 = _StepGraph(watch_input=True, loop=False)
+  grads4, matmuls4 = _StepGraph(watch_input=False, loop=False)
+
+  def Sums(gs):  # The pipelines' variables are listed in their own orders.
+    return sorted(float(np.sum(g)) for g in gs)
+
+  assert Sums(grads3) == Sums(grads) and Sums(grads4) == Sums(grads2)
+  # One call per micro-batch: 4 micro-batches.
+  assert matmuls3 - matmuls4 == 4, (matmuls3, matmuls4)

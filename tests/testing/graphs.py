@@ -2,27 +2,44 @@
 
 A pipeline's cells are function calls (`pipeline/cell_function.py`), so the
 ops of a cell are in the graph's function library, once, and each work item
-is one call op. `ExpandedOps` yields the ops one run of the graph executes,
-as (op type, device), each call replaced by the ops of its function on the
-call's device; `GraphSize` counts the ops that were built.
+is one call op. `ExpandedOps` yields the ops of the graph as (op type,
+device), each call replaced by the ops of its function on the call's device
+(and each loop or branch by those of its bodies, once); `GraphSize` counts the ops that were built.
 """
 
 import tensorflow as tf
 
 _CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
+# A pipeline built as loops (`pipeline/clock_loop.py`) calls its cells from
+# a while loop's body, inside tf.cond branches: each body counts once.
+_LOOPS_AND_BRANCHES = {
+  'While': ('cond', 'body'),
+  'StatelessWhile': ('cond', 'body'),
+  'If': ('then_branch', 'else_branch'),
+  'StatelessIf': ('then_branch', 'else_branch'),
+}
 
 
 def _Library(graph_def):
   return {f.signature.name: f for f in graph_def.library.function}
 
 
+def _Bodies(node):
+  """The functions a call, loop or branch node runs."""
+  if node.op in _CALLS:
+    return [node.attr['f'].func.name]
+  if node.op in _LOOPS_AND_BRANCHES:
+    return [node.attr[a].func.name for a in _LOOPS_AND_BRANCHES[node.op]]
+  return []
+
+
 def _FunctionOps(library, name, device, depth=0):
   for node in library[name].node_def:
     node_device = node.device or device
-    if node.op in _CALLS and depth < 8:
-      yield from _FunctionOps(
-        library, node.attr['f'].func.name, node_device, depth + 1
-      )
+    bodies = _Bodies(node) if depth < 8 else []
+    if bodies:
+      for body in bodies:
+        yield from _FunctionOps(library, body, node_device, depth + 1)
     elif node.op in library and depth < 8:
       yield from _FunctionOps(library, node.op, node_device, depth + 1)
     else:
@@ -34,8 +51,10 @@ def ExpandedOps(graph):
   library = _Library(graph.as_graph_def())
   out = []
   for op in graph.get_operations():
-    if op.type in _CALLS:
-      out.extend(_FunctionOps(library, op.get_attr('f').name, op.device))
+    bodies = _Bodies(op.node_def)
+    if bodies:
+      for body in bodies:
+        out.extend(_FunctionOps(library, body, op.device))
     else:
       out.append((op.type, op.device))
   return out

@@ -1,0 +1,547 @@
+"""The fill-drain schedule as two loops over its clock ticks.
+
+In GPipe's schedule every clock tick t does the same work: cell k runs the
+forward of micro-batch t - k (where 0 <= t - k < M), and the backward pass
+mirrors it. So the step can hold each cell's call once, in the body of a
+`tf.while_loop` over the M + K - 1 ticks, as Lingvo's recurrent GPipe does,
+instead of one call per work item:
+
+  forward loop, tick t:   for each cell k (each replica r):
+      out[k] = F_k(theta_k, out[k-1] of tick t-1, seed(t-k))  if active
+               out[k]                                          otherwise
+  backward loop, tick s:  for each cell k, last first:
+      acc[k], dx[k] = G_k(theta_k, x_k(m), seed(m), dx[k+1] of tick s-1,
+                          acc[k])                             if active
+      with m = M - 1 - (s - (K - 1 - k))
+
+Each cell's output of every tick is written to a TensorList (what the next
+cell's backward re-materializes from, and the pipeline's outputs and
+batch-norm statistics); an idle tick passes the cell's previous output on
+without a copy. The weights enter each loop once.
+
+Why: TensorFlow's graph passes instantiate a called function's body once
+per call node (Grappler's function optimizer, the lowering of calls, XLA's
+clustering passes), so a step of 2KM calls of K cells pays that per work
+item, and the first step grows with M. The loops hold 2K call nodes for any
+M: the step's graph, its optimization and its first run do not grow with
+the micro-batches (`docs/gpipe.md`, "The shape of the step").
+
+The loops compute exactly what the per-item engine computes (the same
+functions on the same tensors, the weights' gradients summed in the same
+order, the same seeds), so gradients are bit-identical. They build the step
+for schedule='gpipe' with recompute='always' and more than one micro-batch
+in a graph; the engine builds every other case item by item.
+
+With `strict_order` each cell's call waits for the previous call on its
+device (in the loop: the previous cell on that device in the same tick, or
+the device's last cell of the tick before), as the work items do.
+"""
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import _tf_internal
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import cell_function
+from lingvo_gpipe.pipeline import cell_layout
+from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+
+__all__ = ['ClockLoops', 'Stacked']
+
+
+def _NonNone(structure):
+  return [t for t in tf.nest.flatten(structure) if t is not None]
+
+
+def _Pack(template, flat):
+  """`template`'s structure with its non-None leaves from `flat`."""
+  leaves = tf.nest.flatten(template)
+  got = iter(flat)
+  return tf.nest.pack_sequence_as(
+    template, [None if t is None else next(got) for t in leaves]
+  )
+
+
+def _Zeros(spec):
+  """Zeros of `spec` made when the step runs: as a constant (what the graph
+  optimizer makes of tf.zeros) they would stay allocated between steps."""
+  zero = graph_ops.Opaque(tf.zeros([], spec.dtype))
+  return tf.fill(spec.shape, zero)
+
+
+class Stacked:
+  """A structure of micro-batches held as one tensor per leaf.
+
+  Leaves that split along the batch are stacked [M, ...] (a reshape where
+  the batch axis is the first: no copy); the others (scalars, None) are the
+  same for every micro-batch. `At(m)` is micro-batch m, as
+  `microbatch.Split` would give it.
+  """
+
+  def __init__(self, structure, num_mb, batch_dim):
+    self.structure = structure
+    self.leaves = []
+    for x in tf.nest.flatten(structure):
+      if not (microbatch.IsSplittable(x) and num_mb > 1):
+        self.leaves.append((False, x))
+        continue
+      shape = x.shape.as_list()
+      if batch_dim == 0 and None not in shape:
+        leaf = tf.reshape(x, [num_mb, shape[0] // num_mb] + shape[1:])
+      else:
+        leaf = tf.stack(tf.split(x, num_mb, axis=batch_dim))
+      self.leaves.append((True, leaf))
+
+  def At(self, m):
+    return tf.nest.pack_sequence_as(
+      self.structure,
+      [tf.gather(leaf, m) if split else leaf for split, leaf in self.leaves],
+    )
+
+
+class _Run:
+  """What the forward loop leaves for the backward loop and the caller.
+
+  Attributes:
+    num_mb: M.
+    inputs: [replica] `Stacked` inputs of cell 0.
+    loss_inputs: [replica] `Stacked` loss inputs, or None.
+    loss_fn: the loss function on the last cell, or None.
+    loss_thetas: [replica] the loss's weights, or None.
+    lists: {(r, k): [TensorList] of cell k's flat results, one per tick}.
+    templates: {(r, k): (outputs, has loss, [(layer, stats)])}: how a flat
+      result of cell k unflattens.
+    seeds: {(r, k): [M] seeds of cell k's micro-batches, on its device}.
+    outs: the last cell's outputs for the whole mini-batch.
+    raws: [micro-batch j] the last cell's outputs (with a loss).
+    losses: [micro-batch j] the losses, or None.
+    updates: [(layer, stats)] in the work items' order.
+  """
+
+
+class ClockLoops:
+  """Builds a `PipelineEngine`'s fill-drain step as two while loops.
+
+  Args:
+    engine: the `engine.PipelineEngine` (its cells, placement, K, batch
+      axis, `strict_order`).
+  """
+
+  def __init__(self, engine):
+    self._e = engine
+    self._cells = engine._cells  # pylint: disable=protected-access
+    self._num_cells = engine._num_cells  # pylint: disable=protected-access
+    self._batch_dim = engine._batch_dim  # pylint: disable=protected-access
+    self._strict = engine._strict_order  # pylint: disable=protected-access
+
+  @staticmethod
+  def Applies(engine, num_mb):
+    """Whether the loops build this step (see the module's docstring)."""
+    cells = engine._cells  # pylint: disable=protected-access
+    if (
+      num_mb < 2
+      or tf.executing_eagerly()
+      or cells.Inline()
+      or schedule_lib.ActiveTracer() is not None
+      or engine._recompute != 'always'  # pylint: disable=protected-access
+    ):
+      return False
+    k = engine._num_cells  # pylint: disable=protected-access
+    return engine.Work(num_mb) == schedule_lib.FillDrain(k, num_mb)
+
+  def _Device(self, k, r):
+    return self._e._Device(k, r)  # pylint: disable=protected-access
+
+  def _Key(self, k, r):
+    return self._e._DeviceKey(k, r)  # pylint: disable=protected-access
+
+  def _Order(self, order):
+    """{(r, k): the (r', k') whose call the call of (r, k) waits for}: the
+    previous cell on its device in `order`, else the device's last cell in
+    `order` (of the tick before)."""
+    last, waits = {}, {}
+    for rk in order:
+      key = self._Key(rk[1], rk[0])
+      if key in last:
+        waits[rk] = (last[key], True)
+      last[key] = rk
+    for rk in order:
+      if rk not in waits:
+        waits[rk] = (last[self._Key(rk[1], rk[0])], False)
+    return waits
+
+  # -- The forward loop --------------------------------------------------------
+
+  def Forward(
+    self,
+    thetas,
+    args,
+    num_mb,
+    seed,
+    loss_fn=None,
+    loss_inputs=None,
+    loss_thetas=None,
+  ):
+    """The forward loop; returns a `_Run` (see its attributes), or None
+    where a cell's results have shapes unknown when the step is built.
+
+    No gradient tape records it: the engine records the pipeline as one
+    operation whose gradient is the backward loop."""
+    with _tf_internal.StopRecording():
+      return self._Forward(
+        thetas, args, num_mb, seed, loss_fn, loss_inputs, loss_thetas
+      )
+
+  def _Forward(
+    self, thetas, args, num_mb, seed, loss_fn, loss_inputs, loss_thetas
+  ):
+    num_k, num_r = self._num_cells, len(thetas)
+    last = num_k - 1
+    run = _Run()
+    run.num_mb, run.loss_fn, run.loss_thetas = num_mb, loss_fn, loss_thetas
+    for x in tf.nest.flatten(args):
+      if py_utils.IsTensor(x) and not x.shape.is_fully_defined():
+        return None
+    with graph_ops.DeviceOf(args):
+      shards = microbatch.Split(graph_ops.Opaque(args), num_r, self._batch_dim)
+    run.inputs = []
+    for r in range(num_r):
+      with self._Device(0, r):
+        run.inputs.append(Stacked(tuple(shards[r]), num_mb, self._batch_dim))
+    run.loss_inputs = None
+    if loss_fn is not None and loss_inputs is not None:
+      with self._Device(last, 0):
+        parts = microbatch.Split(
+          graph_ops.Opaque(loss_inputs), num_r, self._batch_dim
+        )
+        run.loss_inputs = [Stacked(p, num_mb, self._batch_dim) for p in parts]
+    run.seeds = self._Seeds(seed, num_r, num_mb)
+
+    # The first tick's arguments: from them each cell's function is traced
+    # (the shapes of its results) and the loop's state starts as zeros.
+    order = [(r, k) for k in range(num_k) for r in range(num_r)]
+    init, run.templates = {}, {}
+    zero = tf.constant(0)
+    for r, k in order:
+      with self._Device(k, r):
+        if k == 0:
+          x = run.inputs[r].At(zero)
+        else:
+          x = self._Unflatten(run, r, k - 1, init[(r, k - 1)])[0]
+        loss = self._Loss(run, r, k, zero)
+        seed_m = run.seeds[(r, k)][0]
+        specs = self._cells.ForwardSpecs(k, thetas[r][k], x, seed_m, loss)
+        if not all(s.shape.is_fully_defined() for s in specs):
+          return None  # The loop's state needs static shapes.
+        init[(r, k)] = [_Zeros(s) for s in specs]
+        run.templates[(r, k)] = self._cells.ForwardTemplate(
+          k, thetas[r][k], x, seed_m, loss
+        )
+    waits = self._Order(order)
+    num_ticks = num_mb + num_k - 1
+
+    def Body(t, state, lists):
+      new, lists = dict(state), dict(lists)
+      for r, k in order:
+        with self._Device(k, r):
+          m = t - k
+          active = tf.logical_and(m >= 0, m < num_mb)
+          mc = tf.clip_by_value(m, 0, num_mb - 1)
+          if k == 0:
+            x = run.inputs[r].At(mc)
+          else:
+            x = self._Unflatten(run, r, k - 1, state[(r, k - 1)])[0]
+          wait, this_tick = waits[(r, k)]
+          after = (new if this_tick else state)[wait] if self._strict else None
+          loss = self._Loss(run, r, k, mc)
+          seed_m = tf.gather(run.seeds[(r, k)], mc)
+
+          def On(r=r, k=k, x=x, seed_m=seed_m, loss=loss, after=after):
+            out, loss_value, upd = self._cells.Forward(
+              k, thetas[r][k], x, seed_m, loss, after=after
+            )
+            return self._Flatten(out, loss_value, upd)
+
+          def Off(r=r, k=k):
+            return list(state[(r, k)])
+
+          new[(r, k)] = list(tf.cond(active, On, Off))
+          lists[(r, k)] = [
+            ta.write(t, v) for ta, v in zip(lists[(r, k)], new[(r, k)])
+          ]
+      return t + 1, new, lists
+
+    lists0 = {}
+    for r, k in order:
+      with self._Device(k, r):
+        lists0[(r, k)] = [
+          tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
+          for v in init[(r, k)]
+        ]
+    _, _, lists = tf.while_loop(
+      lambda t, *_: t < num_ticks,
+      Body,
+      (tf.constant(0), init, lists0),
+      parallel_iterations=num_ticks,
+    )
+    run.lists = lists
+    self._Results(run, num_r, num_k)
+    return run
+
+  def _Seeds(self, seed, num_r, num_mb):
+    """{(r, k): [M] the step seeds of cell k's micro-batches}: micro-batch
+    j = r*M + m runs with the seed the work items use,
+    (seed * 1000003) ^ StableHash('mix', j), made once per device."""
+    step = graph_ops.Opaque(tf.cast(seed, tf.int64))
+    scaled, seeds = {}, {}
+    for r in range(num_r):
+      hashes = [
+        py_utils.StableHash('mix', r * num_mb + m) for m in range(num_mb)
+      ]
+      for k in range(self._num_cells):
+        key = self._Key(k, r)
+        with self._Device(k, r):
+          if key not in scaled:
+            scaled[key] = step * 1000003
+          seeds[(r, k)] = tf.bitwise.bitwise_xor(
+            scaled[key], tf.constant(hashes, tf.int64)
+          )
+    return seeds
+
+  def _Loss(self, run, r, k, m):
+    if run.loss_fn is None or k != self._num_cells - 1:
+      return None
+    inputs = None if run.loss_inputs is None else run.loss_inputs[r].At(m)
+    theta = None if run.loss_thetas is None else run.loss_thetas[r]
+    return cell_function.Loss(run.loss_fn, inputs, theta)
+
+  @staticmethod
+  def _Flatten(out, loss_value, updates):
+    flat = _NonNone(out)
+    if loss_value is not None:
+      flat.append(loss_value)
+    return flat + tf.nest.flatten([s for _, s in updates])
+
+  @staticmethod
+  def _Unflatten(run, r, k, flat):
+    """(outputs tuple, loss or None, [(layer, stats)]) of a flat result."""
+    out_t, has_loss, upd_t = run.templates[(r, k)]
+    n = len(_NonNone(out_t))
+    out = _Pack(out_t, flat[:n])
+    rest = flat[n:]
+    loss = None
+    if has_loss:
+      loss, rest = rest[0], rest[1:]
+    updates = []
+    for layer, stats in upd_t:
+      n = len(tf.nest.flatten(stats))
+      updates.append((layer, tf.nest.pack_sequence_as(stats, rest[:n])))
+      rest = rest[n:]
+    return out, loss, updates
+
+  def _Read(self, run, r, k, tick, outputs=True):
+    """(outputs or None, loss or None, updates) of cell k at `tick`, read
+    from the forward loop's lists (the updates only, unless `outputs`)."""
+    out_t, has_loss, upd_t = run.templates[(r, k)]
+    n = len(_NonNone(out_t)) + int(has_loss)
+    lists = run.lists[(r, k)]
+    with self._Device(k, r):
+      flat = [
+        ta.read(tick) if outputs or i >= n else None
+        for i, ta in enumerate(lists)
+      ]
+    return self._Unflatten(run, r, k, flat)
+
+  def _Results(self, run, num_r, num_k):
+    """The outputs, losses and updates of every micro-batch, read from the
+    loop's lists in the work items' order."""
+    last = num_k - 1
+    num_mb = run.num_mb
+    run.updates, finals = [], {}
+    for _, k, m in schedule_lib.ForwardOrder(num_k, num_mb):
+      for r in range(num_r):
+        if k != last and not run.templates[(r, k)][2]:
+          continue
+        got = self._Read(run, r, k, m + k, outputs=k == last)
+        run.updates.extend(got[2])
+        if k == last:
+          finals[r * num_mb + m] = got
+    finals = [finals[j] for j in range(num_r * num_mb)]
+    run.raws = [f[0] for f in finals]
+    run.losses = [f[1] for f in finals] if run.loss_fn is not None else None
+
+  # -- The backward loop -------------------------------------------------------
+
+  def Backward(self, run, thetas, dys, input_grads):
+    """The backward loop after the forward loop `run`.
+
+    Args:
+      run: the `_Run` of `Forward`.
+      thetas: [replica][cell] thetas, as for `Forward`.
+      dys: [replica] `Stacked` gradients of the last cell's outputs (a
+        tuple), or None with a loss (whose gradient is 1).
+      input_grads: compute the gradients of cell 0's float inputs.
+
+    Returns:
+      ({micro-batch j: flat gradients of the pipeline's inputs, None where
+      there is none}, [replica][cell] the weights' gradients summed over the
+      micro-batches, flat (the cell's, then on the last cell the loss's),
+      None where there is none).
+    """
+    num_k, num_r, num_mb = self._num_cells, len(thetas), run.num_mb
+    last = num_k - 1
+    order = [(r, k) for k in reversed(range(num_k)) for r in range(num_r)]
+    waits = self._Order(order)
+    num_ticks = num_mb + num_k - 1
+    zero = tf.constant(0)
+    # The loop's state of each cell: the running sums of its float weights'
+    # gradients, then the gradients of its float inputs (what the cell
+    # before it back-propagates next).
+    if dys is not None:
+      ready = [leaf for split, leaf in dys[0].leaves if split][:1]
+    else:
+      ready = run.losses[-1:]
+    init, info = {}, {}
+    for r, k in order:
+      with self._Device(k, r):
+        flat_th = tf.nest.flatten(thetas[r][k])
+        if k == last and run.loss_thetas is not None:
+          flat_th += tf.nest.flatten(run.loss_thetas[r])
+        th_idx = [i for i, t in enumerate(flat_th) if cell_layout.IsFloat(t)]
+        flat_x = tf.nest.flatten(self._Inputs(run, r, k, zero))
+        x_idx = [i for i, t in enumerate(flat_x) if cell_layout.IsFloat(t)]
+        if k == 0 and not input_grads:
+          x_idx = []
+        info[(r, k)] = (len(flat_th), th_idx, len(flat_x), x_idx)
+        # Made once the output gradients are there: made at the start of
+        # the step, they would hold a copy of the weights through the
+        # forward pass.
+        with tf.control_dependencies(ready):
+          init[(r, k)] = [
+            _Zeros(tf.TensorSpec(flat_th[i].shape, flat_th[i].dtype))
+            for i in th_idx
+          ] + [
+            _Zeros(tf.TensorSpec(flat_x[i].shape, flat_x[i].dtype))
+            for i in x_idx
+          ]
+    present = {}
+
+    def Body(s, state, lists):
+      new, lists = dict(state), dict(lists)
+      for r, k in order:
+        num_th, th_idx, _, x_idx = info[(r, k)]
+        with self._Device(k, r):
+          m = num_mb - 1 - (s - (last - k))
+          active = tf.logical_and(m >= 0, m < num_mb)
+          mc = tf.clip_by_value(m, 0, num_mb - 1)
+          x = self._Inputs(run, r, k, mc)
+          loss = self._Loss(run, r, k, mc)
+          seed_m = tf.gather(run.seeds[(r, k)], mc)
+          if k == last:
+            if dys is None:
+              dy = [tf.ones([], run.losses[0].dtype)]
+            else:
+              dy = tf.nest.flatten(dys[r].At(mc))
+          else:
+            # The gradients of this cell's outputs: those of the next
+            # cell's inputs, from the tick before.
+            _, th_next, n_next, x_next = info[(r, k + 1)]
+            dy = [None] * n_next
+            for i, g in zip(x_next, state[(r, k + 1)][len(th_next) :]):
+              dy[i] = g
+          wait, this_tick = waits[(r, k)]
+          after = (new if this_tick else state)[wait] if self._strict else None
+          sums = [None] * num_th
+          for i, t in zip(th_idx, state[(r, k)]):
+            sums[i] = t
+
+          def On(
+            r=r,
+            k=k,
+            x=x,
+            seed_m=seed_m,
+            dy=dy,
+            loss=loss,
+            after=after,
+            sums=sums,
+            th_idx=th_idx,
+            x_idx=x_idx,
+          ):
+            theta_g, dx = self._cells.Backward(
+              k,
+              thetas[r][k],
+              x,
+              seed_m,
+              dy,
+              sums,
+              input_grads or k > 0,
+              loss,
+              after=after,
+            )
+            # A weight without a gradient keeps its sum: the same tensor.
+            present[(r, k)] = [theta_g[i] is not sums[i] for i in th_idx]
+            flat_x = tf.nest.flatten(x)
+            return [theta_g[i] for i in th_idx] + [
+              tf.zeros_like(flat_x[i]) if dx[i] is None else dx[i]
+              for i in x_idx
+            ]
+
+          def Off(r=r, k=k):
+            return list(state[(r, k)])
+
+          new[(r, k)] = list(tf.cond(active, On, Off))
+          if k == 0:
+            lists[r] = [
+              ta.write(s, v)
+              for ta, v in zip(lists[r], new[(r, k)][len(th_idx) :])
+            ]
+      return s + 1, new, lists
+
+    lists0 = {}
+    for r in range(num_r):
+      with self._Device(0, r):
+        lists0[r] = [
+          tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
+          for v in init[(r, 0)][len(info[(r, 0)][1]) :]
+        ]
+    _, state, lists = tf.while_loop(
+      lambda s, *_: s < num_ticks,
+      Body,
+      (tf.constant(0), init, lists0),
+      parallel_iterations=num_ticks,
+    )
+    in_grads = {}
+    for r in range(num_r):
+      _, _, n_x, x_idx = info[(r, 0)]
+      with self._Device(0, r):
+        for m in range(num_mb):
+          # Cell 0 back-propagated micro-batch m at tick K-1 + M-1-m.
+          tick = last + (num_mb - 1 - m)
+          flat = [None] * n_x
+          for i, ta in zip(x_idx, lists[r]):
+            flat[i] = ta.read(tick)
+          in_grads[r * num_mb + m] = flat
+    sums = []
+    for r in range(num_r):
+      sums_r = []
+      for k in range(num_k):
+        num_th, th_idx, _, _ = info[(r, k)]
+        flat = [None] * num_th
+        for i, got, has in zip(th_idx, state[(r, k)], present[(r, k)]):
+          if has:
+            flat[i] = got
+        sums_r.append(flat)
+      sums.append(sums_r)
+    return in_grads, sums
+
+  def _Inputs(self, run, r, k, m):
+    """Cell k's inputs on micro-batch m (a tensor): cell 0's from the
+    pipeline's inputs, the others' the previous cell's outputs, read from
+    its list."""
+    if k == 0:
+      return run.inputs[r].At(m)
+    out_t = run.templates[(r, k - 1)][0]
+    lists = run.lists[(r, k - 1)][: len(_NonNone(out_t))]
+    with self._Device(k, r):
+      return _Pack(out_t, [ta.read(m + k - 1) for ta in lists])

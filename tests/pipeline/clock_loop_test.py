@@ -1,0 +1,194 @@
+"""The fill-drain schedule built as two loops (`micro_batch_loop=True`).
+
+The loops call the same cell functions on the same tensors as the work
+items, sum the weights' gradients in the same order and use the same seeds:
+every result is the same to the bit. The step's graph and its function
+library do not grow with the micro-batches beyond a few reads each.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.layers import dropout
+from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.pipeline import pipelining_layer
+from tests.testing import graphs
+from tests.testing import pipeline_layers
+
+DEVICES = pipeline_layers.DEVICES
+
+
+def _Layers(kind):
+  layers = pipeline_layers.DenseLayers(4)
+  if kind == 'bn_dropout':
+    layers.insert(
+      1,
+      normalizations.BatchNormLayer.Params().Set(name='bn', dim=6, decay=0.5),
+    )
+    layers.insert(
+      3, dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
+    )
+  return layers
+
+
+def _Pipe(loop, kind='dense', num_mb=4, replicas=1, **kwargs):
+  devices = DEVICES[:2] if replicas == 1 else None
+  kwargs.setdefault('recompute', 'always')
+  return (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=_Layers(kind),
+      num_stages=2,
+      num_micro_batches=num_mb,
+      devices=devices,
+      num_replicas=replicas,
+      micro_batch_loop=loop,
+      **kwargs,
+    )
+    .Instantiate()
+  )
+
+
+def _Step(pipe, with_loss, watch_input=True, is_eval=False):
+  """A traced train step: (function, its inputs)."""
+  x, _ = pipeline_layers.Inputs(batch=16)
+  w = tf.ones_like(x) * tf.range(16.0)[:, None] / 16.0
+  variables = list(pipe.trainable_variables)
+
+  @tf.function
+  def Step(x):
+    with py_utils.EvalMode(is_eval), py_utils.StepSeed(5):
+      with py_utils.UpdateCollector() as updates:
+        with tf.GradientTape() as tape:
+          if watch_input:
+            tape.watch(x)
+          if with_loss:
+            loss, out = pipe.FPropWithLoss(
+              pipe.theta,
+              x,
+              loss_fn=pipeline_layers.WeightedSum,
+              loss_inputs=w,
+            )
+          else:
+            out = pipe(x)
+            loss = pipeline_layers.WeightedSum(out, w)
+        sources = variables + ([x] if watch_input else [])
+        grads = tape.gradient(loss, sources)
+      with tf.control_dependencies(updates.Apply()):
+        moving = [tf.identity(v) for v in pipe.variables if 'moving' in v.name]
+    return [loss, out] + grads + moving
+
+  return Step, x
+
+
+def _Results(loop, with_loss, **kwargs):
+  tf.random.set_seed(1)
+  watch_input = kwargs.pop('watch_input', True)
+  is_eval = kwargs.pop('is_eval', False)
+  pipe = _Pipe(loop, **kwargs)
+  step, x = _Step(pipe, with_loss, watch_input, is_eval)
+  return [t.numpy() for t in step(x)]
+
+
+def _AssertSame(a, b):
+  assert len(a) == len(b)
+  for i, (u, v) in enumerate(zip(a, b)):
+    np.testing.assert_array_equal(u, v, err_msg=f'result {i}')
+
+
+@pytest.mark.parametrize('with_loss', [False, True])
+@pytest.mark.parametrize('kind', ['dense', 'bn_dropout'])
+def testSameBitsAsTheWorkItems(kind, with_loss):
+  """Forward, loss, every gradient (weights and input) and the batch-norm
+  moving averages (per-micro-batch statistics merged per mini-batch)."""
+  a = _Results(True, with_loss, kind=kind)
+  b = _Results(False, with_loss, kind=kind)
+  # The graph optimizer may regroup the sum of the micro-batches' losses
+  # (an AddN of M reads here, of M calls there): its last bit may differ.
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+  _AssertSame(a[1:], b[1:])
+
+
+def testSameBitsWithReplicasAndWithoutInputGradient():
+  _AssertSame(
+    _Results(True, False, kind='bn_dropout', replicas=2),
+    _Results(False, False, kind='bn_dropout', replicas=2),
+  )
+  _AssertSame(
+    _Results(True, True, watch_input=False),
+    _Results(False, True, watch_input=False),
+  )
+
+
+def testSameBitsWithSharedLayerFunctionsAndInEvaluation():
+  _AssertSame(
+    _Results(True, False, kind='bn_dropout', share_layer_functions=True),
+    _Results(False, False, kind='bn_dropout', share_layer_functions=True),
+  )
+  _AssertSame(
+    _Results(True, False, kind='bn_dropout', is_eval=True),
+    _Results(False, False, kind='bn_dropout', is_eval=True),
+  )
+
+
+def testMultipleReplicasWithLoss():
+  a = _Results(True, True, replicas=2)
+  b = _Results(False, True, replicas=2)
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+  _AssertSame(a[1:], b[1:])
+
+
+@pytest.mark.parametrize('with_loss', [False, True])
+def testGraphDoesNotGrowWithMicroBatches(with_loss):
+  sizes = {}
+  for num_mb in (2, 16):
+    step, x = _Step(_Pipe(True, num_mb=num_mb), with_loss)
+    graph = step.get_concrete_function(x).graph
+    sizes[num_mb] = graphs.GraphSize(graph)
+    calls = [
+      op
+      for op in graph.get_operations()
+      if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    ]
+    # Every cell call is in the loops' bodies.
+    assert not calls, [op.name for op in calls]
+  (ops2, lib2), (ops16, lib16) = sizes[2], sizes[16]
+  # (The bodies hold M - 1 as a constant or two.)
+  assert lib16 - lib2 <= 8, sizes
+  # A few reads per micro-batch after the loops (outputs, losses, input
+  # gradients), nothing per work item.
+  assert ops16 - ops2 <= 12 * 14, sizes
+
+
+@pytest.mark.parametrize(
+  'settings',
+  [
+    dict(schedule='1f1b'),
+    dict(recompute='never'),
+    dict(num_mb=1),
+  ],
+)
+def testOtherSchedulesBuildItemByItem(settings):
+  """The loops apply to fill-drain with re-materialization; other steps
+  are built item by item, with the same results."""
+  settings = dict(settings)
+  with_loss = settings.get('schedule') == '1f1b'
+  _AssertSame(
+    _Results(True, with_loss, **settings),
+    _Results(False, with_loss, **settings),
+  )
+  step, x = _Step(_Pipe(True, **settings), with_loss)
+  graph = step.get_concrete_function(x).graph
+  assert not any(
+    op.type in ('While', 'StatelessWhile') for op in graph.get_operations()
+  )
+
+
+def testSameBitsWithCompiledCells():
+  _AssertSame(
+    _Results(True, False, jit_compile=True),
+    _Results(False, False, jit_compile=True),
+  )
