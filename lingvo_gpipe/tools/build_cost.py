@@ -21,9 +21,10 @@ It reports
 A configuration is `model:L=..:K=..:M=..`, optionally `:jit` (XLA-compiled
 cells), `:shared` (share_layer_functions='auto': identical layers of 48 ops
 or more as calls of one function), `:inline` (share_layer_functions=False,
-the default, named) and `:B=..` (the batch; default 2 examples per
-micro-batch, the
-capacity models' own batch for lm and amoebanet). Models:
+the default, named), `:loop` (micro_batch_loop=True: the fill-drain
+schedule as two loops over its clock ticks) and `:B=..` (the batch;
+default 2 examples per micro-batch, the capacity models' own batch for lm
+and amoebanet). Models:
 
   transformer  Transformer layers of dim 32, hidden 64, 2 heads, 8 tokens
   fc           fully connected layers of width 32 (tanh)
@@ -70,16 +71,18 @@ class UsageError(ValueError):
 
 
 def ParseConfig(text):
-  """'model:L=16:K=2:M=8[:jit][:shared|:inline][:B=..]' -> dict."""
+  """'model:L=16:K=2:M=8[:jit][:shared|:inline][:loop][:B=..]' -> dict."""
   parts = text.strip().split(':')
   if parts[0] not in MODELS:
     raise UsageError(
       f'Unknown model {parts[0]!r} in --configs item {text!r}; use one of '
       f'{", ".join(MODELS)}.'
     )
-  config = dict(model=parts[0], jit=False, B=None, inline=False, shared=False)
+  config = dict(
+    model=parts[0], jit=False, B=None, inline=False, shared=False, loop=False
+  )
   for part in parts[1:]:
-    if part in ('jit', 'inline', 'shared'):
+    if part in ('jit', 'inline', 'shared', 'loop'):
       config[part] = True
       continue
     m = re.fullmatch(r'([LKMB])=(\d+)', part)
@@ -87,7 +90,7 @@ def ParseConfig(text):
       raise UsageError(
         f'Bad part {part!r} of --configs item {text!r}; write e.g. '
         'transformer:L=16:K=2:M=8 (positive L, K, M, B), and :jit, '
-        ':shared or :inline if wanted.'
+        ':shared or :inline, :loop if wanted.'
       )
     config[m.group(1)] = int(m.group(2))
   for need in 'LKM':
@@ -103,6 +106,7 @@ def Name(config):
   name = f'{config["model"]} L={config["L"]} K={config["K"]} M={config["M"]}'
   name += ' jit' if config['jit'] else ''
   name += ' shared' if config.get('shared') else ''
+  name += ' loop' if config.get('loop') else ''
   return name + (' inline' if config.get('inline') else '')
 
 
@@ -184,6 +188,7 @@ def _Model(config, devices):
       balance_by='params' if model in ('lm', 'amoebanet') else 'uniform',
       jit_compile=config['jit'],
       share_layer_functions='auto' if config.get('shared') else False,
+      micro_batch_loop=bool(config.get('loop')),
     )
     .Instantiate()
   )

@@ -144,3 +144,25 @@ def testCallFunctionSkipsShapeInferenceOfTheBody():
   a, b = Step(x, tf.constant(2.0))
   np.testing.assert_allclose(a, np.tanh(x.numpy()) * 2.0, rtol=1e-6)
   assert float(b) == 15.0
+
+
+def testOutermostOfControlFlowLeavesLoopsAndBranches():
+  seen = {}
+
+  @tf.function
+  def Step(x):
+    seen['step'] = tf.compat.v1.get_default_graph()
+
+    def Body(i, y):
+      def Then():
+        seen['branch'] = tf.compat.v1.get_default_graph()
+        return y + 1.0
+
+      return i + 1, tf.cond(i > 0, Then, lambda: y)
+
+    return tf.while_loop(lambda i, _: i < 2, Body, (0, x))[1]
+
+  Step(tf.constant(1.0))
+  assert seen['branch'] is not seen['step']
+  assert _tf_internal.OutermostOfControlFlow(seen['branch']) is seen['step']
+  assert _tf_internal.OutermostOfControlFlow(seen['step']) is seen['step']

@@ -4,7 +4,8 @@ A pipeline's cells are function calls (`pipeline/cell_function.py`), so the
 ops of a cell are in the graph's function library, once, and each work item
 is one call op. `ExpandedOps` yields the ops of the graph as (op type,
 device), each call replaced by the ops of its function on the call's device
-(and each loop or branch by those of its bodies, once); `GraphSize` counts the ops that were built.
+(and each loop or branch by those of its bodies, once); `GraphSize` counts
+the ops that were built.
 """
 
 import tensorflow as tf

@@ -16,6 +16,10 @@ def testBadConfigsAreOneLineNamingTheFix(capsys):
   assert build_cost.ParseConfig('fc:L=2:K=2:M=2:inline')['inline']
   assert build_cost.ParseConfig('fc:L=2:K=2:M=2:shared')['shared']
   assert not build_cost.ParseConfig('fc:L=2:K=2:M=2')['shared']
+  assert build_cost.ParseConfig('fc:L=2:K=2:M=2:loop')['loop']
+  assert 'loop' in build_cost.Name(
+    build_cost.ParseConfig('fc:L=2:K=2:M=2:loop')
+  )
 
 
 def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
