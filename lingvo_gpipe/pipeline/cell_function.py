@@ -283,6 +283,39 @@ class CellFunctions:
       return self._Split(layout, sources, grads, sums, summed=True)
     return self._Split(layout, sources, grads, sums, summed=False)
 
+  def BackwardPacked(
+    self, k, theta_k, args, seed, dys, packed, input_grad, loss=None, after=None
+  ):
+    """`Backward` with the running sums packed: one flat tensor per dtype
+    group of the float weights (`cell_layout.Layout.Groups`), so that a loop
+    carries one sum per dtype, not one per weight.
+
+    Returns:
+      (the new packed sums; the inputs' gradients, flat like args, None
+      where there is none; [whether each float weight had a gradient]).
+    """
+    is_eval = py_utils.IsEval()
+    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    loss_fn = None if loss is None else loss.fn
+    present = tuple(dy is not None and cell_layout.IsFloat(dy) for dy in dys)
+    given = [dy for dy, p in zip(dys, present) if p]
+    f = self._Backward(
+      k, layout, is_eval, present, input_grad, loss_fn, packed=True
+    )
+    call_inputs = layout.tensors + given + list(packed)
+    self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
+    got = list(self._Call(f, call_inputs, after))
+    if self._jit:
+      got = _Anchored(got)
+    n = len(packed)
+    sums, rest = got[:n], iter(got[n:])
+    dx = [None] * layout.num_args
+    x_sources = layout.Sources(input_grad)[len(layout.theta_floats) :]
+    for (i, _), has in zip(x_sources, f.meta['present_x']):
+      if has:
+        dx[i] = next(rest)
+    return sums, dx, f.meta['present']
+
   def Accumulate(self, sums, grads):
     """[sum + gradient] for each pair (the gradient where the sum is None,
     None where both are), as one call: the running sums of the weights'
@@ -489,12 +522,39 @@ class CellFunctions:
 
     return self._Get(key, Make)
 
-  def _Backward(self, k, layout, is_eval, present, input_grad, loss_fn):
+  @staticmethod
+  def _AddPacked(f, layout, inputs, grads, running):
+    """In a packed backward function: [the running sum of each dtype group
+    plus the group's gradients, flattened and joined] + the inputs'
+    gradients that there are."""
+    n_th = len(layout.theta_floats)
+    theta_g, x_g = grads[:n_th], grads[n_th:]
+    f.meta['present'] = [g is not None for g in theta_g]
+    f.meta['present_x'] = [g is not None for g in x_g]
+    sums = []
+    for (_, js), s in zip(layout.Groups(), running):
+      parts = []
+      for j in js:
+        g = theta_g[j]
+        if g is None:
+          g = tf.zeros_like(inputs[layout.theta_floats[j][1]])
+        parts.append(tf.reshape(g, [-1]))
+      # Element by element the same sums as one add per weight.
+      sums.append(s + (parts[0] if len(parts) == 1 else tf.concat(parts, 0)))
+    return sums + [g for g in x_g if g is not None]
+
+  def _Backward(
+    self, k, layout, is_eval, present, input_grad, loss_fn, packed=False
+  ):
     """The recompute-and-backward of cell k: takes the inputs, the output
     gradients marked in `present` and the running sum of each float
     weight's gradient; returns the new sums (of the weights that have a
-    gradient) and the inputs' gradients."""
-    key = (k, is_eval, layout.key, present, input_grad, loss_fn)
+    gradient) and the inputs' gradients.
+
+    `packed`: the running sums are one flat tensor per dtype of the weights
+    (`Layout.Groups`), and so are the new sums (zeros added for a weight
+    without a gradient)."""
+    key = (k, is_eval, layout.key, present, input_grad, loss_fn, packed)
 
     def Make():
       f = _Function()
@@ -518,6 +578,8 @@ class CellFunctions:
         )
         running = list(tensors[n_in + n_dy :])
         grads = [None if g is None else cell_layout.Dense(g) for g in grads]
+        if packed:
+          return self._AddPacked(f, layout, inputs, grads, running)
         for j, s in enumerate(running):
           # The same sum, in the same order, as adding micro-batch by
           # micro-batch outside. A weight without a gradient keeps its sum

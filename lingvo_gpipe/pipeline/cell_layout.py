@@ -78,6 +78,14 @@ class Layout:
       flat[i] = t
     return tf.nest.pack_sequence_as(self.structure, flat)
 
+  def Groups(self):
+    """[(dtype, [j])]: the float weights (`theta_floats[j]`) grouped by
+    dtype, in order, for running sums packed into one tensor per dtype."""
+    groups = {}
+    for j, (_, p) in enumerate(self.theta_floats):
+      groups.setdefault(self.tensors[p].dtype, []).append(j)
+    return list(groups.items())
+
   def Sources(self, input_grad):
     """[(index, position in `tensors`)] of what is differentiated: the float
     weights (the cell's, then the loss's; index into both flattened one

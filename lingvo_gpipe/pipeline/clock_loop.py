@@ -66,11 +66,31 @@ def _Pack(template, flat):
   )
 
 
-def _Zeros(spec):
-  """Zeros of `spec` made when the step runs: as a constant (what the graph
-  optimizer makes of tf.zeros) they would stay allocated between steps."""
-  zero = graph_ops.Opaque(tf.zeros([], spec.dtype))
-  return tf.fill(spec.shape, zero)
+def _RuntimeZero(tensors):
+  """A scalar zero computed from the first float tensor of `tensors` when
+  the step runs (None if there is none): put the weights first, which are
+  read from variables; a tensor computed from constants is folded too.
+
+  Zeros made from constants alone (tf.zeros, tf.fill of a constant, even
+  tf.zeros_like of a tensor of known shape) are folded into a constant
+  when TensorFlow instantiates the step, and a constant stays allocated
+  between steps: one more copy of every running sum and loop state.
+  multiply_no_nan gives 0 even for an inf or NaN.
+  """
+  for t in tf.nest.flatten(tensors):
+    if cell_layout.IsFloat(t):
+      first = tf.reshape(t, [-1])[:1]
+      return tf.reshape(
+        tf.math.multiply_no_nan(first, tf.zeros_like(first)), []
+      )
+  return None
+
+
+def _Zeros(spec, zero):
+  """Zeros of `spec`, from the runtime scalar `zero` (see `_RuntimeZero`)."""
+  if zero is None:
+    return tf.zeros(spec.shape, spec.dtype)
+  return tf.fill(spec.shape, tf.cast(zero, spec.dtype))
 
 
 class Stacked:
@@ -237,7 +257,8 @@ class ClockLoops:
         specs = self._cells.ForwardSpecs(k, thetas[r][k], x, seed_m, loss)
         if not all(s.shape.is_fully_defined() for s in specs):
           return None  # The loop's state needs static shapes.
-        init[(r, k)] = [_Zeros(s) for s in specs]
+        zero_k = _RuntimeZero((thetas[r][k], x))
+        init[(r, k)] = [_Zeros(s, zero_k) for s in specs]
         run.templates[(r, k)] = self._cells.ForwardTemplate(
           k, thetas[r][k], x, seed_m, loss
         )
@@ -399,8 +420,10 @@ class ClockLoops:
     num_ticks = num_mb + num_k - 1
     zero = tf.constant(0)
     # The loop's state of each cell: the running sums of its float weights'
-    # gradients, then the gradients of its float inputs (what the cell
-    # before it back-propagates next).
+    # gradients, packed into one flat tensor per dtype (a loop variable per
+    # weight would cost the loop a few ops per weight at every tick), then
+    # the gradients of its float inputs (what the cell before it
+    # back-propagates next).
     if dys is not None:
       ready = [leaf for split, leaf in dys[0].leaves if split][:1]
     else:
@@ -408,24 +431,49 @@ class ClockLoops:
     init, info = {}, {}
     for r, k in order:
       with self._Device(k, r):
-        flat_th = tf.nest.flatten(thetas[r][k])
-        if k == last and run.loss_thetas is not None:
-          flat_th += tf.nest.flatten(run.loss_thetas[r])
-        th_idx = [i for i, t in enumerate(flat_th) if cell_layout.IsFloat(t)]
-        flat_x = tf.nest.flatten(self._Inputs(run, r, k, zero))
+        x = self._Inputs(run, r, k, zero)
+        layout = cell_layout.Layout(
+          thetas[r][k], x, None, self._Loss(run, r, k, zero)
+        )
+        # [(dtype, [(index in the flat weights, shape, j)])]: j indexes
+        # layout.theta_floats.
+        groups = [
+          (
+            dtype,
+            [
+              (
+                layout.theta_floats[j][0],
+                layout.tensors[layout.theta_floats[j][1]].shape,
+                j,
+              )
+              for j in js
+            ],
+          )
+          for dtype, js in layout.Groups()
+        ]
+        flat_x = tf.nest.flatten(x)
         x_idx = [i for i, t in enumerate(flat_x) if cell_layout.IsFloat(t)]
         if k == 0 and not input_grads:
           x_idx = []
-        info[(r, k)] = (len(flat_th), th_idx, len(flat_x), x_idx)
+        num_th = len(tf.nest.flatten(thetas[r][k]))
+        if k == last and run.loss_thetas is not None:
+          num_th += len(tf.nest.flatten(run.loss_thetas[r]))
+        info[(r, k)] = (num_th, groups, len(flat_x), x_idx)
         # Made once the output gradients are there: made at the start of
         # the step, they would hold a copy of the weights through the
         # forward pass.
+        zero_k = _RuntimeZero((thetas[r][k], ready))
         with tf.control_dependencies(ready):
           init[(r, k)] = [
-            _Zeros(tf.TensorSpec(flat_th[i].shape, flat_th[i].dtype))
-            for i in th_idx
+            _Zeros(
+              tf.TensorSpec(
+                [sum(shape.num_elements() for _, shape, _ in parts)], dtype
+              ),
+              zero_k,
+            )
+            for dtype, parts in groups
           ] + [
-            _Zeros(tf.TensorSpec(flat_x[i].shape, flat_x[i].dtype))
+            _Zeros(tf.TensorSpec(flat_x[i].shape, flat_x[i].dtype), zero_k)
             for i in x_idx
           ]
     present = {}
@@ -433,7 +481,7 @@ class ClockLoops:
     def Body(s, state, lists):
       new, lists = dict(state), dict(lists)
       for r, k in order:
-        num_th, th_idx, _, x_idx = info[(r, k)]
+        _, groups, _, x_idx = info[(r, k)]
         with self._Device(k, r):
           m = num_mb - 1 - (s - (last - k))
           active = tf.logical_and(m >= 0, m < num_mb)
@@ -449,15 +497,13 @@ class ClockLoops:
           else:
             # The gradients of this cell's outputs: those of the next
             # cell's inputs, from the tick before.
-            _, th_next, n_next, x_next = info[(r, k + 1)]
+            _, groups_next, n_next, x_next = info[(r, k + 1)]
             dy = [None] * n_next
-            for i, g in zip(x_next, state[(r, k + 1)][len(th_next) :]):
+            for i, g in zip(x_next, state[(r, k + 1)][len(groups_next) :]):
               dy[i] = g
           wait, this_tick = waits[(r, k)]
           after = (new if this_tick else state)[wait] if self._strict else None
-          sums = [None] * num_th
-          for i, t in zip(th_idx, state[(r, k)]):
-            sums[i] = t
+          packed = state[(r, k)][: len(groups)]
 
           def On(
             r=r,
@@ -467,25 +513,22 @@ class ClockLoops:
             dy=dy,
             loss=loss,
             after=after,
-            sums=sums,
-            th_idx=th_idx,
+            packed=packed,
             x_idx=x_idx,
           ):
-            theta_g, dx = self._cells.Backward(
+            sums, dx, present[(r, k)] = self._cells.BackwardPacked(
               k,
               thetas[r][k],
               x,
               seed_m,
               dy,
-              sums,
+              packed,
               input_grads or k > 0,
               loss,
               after=after,
             )
-            # A weight without a gradient keeps its sum: the same tensor.
-            present[(r, k)] = [theta_g[i] is not sums[i] for i in th_idx]
             flat_x = tf.nest.flatten(x)
-            return [theta_g[i] for i in th_idx] + [
+            return list(sums) + [
               tf.zeros_like(flat_x[i]) if dx[i] is None else dx[i]
               for i in x_idx
             ]
@@ -497,7 +540,7 @@ class ClockLoops:
           if k == 0:
             lists[r] = [
               ta.write(s, v)
-              for ta, v in zip(lists[r], new[(r, k)][len(th_idx) :])
+              for ta, v in zip(lists[r], new[(r, k)][len(groups) :])
             ]
       return s + 1, new, lists
 
@@ -525,18 +568,29 @@ class ClockLoops:
           for i, ta in zip(x_idx, lists[r]):
             flat[i] = ta.read(tick)
           in_grads[r * num_mb + m] = flat
-    sums = []
-    for r in range(num_r):
-      sums_r = []
-      for k in range(num_k):
-        num_th, th_idx, _, _ = info[(r, k)]
-        flat = [None] * num_th
-        for i, got, has in zip(th_idx, state[(r, k)], present[(r, k)]):
-          if has:
-            flat[i] = got
-        sums_r.append(flat)
-      sums.append(sums_r)
+    sums = [
+      [
+        self._Unpack(info[(r, k)], state[(r, k)], present[(r, k)])
+        for k in range(num_k)
+      ]
+      for r in range(num_r)
+    ]
     return in_grads, sums
+
+  @staticmethod
+  def _Unpack(info, state, present):
+    """The weights' gradient sums, flat (None where a weight had no
+    gradient), from a cell's packed sums (the loop's final state)."""
+    num_th, groups, _, _ = info
+    flat = [None] * num_th
+    for (_, parts), packed in zip(groups, state):
+      # Splits along the first axis share the packed buffer: no copy.
+      sizes = [shape.num_elements() for _, shape, _ in parts]
+      pieces = tf.split(packed, sizes) if len(sizes) > 1 else [packed]
+      for (i, shape, j), piece in zip(parts, pieces):
+        if present[j]:
+          flat[i] = tf.reshape(piece, shape)
+    return flat
 
   def _Inputs(self, run, r, k, m):
     """Cell k's inputs on micro-batch m (a tensor): cell 0's from the
