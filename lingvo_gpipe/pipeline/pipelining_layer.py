@@ -226,9 +226,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       "With schedule='gpipe' and recompute='always', build the step as two "
       "loops over the clock ticks, each calling every cell once (Lingvo's "
       'recurrent GPipe): the step and its first run do not grow with the '
-      'micro-batches. False: one call per cell and micro-batch. Both '
-      'compute the same bits; the loops keep memory of the order of the '
-      'largest weights allocated between steps (docs/gpipe.md).',
+      'micro-batches, for a slower steady step (docs/benchmarks.md). '
+      'False: one call per cell and micro-batch. Both compute the same '
+      'bits.',
     )
     p.Define(
       'jit_compile',
