@@ -116,3 +116,53 @@ def testCheckpointOfKStagesRestoresWithOtherKByGoldenNames(tmp_path):
     for name in golden:
       np.testing.assert_array_equal(variables[name].numpy(), before[name])
     assert int(restored.global_step.numpy()) == 2
+
+
+def _Lm(splits):
+  p = model_registry.GetParams(
+    'lm.one_billion_wds.OneBWdsGPipeTransformerTiny', 'Train'
+  )
+  p.task.lm.stack.splits = splits
+  return p.Instantiate()
+
+
+def testLingvoStackCheckpointRestoresWithAnotherSplit(tmp_path):
+  """A Lingvo-style stack names its layers under cell_<k>/, so its names
+  change with the split; a checkpoint of 2 cells still restores into 4 (and
+  into 1) by the names without cell_<k>/, in the trainer's strict resume
+  and in the evaler's restore of the weights alone."""
+  two = _Lm([2, 4])
+  before = {n: v.numpy() for n, v in two.VariablesByName().items()}
+  checkpointer.Checkpointer(str(tmp_path), two.VariablesByName()).Save(3)
+  for splits in ([1, 2, 3, 4], [4]):
+    other = _Lm(splits)
+    variables = other.VariablesByName()
+    assert set(variables) != set(before)
+    mapping = checkpointer.SplitIndependentMap(
+      variables,
+      checkpointer.ReadCheckpointVariables(str(tmp_path / 'ckpt-3')),
+    )
+    assert mapping and len(mapping) == len(before)
+    assert checkpointer.Checkpointer(
+      str(tmp_path), variables, writable=False
+    ).Restore()
+    for name, source in mapping.items():
+      np.testing.assert_array_equal(variables[name].numpy(), before[source])
+  # The weights alone (an evaler's model has no optimizer slots).
+  weights = {
+    n: v for n, v in _Lm([4]).VariablesByName().items() if 'step' not in n
+  }
+  ckpt = checkpointer.Checkpointer(str(tmp_path), weights, writable=False)
+  assert ckpt.RestoreFrom(str(tmp_path / 'ckpt-3'), strict=False) == 3
+
+
+def testNamesThatTwoCellsShareHaveNoSplitIndependentMap():
+  variables = {
+    'p/cell_0/fc0/w': tf.Variable(tf.zeros([2])),
+    'p/cell_1/fc0/w': tf.Variable(tf.zeros([2])),
+  }
+  ckpt = {
+    'p/cell_0/fc0/w': ([2], tf.float32, 'a'),
+    'p/cell_0/fc1/w': ([2], tf.float32, 'b'),
+  }
+  assert checkpointer.SplitIndependentMap(variables, ckpt) is None

@@ -84,6 +84,50 @@ def ReadCheckpointVariables(path):
 # -- Compatibility ---------------------------------------------------------
 
 
+# A Lingvo-style pipeline names its cells' children under `cell_<k>/`
+# (`cell_tpl`, `splits`), so their names change with the split.
+_CELL = re.compile(r'(^|/)cell_\d+/')
+
+
+def SplitIndependentMap(variables, ckpt_vars, strict=True):
+  """{model name: checkpoint name} that pairs the variables of a model and
+  of a checkpoint written with another split of its pipeline cells: names
+  equal once each `cell_<k>/` is left out, one to one, with equal shapes and
+  dtypes (a Lingvo stack numbers its layers across cells: `cell_1/
+  encoder_2` of 8 cells is `cell_0/encoder_2` of 4). None where that does
+  not pair them all (`strict`: every checkpoint variable too), or where the
+  names need no mapping.
+  """
+  if set(variables) == set(ckpt_vars):
+    return None
+
+  def ByKey(names):
+    out = {}
+    for name in names:
+      key = _CELL.sub(r'\1', name)
+      if key in out:
+        return None  # Two cells hold the same name: no split-free identity.
+      out[key] = name
+    return out
+
+  model_keys, ckpt_keys = ByKey(variables), ByKey(ckpt_vars)
+  if model_keys is None or ckpt_keys is None:
+    return None
+  if set(model_keys) - set(ckpt_keys):
+    return None
+  if strict and set(ckpt_keys) - set(model_keys):
+    return None
+  mapping = {}
+  for key, name in model_keys.items():
+    source = ckpt_keys[key]
+    shape, dtype, _ = ckpt_vars[source]
+    v = variables[name]
+    if v.shape.as_list() != shape or v.dtype.base_dtype != dtype:
+      return None
+    mapping[name] = source
+  return mapping
+
+
 def DiffLines(variables, ckpt_vars):
   """Lines describing how the model's variables differ from the checkpoint's."""
   missing = sorted(set(variables) - set(ckpt_vars))

@@ -73,6 +73,7 @@ from lingvo_gpipe.runners.checkpoint_names import FineTuneRestore
 from lingvo_gpipe.runners.checkpoint_names import ParseRestoreMap
 from lingvo_gpipe.runners.checkpoint_names import ReadCheckpointVariables
 from lingvo_gpipe.runners.checkpoint_names import RestoreReport
+from lingvo_gpipe.runners.checkpoint_names import SplitIndependentMap
 from lingvo_gpipe.runners.checkpoint_names import UnescapeName
 from lingvo_gpipe.runners.checkpoint_names import VariableKey
 
@@ -243,8 +244,12 @@ class Checkpointer:
     if newest and newest != latest:
       WritePointer(self._dir, newest, self._kept)
 
-  def _Checkpoint(self, with_iterator):
-    kwargs = {MODEL: self._vars}
+  def _Checkpoint(self, with_iterator, names=None):
+    """`names`: {model name: checkpoint name} where they differ."""
+    variables = self._vars
+    if names is not None:
+      variables = {names[n]: v for n, v in self._vars.items()}
+    kwargs = {MODEL: variables}
     if with_iterator and self._iterator is not None:
       kwargs[ITERATOR] = self._iterator
     return tf.train.Checkpoint(**kwargs)
@@ -365,19 +370,35 @@ class Checkpointer:
     Returns:
       The checkpoint's step (from its name), or None.
     """
-    if strict:
-      self.CheckCompatible(prefix)
-    else:
-      ckpt_vars = ReadCheckpointVariables(prefix)
-      lines = DiffLines(
-        self._vars, {k: v for k, v in ckpt_vars.items() if k in self._vars}
-      )
-      if lines:
-        raise IncompatibleCheckpointError(
-          f'Cannot restore {prefix} into this model:\n' + '\n'.join(lines)
-        )
+    names = None
     try:
-      return self._Read(prefix)
+      if strict:
+        self.CheckCompatible(prefix)
+      else:
+        ckpt_vars = ReadCheckpointVariables(prefix)
+        lines = DiffLines(
+          self._vars, {k: v for k, v in ckpt_vars.items() if k in self._vars}
+        )
+        if lines:
+          raise IncompatibleCheckpointError(
+            f'Cannot restore {prefix} into this model:\n' + '\n'.join(lines)
+          )
+    except IncompatibleCheckpointError:
+      # Written with another split of a pipeline whose names carry the cell
+      # (Lingvo's `cell_<k>/`): restore by the names without it.
+      names = SplitIndependentMap(
+        self._vars, ReadCheckpointVariables(prefix), strict=strict
+      )
+      if names is None:
+        raise
+      logging.info(
+        'Restoring %s, written with another split of the pipeline cells: '
+        '%d variables by their names without cell_<k>/.',
+        prefix,
+        sum(a != b for a, b in names.items()),
+      )
+    try:
+      return self._Read(prefix, names)
     except _DATA_ERRORS as e:
       what = (
         'shorter than its index says (truncated)'
@@ -389,12 +410,12 @@ class Checkpointer:
         f'{FilesText(prefix, data_only=True)}: {what}.'
       ) from e
 
-  def _Read(self, prefix):
+  def _Read(self, prefix, names=None):
     reader = tf.train.load_checkpoint(prefix)
     has_iterator = reader.has_tensor(ITER_KEY)
     if self._iterator is not None and has_iterator:
       try:
-        status = self._Checkpoint(True).read(prefix)
+        status = self._Checkpoint(True, names).read(prefix)
         status.assert_existing_objects_matched()
         status.expect_partial()
         return StepOf(prefix)
@@ -407,7 +428,7 @@ class Checkpointer:
           prefix,
           str(e).splitlines()[0],
         )
-    status = self._Checkpoint(False).read(prefix)
+    status = self._Checkpoint(False, names).read(prefix)
     status.assert_existing_objects_matched()
     status.expect_partial()
     return StepOf(prefix)

@@ -38,6 +38,7 @@ __all__ = [
   'OneBWdsGPipeTransformerBase',
   'OneBWdsGPipeTransformerWPM',
   'OneBWdsGPipeTransformerTiny',
+  'OneBWdsGPipeTransformerHalfB',
 ]
 
 
@@ -162,5 +163,43 @@ class OneBWdsGPipeTransformerTiny(OneBWdsGPipeTransformerBase):
     p.train.save_interval_steps = 100
     p.train.summary_interval_steps = 50
     p.train.save_max_to_keep = 3
+    p.eval.samples_per_summary = 0
+    return p
+
+
+@model_registry.RegisterSingleTaskModel
+class OneBWdsGPipeTransformerHalfB(OneBWdsGPipeTransformerBase):
+  """Lingvo's width (d = 2048, hidden 8192, 16 heads) at 12 layers, about
+  608M parameters, in 8 cells (pipeline-8) on the English side of the
+  num2words demo corpus: a model of real size that one host with 24 GB can
+  train when each cell runs in its own worker process (`docs/scale.md`).
+
+  Few tokens per step (8 rows of 16) keep a step well under a minute on
+  two cores; weights, gradient sums and Adam's two slots take about 16
+  bytes per parameter, about 1.2 GB on each of the 8 workers.
+  """
+
+  VOCAB_SIZE = 1000
+  EMBEDDING_DIM = 2048
+  HIDDEN_DIM = 8192
+  NUM_HEADS = 16
+  NUM_LAYERS = 12
+  SPLITS = [2, 3, 5, 6, 8, 9, 11, 12]
+  NUM_MICRO_BATCHES = 4
+  NUM_SHARDS = 1
+  BATCH_SIZE = 8
+  MAX_TOKENS = 16
+  RESIDUAL_DROPOUT = 0.0
+  ATTEN_DROPOUT = 0.0
+  LEARNING_RATE = 0.5  # Peak 3.5e-3 after the warm-up.
+  WARMUP_STEPS = 10
+  MAX_STEPS = 20
+  DEMO_CORPUS = True
+
+  def Task(self):
+    p = super().Task()
+    p.train.save_interval_steps = 10
+    p.train.summary_interval_steps = 1
+    p.train.save_max_to_keep = 2
     p.eval.samples_per_summary = 0
     return p
