@@ -131,10 +131,11 @@ _LOST_WORKER_ERRORS = (
 _LOST_WORKER_GRACE_S = 5.0
 
 
-def RaiseIfWorkerLost(error, train_dir, cluster):
+def RaiseIfWorkerLost(error, train_dir, cluster, during='training'):
   """Turns the error of a step that lost a remote worker of `cluster` (the
   process's cluster.Cluster, or None) into a UserError naming the worker
-  (the trainer then exits with status 1)."""
+  (the trainer then exits with status 1); `during`: what the trainer was
+  doing."""
   if (
     cluster is None
     or not cluster.is_remote
@@ -153,11 +154,12 @@ def RaiseIfWorkerLost(error, train_dir, cluster):
   last = checkpointer.LatestCheckpoint(train_dir)
   first_line = str(error).strip().splitlines()[0] if str(error) else ''
   raise UserError(
-    f'Lost worker {", ".join(lost)} during training: it no longer accepts '
-    f'connections (the process died or its host is down). The last '
-    f'checkpoint is {last or "none"}; restart the worker and rerun the '
-    f'trainer to resume from it. (TensorFlow: {type(error).__name__}: '
-    f'{first_line})'
+    f'Lost worker {", ".join(lost)} during {during}: it no longer accepts '
+    f'connections (the process died or its host is down; a worker killed '
+    f"without a traceback of its own is most often the kernel's "
+    f'out-of-memory killer, see dmesg). The last checkpoint is '
+    f'{last or "none"}; restart the worker and rerun the trainer to resume '
+    f'from it. (TensorFlow: {type(error).__name__}: {first_line})'
   ) from error
 
 

@@ -136,6 +136,24 @@ class _DyingCluster:
     return ['/job:worker/task:1 (127.0.0.1:1)'] if self.looks >= 3 else []
 
 
+def testWorkerLostDuringTheRestoreIsNamedWithTheLikelyCause(tmp_path):
+  error = tf.errors.UnavailableError(
+    None, None, 'failed to connect to all addresses'
+  )
+  cluster = _DyingCluster()
+  cluster.looks = 5
+  with pytest.raises(trainer.UserError) as info:
+    trainer_errors.RaiseIfWorkerLost(
+      error, str(tmp_path), cluster, during='the restore of the checkpoint'
+    )
+  message = str(info.value)
+  assert message.startswith(
+    'Lost worker /job:worker/task:1 (127.0.0.1:1) during the restore of the '
+    'checkpoint'
+  ), message
+  assert 'out-of-memory killer' in message and 'UnavailableError' in message
+
+
 def testWorkerLostAMomentAfterTheStepFailedIsNamed(tmp_path, monkeypatch):
   cluster = _DyingCluster()
   error = tf.errors.InternalError(None, None, '2 root error(s) found.')
