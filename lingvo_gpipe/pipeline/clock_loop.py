@@ -20,7 +20,17 @@ instead of one call per work item:
 Each cell's output of every tick is written to a TensorList (what the next
 cell's backward re-materializes from, and the pipeline's outputs and
 batch-norm statistics); an idle tick passes the cell's previous output on
-without a copy. The weights enter each loop once.
+without a copy. The weights enter each loop once (each tick's `tf.cond`
+then passes them on to the call). The backward loop carries each cell's
+running gradient sums packed into one flat tensor per dtype
+(`CellFunctions.BackwardPacked`): a loop variable per weight would cost a
+few ops per weight at every tick.
+
+What the loops cost (`docs/benchmarks.md`, "The schedule as loops"): the
+control ops, the conds and the list writes of every tick, close to nothing
+next to cells of real size in one process, but up to 2.3x a steady step
+over worker processes (each tick sends the loop's condition to every
+worker). So `PipeliningLayer.Params().micro_batch_loop` is off by default.
 
 Why: TensorFlow's graph passes instantiate a called function's body once
 per call node (Grappler's function optimizer, the lowering of calls, XLA's
