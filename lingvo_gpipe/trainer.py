@@ -207,19 +207,7 @@ def _RunTrainer(p, logdir, stop):
     save_interval_steps=tp.save_interval_steps,
     save_interval_seconds=trainer_params.SaveIntervalSeconds(tp),
   )
-  try:
-    resumed = ckpt.Restore()
-  except tf.errors.OpError as e:
-    trainer_errors.RaiseIfWorkerLost(
-      e, train_dir, _CLUSTER, during='the restore of the checkpoint'
-    )
-    raise
-  except checkpointer.CheckpointError as e:
-    if isinstance(e.__cause__, tf.errors.OpError):
-      trainer_errors.RaiseIfWorkerLost(
-        e.__cause__, train_dir, _CLUSTER, during='the restore of the checkpoint'
-      )
-    raise
+  resumed = trainer_errors.Restore(ckpt, train_dir, _CLUSTER)
   if resumed is None and FLAGS.restore_from:
     report = checkpointer.FineTuneRestore(
       model.VariablesByName(),

@@ -163,6 +163,21 @@ def RaiseIfWorkerLost(error, train_dir, cluster, during='training'):
   ) from error
 
 
+def Restore(ckpt, train_dir, cluster):
+  """ckpt.Restore() (the resumed step or None), naming a remote worker lost
+  while the checkpoint is read (`RaiseIfWorkerLost`)."""
+  during = 'the restore of the checkpoint'
+  try:
+    return ckpt.Restore()
+  except tf.errors.OpError as e:
+    RaiseIfWorkerLost(e, train_dir, cluster, during=during)
+    raise
+  except checkpointer.CheckpointError as e:
+    if isinstance(e.__cause__, tf.errors.OpError):
+      RaiseIfWorkerLost(e.__cause__, train_dir, cluster, during=during)
+    raise
+
+
 # TensorFlow's Python INFO lines that are noise in the trainer's log: its
 # checkpoint saver's timing at every save, and the ~20-line session config
 # that connecting to remote workers (--cluster_spec) dumps.

@@ -691,3 +691,15 @@ def testAutoStagesAndMicroBatchesResolvedAtBuild():
   # 150 kB per device cannot hold the weights, gradients and Adam slots of
   # all the layers (about 190 KiB): more than one cell.
   assert 'cell 1 on' in text
+
+
+class _LostOnRestore:
+  def Restore(self):
+    raise tf.errors.UnavailableError(None, None, 'failed to connect')
+
+
+def testRestoreNamesAWorkerLostWhileReading(tmp_path):
+  cluster = _DyingCluster()
+  cluster.looks = 5
+  with pytest.raises(trainer.UserError, match='during the restore of the'):
+    trainer_errors.Restore(_LostOnRestore(), str(tmp_path), cluster)
