@@ -34,6 +34,11 @@ input to the previous item's output on that device.
 
 With R data-parallel replicas, every work item runs on each replica's own
 devices, replica r on micro-batches r*M .. r*M+M-1 of the mini-batch.
+
+With `loop=True` (Params `micro_batch_loop`) the fill-drain schedule with
+re-materialization is built instead as two loops over its clock ticks, each
+calling every cell once (`clock_loop.ClockLoops`): the same numbers, a
+step whose build does not grow with M.
 """
 
 import contextlib
