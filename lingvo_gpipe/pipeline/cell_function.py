@@ -537,7 +537,10 @@ class CellFunctions:
       for j in js:
         g = theta_g[j]
         if g is None:
-          g = tf.zeros_like(inputs[layout.theta_floats[j][1]])
+          # Zeros computed from the weight: tf.zeros_like of a known shape
+          # would be folded into a constant held as long as the function.
+          w = inputs[layout.theta_floats[j][1]]
+          g = tf.math.multiply_no_nan(w, tf.zeros([], w.dtype))
         parts.append(tf.reshape(g, [-1]))
       # Element by element the same sums as one add per weight.
       sums.append(s + (parts[0] if len(parts) == 1 else tf.concat(parts, 0)))
