@@ -612,33 +612,31 @@ class PipelineEngine:
       if loss is not None:
         losses[j] = walk.states[j][0]
         raws[j] = raw
-    with self._Device(last):
-      parts = [losses[j] for j in range(num_j)]
-      loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
+    loss, outs = self._JoinLosses(
+      [losses[j] for j in range(num_j)], [raws[j] for j in range(num_j)]
+    )
+    grads = self._JoinGradients(args, walk) if train else None
+    return loss, outs, walk.updates, grads
+
+  def _JoinLosses(self, losses, raws):
+    """(the summed loss, the last cell's outputs for the whole mini-batch,
+    without gradient) from those of every micro-batch, on the last device."""
+    with self._Device(self._num_cells - 1):
+      loss = losses[0] if len(losses) == 1 else tf.add_n(losses)
       outs = microbatch.Concat(
         [
-          tf.nest.map_structure(tf.stop_gradient, py_utils.Unwrap(raws[j]))
-          for j in range(num_j)
+          tf.nest.map_structure(tf.stop_gradient, py_utils.Unwrap(y))
+          for y in raws
         ],
         self._batch_dim,
       )
-    grads = self._JoinGradients(args, walk) if train else None
-    return loss, outs, walk.updates, grads
+    return loss, outs
 
   def _LoopWithLoss(
     self, run, thetas, args, num_mb, train, input_grads, loss_thetas
   ):
     """`ForwardBackwardWithLoss` after the forward loop `run`."""
-    with self._Device(self._num_cells - 1):
-      parts = run.losses
-      loss = parts[0] if len(parts) == 1 else tf.add_n(parts)
-      outs = microbatch.Concat(
-        [
-          tf.nest.map_structure(tf.stop_gradient, py_utils.Unwrap(y))
-          for y in run.raws
-        ],
-        self._batch_dim,
-      )
+    loss, outs = self._JoinLosses(run.losses, run.raws)
     grads = None
     if train:
       walk = _Walk(thetas, num_mb, None, input_grads, loss_thetas)

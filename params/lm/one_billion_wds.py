@@ -63,6 +63,10 @@ class OneBWdsGPipeTransformerBase(base_model_params.SingleTaskModelParams):
   MAX_STEPS = 4 * 10**6
   DEMO_CORPUS = False
   RANDOM_SEED = 1234
+  # None: the trainer's defaults.
+  SAVE_INTERVAL_STEPS = None
+  SUMMARY_INTERVAL_STEPS = None
+  SAVE_MAX_TO_KEEP = None
 
   def _Input(self):
     p = lm_input.LmTextInput.Params().Set(
@@ -128,6 +132,14 @@ class OneBWdsGPipeTransformerBase(base_model_params.SingleTaskModelParams):
     tp.clip_gradient_norm_to_value = 0.0
     tp.grad_norm_to_clip_to_zero = 0.0
     tp.max_steps = self.MAX_STEPS
+    if self.SAVE_INTERVAL_STEPS is not None:
+      tp.save_interval_steps = self.SAVE_INTERVAL_STEPS
+    if self.SUMMARY_INTERVAL_STEPS is not None:
+      tp.summary_interval_steps = self.SUMMARY_INTERVAL_STEPS
+    if self.SAVE_MAX_TO_KEEP is not None:
+      tp.save_max_to_keep = self.SAVE_MAX_TO_KEEP
+    if self.DEMO_CORPUS:  # Its dev and test splits are evaluated whole.
+      p.eval.samples_per_summary = 0
     return p
 
 
@@ -158,13 +170,9 @@ class OneBWdsGPipeTransformerTiny(OneBWdsGPipeTransformerBase):
   MAX_STEPS = 300
   DEMO_CORPUS = True
 
-  def Task(self):
-    p = super().Task()
-    p.train.save_interval_steps = 100
-    p.train.summary_interval_steps = 50
-    p.train.save_max_to_keep = 3
-    p.eval.samples_per_summary = 0
-    return p
+  SAVE_INTERVAL_STEPS = 100
+  SUMMARY_INTERVAL_STEPS = 50
+  SAVE_MAX_TO_KEEP = 3
 
 
 @model_registry.RegisterSingleTaskModel
@@ -196,10 +204,6 @@ class OneBWdsGPipeTransformerHalfB(OneBWdsGPipeTransformerBase):
   MAX_STEPS = 20
   DEMO_CORPUS = True
 
-  def Task(self):
-    p = super().Task()
-    p.train.save_interval_steps = 10
-    p.train.summary_interval_steps = 1
-    p.train.save_max_to_keep = 2
-    p.eval.samples_per_summary = 0
-    return p
+  SAVE_INTERVAL_STEPS = 10
+  SUMMARY_INTERVAL_STEPS = 1
+  SAVE_MAX_TO_KEEP = 2
