@@ -2,7 +2,8 @@
 
 Re-exports `lingvo_gpipe.pipeline.layers_with_gpipe`
 (`from lingvo.core import layers_with_gpipe` ->
-`from lingvo_gpipe.core import layers_with_gpipe`).
+`from lingvo_gpipe.core import layers_with_gpipe`), with the batch-major
+stack of `batch_major_gpipe` and the Evolved Transformer of `evolved_gpipe`.
 """
 
 from lingvo_gpipe.pipeline.batch_major_gpipe import (
@@ -14,6 +15,13 @@ from lingvo_gpipe.pipeline.batch_major_gpipe import (
 from lingvo_gpipe.pipeline.batch_major_gpipe import (
   GPipeBatchMajorTransformerStack,
 )
+from lingvo_gpipe.pipeline.evolved_gpipe import (
+  GPipeEvolvedTransformerDecoderLayer,
+)
+from lingvo_gpipe.pipeline.evolved_gpipe import (
+  GPipeEvolvedTransformerEncoderLayer,
+)
+from lingvo_gpipe.pipeline.evolved_gpipe import GPipeEvolvedTransformerStack
 from lingvo_gpipe.pipeline.layers_with_gpipe import DeterministicWeightsLayer
 from lingvo_gpipe.pipeline.layers_with_gpipe import (
   GPipeTransformerEmbeddingLayer,
@@ -27,6 +35,9 @@ __all__ = [
   'GPipeBatchMajorTransformerEmbeddingLayer',
   'GPipeBatchMajorTransformerSoftmaxLayer',
   'GPipeBatchMajorTransformerStack',
+  'GPipeEvolvedTransformerDecoderLayer',
+  'GPipeEvolvedTransformerEncoderLayer',
+  'GPipeEvolvedTransformerStack',
   'GPipeTransformerEmbeddingLayer',
   'GPipeTransformerLayer',
   'GPipeTransformerSoftmaxLayer',

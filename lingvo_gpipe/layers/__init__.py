@@ -12,6 +12,7 @@ from lingvo_gpipe.layers.embedding import PositionalEmbeddingLayer
 from lingvo_gpipe.layers.embedding import SimpleEmbeddingLayer
 from lingvo_gpipe.layers.linears import BiasLayer
 from lingvo_gpipe.layers.linears import FCLayer
+from lingvo_gpipe.layers.linears import GluLayer
 from lingvo_gpipe.layers.linears import ProjectionLayer
 from lingvo_gpipe.layers.normalizations import BatchNormLayer
 from lingvo_gpipe.layers.normalizations import LayerNorm
@@ -40,6 +41,7 @@ __all__ = [
   'FetchLayer',
   'FlattenLayer',
   'GlobalPoolingLayer',
+  'GluLayer',
   'LayerNorm',
   'MultiHeadedAttention',
   'MultiHeadedProjectionLayer',

@@ -6,6 +6,10 @@ Lingvo's speech models; optional `paddings` [batch, height] (1.0 = padded)
 zero padded inputs and outputs, and make FProp return (outputs,
 out_paddings) as Lingvo does. Without paddings FProp returns the outputs
 only, so convolutions chain directly in a `SequentialLayer` or pipeline.
+
+`causal_convolution` (Lingvo's) makes output step t depend on input steps
+<= t only: the inputs are padded with (kernel height - 1) * dilation zero
+steps in front and convolved VALID, so the output keeps the SAME length.
 """
 
 import math
@@ -71,6 +75,12 @@ class _BaseConv2D(base_layer.BaseLayer):
       'Dilation [height, width]; > 1 requires filter_stride (1, 1).',
     )
     p.Define('padding_algorithm', 'SAME', 'Padding: SAME or VALID.')
+    p.Define(
+      'causal_convolution',
+      False,
+      'Output step t depends only on input steps <= t (height = time); '
+      'the output is as long as with SAME padding.',
+    )
     p.Define('activation', 'RELU', 'Activation applied last, by Lingvo name.')
     p.Define('bias', False, 'Whether to add a bias `b` [output channels].')
     p.Define(
@@ -122,6 +132,19 @@ class _BaseConv2D(base_layer.BaseLayer):
         f'{p.padding_algorithm!r}; use one of '
         f'{PADDING_ALGORITHMS}.'
       )
+    if p.causal_convolution:
+      if p.padding_algorithm != 'SAME':
+        raise ValueError(
+          f'{name}: causal_convolution pads the past itself and keeps the '
+          f'SAME length; p.padding_algorithm={p.padding_algorithm!r} '
+          "conflicts with it: leave it 'SAME'."
+        )
+      if st[1] > 1 and fs[1] > 1:
+        raise ValueError(
+          f'{name}: causal_convolution supports a width stride > 1 only '
+          f'with a filter width of 1; filter_shape={p.filter_shape!r}, '
+          f'filter_stride={p.filter_stride!r}.'
+        )
     activations.CheckActivation(p)
 
   def __init__(self, params):
@@ -142,6 +165,18 @@ class _BaseConv2D(base_layer.BaseLayer):
 
   def _Conv(self, theta, inputs):
     raise NotImplementedError(type(self).__name__)
+
+  def _PadForCausal(self, inputs):
+    """(inputs, padding algorithm) of the convolution op: causal inputs get
+    the past's zero steps in front (and Lingvo's width padding), VALID."""
+    p = self.params
+    if not p.causal_convolution:
+      return inputs, p.padding_algorithm
+    front = (p.filter_shape[0] - 1) * p.dilation_rate[0]
+    width = (p.filter_shape[1] - 1) * p.dilation_rate[1]
+    left = max(0, width - 1) // 2
+    paddings = [[0, 0], [front, 0], [left, width - left], [0, 0]]
+    return tf.pad(inputs, paddings), 'VALID'
 
   @classmethod
   def _OutShape(cls, p, dims):
@@ -249,11 +284,12 @@ class Conv2DLayer(_BaseConv2D):
 
   def _Conv(self, theta, inputs):
     p = self.params
+    inputs, padding = self._PadForCausal(inputs)
     return tf.nn.conv2d(
       inputs,
       theta.w,
       strides=list(p.filter_stride),
-      padding=p.padding_algorithm,
+      padding=padding,
       dilations=list(p.dilation_rate),
     )
 
@@ -275,11 +311,12 @@ class DepthwiseConv2DLayer(_BaseConv2D):
 
   def _Conv(self, theta, inputs):
     p = self.params
+    inputs, padding = self._PadForCausal(inputs)
     return tf.nn.depthwise_conv2d(
       inputs,
       theta.w,
       strides=[1] + list(p.filter_stride) + [1],
-      padding=p.padding_algorithm,
+      padding=padding,
       dilations=list(p.dilation_rate),
     )
 
@@ -318,6 +355,7 @@ class SeparableConv2DLayer(Conv2DLayer):
       filter_stride=tuple(p.filter_stride),
       dilation_rate=tuple(p.dilation_rate),
       padding_algorithm=p.padding_algorithm,
+      causal_convolution=p.causal_convolution,
     )
 
   @classmethod

@@ -1,11 +1,13 @@
-"""Linear layers: `ProjectionLayer`, `FCLayer` and `BiasLayer` (Lingvo names).
+"""Linear layers: `ProjectionLayer`, `FCLayer`, `BiasLayer` and `GluLayer`
+(Lingvo names).
 
 A projection maps [..., input_dim] to [..., output_dim] (any rank):
 
   out = activation(batch_norm(inputs @ w + b))
 
 Variables: `w` [input_dim, output_dim], `b` [output_dim] (if has_bias) and,
-if batch_norm, a `BatchNormLayer` child `bn`.
+if batch_norm, a `BatchNormLayer` child `bn`. `GluLayer` gates one
+projection by another: x + dropout(value(LN(x)) * sigmoid(gate(LN(x)))).
 """
 
 import tensorflow as tf
@@ -15,9 +17,16 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import _shapes
 from lingvo_gpipe.layers import activations
+from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
 
-__all__ = ['ProjectionLayer', 'FCLayer', 'BiasLayer', 'ProjectLastDim']
+__all__ = [
+  'ProjectionLayer',
+  'FCLayer',
+  'BiasLayer',
+  'GluLayer',
+  'ProjectLastDim',
+]
 
 
 def ProjectLastDim(inputs, w):
@@ -199,3 +208,72 @@ class BiasLayer(base_layer.BaseLayer):
       f'The last dim of the inputs must equal p.dims = {p.dims}.',
     )
     return meta.Meta(_shapes.NumElements(dims), tf.TensorShape(dims))
+
+
+class GluLayer(base_layer.BaseLayer):
+  """Gated linear unit (Dauphin et al. 2017), Lingvo's `layers.GluLayer`."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 0, 'Depth of the input.')
+    p.Define('output_dim', 0, 'Depth of the output; 0: input_dim.')
+    p.Define(
+      'ln_tpl',
+      normalizations.LayerNorm.Params().Set(direct_scale=False),
+      'Layer norm Params; None: none.',
+    )
+    p.Define('dense_tpl', FCLayer.Params(), 'Params of both denses.')
+    p.Define('activation', 'NONE', 'Activation of the value branch.')
+    p.Define('gate_activation', 'SIGMOID', 'Activation of the gate.')
+    p.Define('dropout_tpl', dropout.DropoutLayer.Params(), 'Output dropout.')
+    p.Define('apply_residual', True, 'Add the inputs to the outputs.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    _shapes.CheckPositive(p, 'input_dim')
+    out = p.output_dim or p.input_dim
+    if p.apply_residual and out != p.input_dim:
+      raise ValueError(
+        f'{_shapes.LayerName(p)}: apply_residual needs output_dim '
+        f'({p.output_dim}) = input_dim ({p.input_dim}); set output_dim to 0 '
+        'or apply_residual to False.'
+      )
+    for name, act in (
+      ('value_layer', p.activation),
+      ('gate_layer', p.gate_activation),
+    ):
+      self.CreateChild(
+        name,
+        p.dense_tpl.Copy().Set(
+          name=name, input_dim=p.input_dim, output_dim=out, activation=act
+        ),
+      )
+    if p.ln_tpl:
+      self.CreateChild(
+        'layer_norm',
+        p.ln_tpl.Copy().Set(name='layer_norm', input_dim=p.input_dim),
+      )
+    self.CreateChild('dropout', p.dropout_tpl.Copy())
+
+  def FProp(self, theta, inputs, paddings):
+    """inputs [..., d]; paddings [...] or [..., 1] (1.0 = padded)."""
+    x = inputs
+    if self.params.ln_tpl:
+      x = self.layer_norm.FProp(theta.layer_norm, x)
+    if paddings.shape.rank != x.shape.rank:
+      paddings = tf.expand_dims(paddings, -1)
+    values = self.value_layer.FProp(theta.value_layer, x, paddings)
+    gates = self.gate_layer.FProp(theta.gate_layer, x, paddings)
+    out = self.dropout.FProp(theta.dropout, values * gates)
+    return inputs + out if self.params.apply_residual else out
+
+  @classmethod
+  def FPropMeta(cls, p, inputs, paddings=None):
+    dims = _shapes.Dims(inputs)
+    n = _shapes.NumElements(dims[:-1])
+    out = p.output_dim or p.input_dim
+    flops = 4 * n * p.input_dim * out + 8 * n * p.input_dim
+    return meta.Meta(flops, tf.TensorShape(dims[:-1] + [out]))

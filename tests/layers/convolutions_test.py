@@ -213,3 +213,45 @@ def testBadParams():
   p = base.Copy().Set(padding_algorithm='VALID', filter_shape=(5, 5, 2, 4))
   with pytest.raises(ValueError, match='empty'):
     p.cls.FPropMeta(p, [1, 3, 3, 2])
+
+
+@pytest.mark.parametrize(
+  'cls', [convolutions.Conv2DLayer, convolutions.SeparableConv2DLayer]
+)
+@pytest.mark.parametrize('dil', [1, 2])
+def testCausalConvolutionSeesOnlyThePast(cls, dil):
+  """Output step t depends on input steps <= t only, and the output is as
+  long as the input; it equals the convolution of the input with
+  (kernel - 1) * dilation zero steps in front (numpy)."""
+  p = cls.Params().Set(
+    name='causal',
+    filter_shape=(3, 1, 2, 3),
+    dilation_rate=(dil, 1),
+    causal_convolution=True,
+    activation='NONE',
+  )
+  layer = p.Instantiate()
+  x = np.random.RandomState(0).randn(2, 7, 1, 2).astype(np.float32)
+  y = layer.FPropDefaultTheta(tf.constant(x)).numpy()
+  assert y.shape == (2, 7, 1, 3)
+  x2 = x.copy()
+  x2[:, 4:] *= 3.0
+  y2 = layer.FPropDefaultTheta(tf.constant(x2)).numpy()
+  np.testing.assert_allclose(y[:, :4], y2[:, :4], rtol=1e-6)
+  assert not np.allclose(y[:, 4:], y2[:, 4:])
+  if cls is convolutions.Conv2DLayer:
+    front = np.pad(x, [(0, 0), (2 * dil, 0), (0, 0), (0, 0)])
+    w = layer.theta.w.numpy()
+    ref = _NumpyConv(front, w, (1, 1), (dil, 1), 'VALID')
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+  assert p.cls.FPropMeta(p, [2, 7, 1, 2]).out_shapes[0] == [2, 7, 1, 3]
+
+
+def testCausalConvolutionRefusesOtherPadding():
+  p = convolutions.Conv2DLayer.Params().Set(
+    name='c', filter_shape=(3, 1, 2, 3), causal_convolution=True
+  )
+  with pytest.raises(ValueError, match="padding_algorithm='VALID' conflicts"):
+    p.Copy().Set(padding_algorithm='VALID').Instantiate()
+  with pytest.raises(ValueError, match='width stride > 1'):
+    p.Copy().Set(filter_shape=(3, 2, 2, 3), filter_stride=(1, 2)).Instantiate()
