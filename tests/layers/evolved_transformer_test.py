@@ -141,3 +141,22 @@ def testBadParamsAreRefusedInOneLine():
     dec.FPropDefaultTheta(_X(), tf.zeros([T, B]))
   with pytest.raises(NotImplementedError, match='ExtendStep'):
     dec.ExtendStep(dec.theta, _X()[0], None)
+
+
+def testDeterministicDropoutIsOnAndRepeatable():
+  """The GPipe form of the layers' dropout (deterministic, keep_prob kept)
+  drops: the output differs from that without dropout, and repeats."""
+  p = _Encoder()
+  det = layers.DeterministicDropoutLayer.Params().Set(keep_prob=0.7)
+  p.glu_tpl.dropout_tpl = det.Copy()
+  p.branched_convs_tpl.dropout_tpl = det.Copy()
+  layer = p.Instantiate()
+  plain = _Encoder().Instantiate()
+  for key, var in plain.vars.FlattenItems():
+    var.assign(dict(layer.vars.FlattenItems())[key])
+  pad = tf.zeros([T, B])
+  a, _ = layer.FPropDefaultTheta(_X(), pad)
+  b, _ = layer.FPropDefaultTheta(_X(), pad)
+  c, _ = plain.FPropDefaultTheta(_X(), pad)
+  np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert not np.allclose(a.numpy(), c.numpy())
