@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -101,6 +102,14 @@ def testEnsureChecksTheSettings(corpus, tmp_path):
     mt_demo.BuildDemoCorpus(str(out), **_SMALL)
 
 
+def _InProcess(name, capsys, *args):
+  """Runs tools/<name>'s main(args) here: (exit status, stdout, stderr)."""
+  module = runpy.run_path(str(REPO / 'tools' / name))
+  status = module['main'](list(args))
+  out = capsys.readouterr()
+  return status, out.out, out.err
+
+
 def _Tool(name, *args):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   return subprocess.run(
@@ -113,8 +122,9 @@ def _Tool(name, *args):
   )
 
 
-def testToolsBuildTheCorpusAndAVocabulary(tmp_path):
+def testToolsBuildTheCorpusAndAVocabulary(tmp_path, capsys):
   out = tmp_path / 'cli'
+  # The command line once, in a process of its own; the rest in-process.
   res = _Tool(
     'make_demo_corpus.py',
     f'--output={out}',
@@ -126,22 +136,26 @@ def testToolsBuildTheCorpusAndAVocabulary(tmp_path):
   )
   assert res.returncode == 0, res.stderr[-2000:]
   assert '2 languages, 110 train / 10 dev / 10 test pairs' in res.stdout
-  res = _Tool('make_demo_corpus.py', f'--output={out}', '--languages=de')
-  assert res.returncode == 1 and '--force' in res.stderr
-  res = _Tool(
+  status, _, err = _InProcess(
+    'make_demo_corpus.py', capsys, f'--output={out}', '--languages=de'
+  )
+  assert status == 1 and '--force' in err
+  status, _, err = _InProcess(
     'build_vocab.py',
+    capsys,
     f'--data_dir={out}',
     '--vocab_size=50',
     f'--output={tmp_path}/v/spm',
     '--target_languages=en,de',
   )
-  assert res.returncode == 0, res.stderr[-2000:]
+  assert status == 0, err[-2000:]
   vocab = mt_vocab.Vocabulary(str(tmp_path / 'v' / 'spm.model'))
   assert vocab.size == 50 and vocab.TargetLanguageId('de') is not None
-  res = _Tool(
+  status, _, err = _InProcess(
     'build_vocab.py',
+    capsys,
     f'--data_dir={out}',
     '--vocab_size=5000',
     f'--output={tmp_path}/v/big',
   )
-  assert res.returncode == 1 and 'lower --vocab_size' in res.stderr
+  assert status == 1 and 'lower --vocab_size' in err

@@ -1,9 +1,15 @@
-"""tools/max_model_size.py: the search, its records and its errors."""
+"""tools/max_model_size.py: the search, its records and its errors.
+
+One search runs real trials (each a training step in a process of its own);
+the search's logic runs on faked trials, and the flag errors in-process.
+"""
 
 import json
 import os
 import subprocess
 import sys
+
+from lingvo_gpipe.tools import max_model_size
 
 _TOOL = os.path.join(
   os.path.dirname(__file__), '..', '..', 'tools', 'max_model_size.py'
@@ -19,32 +25,43 @@ def _Run(*flags, timeout=600):
   )
 
 
-def testUnknownFamilyAndConfigListTheValidOnes():
-  out = _Run('--family=resnet')
-  assert out.returncode == 2
-  assert 'transformer, amoebanet' in out.stderr
-  out = _Run('--configs=naive-1,pipe-2')
-  assert out.returncode == 2
-  assert "'pipe-2'" in out.stderr and 'pipeline-K' in out.stderr
-  out = _Run('--balance_by=weights')
-  assert out.returncode == 2
-  assert "'weights'" in out.stderr and 'memory, params' in out.stderr
-  out = _Run('--fixed=model_dims=128')
-  assert out.returncode == 2
-  assert "'model_dims'" in out.stderr and 'model_dim,' in out.stderr
-  out = _Run('--fixed=model_dim=big')
-  assert out.returncode == 2
-  assert "model_dim='big' is not an integer" in out.stderr
+def _InProcess(capsys, *flags):
+  """main(flags) here: (exit status, stdout, stderr)."""
+  try:
+    status = max_model_size.main(list(flags))
+  except SystemExit as e:  # argparse's errors
+    status = e.code
+  out = capsys.readouterr()
+  return status, out.out, out.err
 
 
-def testGpuWithoutAGpuIsOneClearMessage():
-  out = _Run('--device=gpu', '--configs=naive-1')
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert 'finds no GPU on this host' in out.stderr
-  assert '--device=cpu' in out.stderr
-  out = _Run('--device=tpu')
-  assert out.returncode == 2
-  assert 'cpu and gpu' in out.stderr
+def testUnknownFamilyAndConfigListTheValidOnes(capsys):
+  status, _, err = _InProcess(capsys, '--family=resnet')
+  assert status == 2
+  assert 'transformer, amoebanet' in err
+  status, _, err = _InProcess(capsys, '--configs=naive-1,pipe-2')
+  assert status == 2
+  assert "'pipe-2'" in err and 'pipeline-K' in err
+  status, _, err = _InProcess(capsys, '--balance_by=weights')
+  assert status == 2
+  assert "'weights'" in err and 'memory, params' in err
+  status, _, err = _InProcess(capsys, '--fixed=model_dims=128')
+  assert status == 2
+  assert "'model_dims'" in err and 'model_dim,' in err
+  status, _, err = _InProcess(capsys, '--fixed=model_dim=big')
+  assert status == 2
+  assert "model_dim='big' is not an integer" in err
+
+
+def testGpuWithoutAGpuIsOneClearMessage(capsys, monkeypatch):
+  monkeypatch.setattr(max_model_size, '_HasGpu', lambda: False)
+  status, _, err = _InProcess(capsys, '--device=gpu', '--configs=naive-1')
+  assert status == 2, err[-2000:]
+  assert 'finds no GPU on this host' in err
+  assert '--device=cpu' in err
+  status, _, err = _InProcess(capsys, '--device=tpu')
+  assert status == 2
+  assert 'cpu and gpu' in err
 
 
 def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
@@ -61,51 +78,84 @@ def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
   assert len(trials) == 1 and not trials[0]['fits']
 
 
-def testTinySearchRunsEverySizeItReports(tmp_path):
+def _FakeTrial(fits_up_to):
+  """A Searcher.Trial that fits sizes <= fits_up_to[config], in-process."""
+  tried = []
+
+  def Trial(self, family, config, size, steps=1):
+    del steps
+    tried.append((config['name'], size))
+    k = config['num_stages']
+    params = 1000 * size * size
+    r = dict(
+      family=family,
+      config=config['name'],
+      num_stages=k,
+      num_micro_batches=config['num_micro_batches'],
+      num_cells=None,
+      size=size,
+      fits=size <= fits_up_to[config['name']],
+      num_params=params,
+      param_bytes=4 * params,
+      peak_activation_bytes=1000,
+      peak_bytes_per_device=[16 * params // k + 1000] * k,
+      devices=[
+        f'/job:localhost/replica:0/task:0/device:CPU:{i}' for i in range(k)
+      ],
+      weight_bytes_per_device=[4 * params // k] * k,
+      slot_bytes_per_device=[8 * params // k] * k,
+      state_bytes_per_device=[16 * params // k] * k,
+      rss_peak_minus_baseline_per_device=[0] * k,
+      budget_bytes=self.args.budget_mb * max_model_size.MIB,
+    )
+    self.records.append(r)
+    return r
+
+  return Trial, tried
+
+
+def testSearchFindsTheLargestSizeOfEachConfig(tmp_path, capsys, monkeypatch):
+  trial, tried = _FakeTrial({'naive-1': 3, 'pipeline-2': 7})
+  monkeypatch.setattr(max_model_size.Searcher, 'Trial', trial)
   path = tmp_path / 'r.json'
-  out = _Run(
+  status, out, err = _InProcess(
+    capsys,
     '--family=transformer',
     '--budget_mb=512',
-    '--configs=pipeline-2',
-    '--max_size=2',
-    '--fixed=seq_len=16',
+    '--configs=naive-1,pipeline-2',
     f'--json={path}',
-    timeout=900,
   )
-  assert out.returncode == 0, out.stderr[-3000:]
+  assert status == 0, err
   data = json.loads(path.read_text())
   largest = {r['config']: r for r in data['largest']}
-  assert set(largest) == {'pipeline-2'}
-  assert sorted(r['size'] for r in data['trials']) == [1, 2]
-  tried = {(r['config'], r['size']) for r in data['trials']}
-  for r in data['largest']:
-    assert (r['config'], r['size']) in tried
-    assert r['fits'] and r['size'] == 2 and r['capped']
-    for key in (
-      'family',
-      'num_stages',
-      'num_micro_batches',
-      'num_params',
-      'param_bytes',
-      'peak_bytes_per_device',
-      'peak_activation_bytes',
-      'budget_bytes',
-    ):
-      assert key in r, key
-  p2 = largest['pipeline-2']
-  assert p2['balance_by'] == 'memory'
-  assert p2['num_micro_batches'] == 8 and len(p2['peak_bytes_per_device']) == 2
-  assert p2['fixed']['seq_len'] == 16 and p2['fixed']['model_dim'] == 64
-  assert len(p2['splits']) == 2  # the cells the trial ran with
-  # Each device holds its own cell: both report memory of their own.
-  assert min(p2['peak_bytes_per_device']) > 0
-  assert p2['losses'][1] < p2['losses'][0]  # a real training step
-  assert 'vs naive-1' in out.stdout
+  assert largest['naive-1']['size'] == 3 and largest['pipeline-2']['size'] == 7
+  assert largest['pipeline-2']['next_size_tried'] == 8
+  assert not largest['pipeline-2']['capped']
+  # Every size the records report was tried, the smallest first.
+  assert tried[0] == ('naive-1', 1)
+  assert {(r['config'], r['size']) for r in data['trials']} == set(tried)
+  # The table compares each configuration with naive-1.
+  assert 'vs naive-1' in out and f'{49 / 9:.2f}x' in out
+  # A cap: the search stops at --max_size and says the result is capped.
+  trial, tried = _FakeTrial({'pipeline-2': 7})
+  monkeypatch.setattr(max_model_size.Searcher, 'Trial', trial)
+  status, _, err = _InProcess(
+    capsys,
+    '--family=transformer',
+    '--configs=pipeline-2',
+    '--max_size=2',
+    f'--json={path}',
+  )
+  assert status == 0, err
+  (best,) = json.loads(path.read_text())['largest']
+  assert best['size'] == 2 and best['capped']
+  assert max(size for _, size in tried) == 2
 
 
-def testJitCompiledCellsRunATrial(tmp_path):
-  # --jit_compile reaches the trial's PipeliningLayer: the record says so and
-  # the compiled cells train (the loss falls) within the budget.
+def testRealTrialRecordsWhatTheSearchReports(tmp_path):
+  # One real trial, with XLA-compiled cells: --jit_compile reaches the
+  # trial's PipeliningLayer, the record says so, and the compiled cells
+  # train (the loss falls) within the budget, each device measured.
   path = tmp_path / 'r.json'
   out = _Run(
     '--family=transformer',
@@ -119,6 +169,27 @@ def testJitCompiledCellsRunATrial(tmp_path):
     timeout=900,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  (trial,) = json.loads(path.read_text())['trials']
+  data = json.loads(path.read_text())
+  (trial,) = data['trials']
   assert trial['jit_compile'] and trial['fits'] and trial['size'] == 2
-  assert trial['losses'][1] < trial['losses'][0]
+  assert trial['losses'][1] < trial['losses'][0]  # a real training step
+  (r,) = data['largest']
+  assert r['size'] == 2 and r['capped']
+  for key in (
+    'family',
+    'num_stages',
+    'num_micro_batches',
+    'num_params',
+    'param_bytes',
+    'peak_bytes_per_device',
+    'peak_activation_bytes',
+    'budget_bytes',
+  ):
+    assert key in r, key
+  assert r['balance_by'] == 'memory'
+  assert r['num_micro_batches'] == 8 and len(r['peak_bytes_per_device']) == 2
+  assert r['fixed']['seq_len'] == 16 and r['fixed']['model_dim'] == 64
+  assert len(r['splits']) == 2  # the cells the trial ran with
+  # Each device holds its own cell: both report memory of their own.
+  assert min(r['peak_bytes_per_device']) > 0
+  assert 'vs naive-1' in out.stdout
