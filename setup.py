@@ -40,7 +40,8 @@ setuptools.setup(
     # The documentation site (mkdocs.yml): `mkdocs build --strict`.
     'docs': DOCS,
     # The tests build the site too (tests/docs_test.py).
-    'test': ['pytest>=8', 'sympy>=1.12', 'ruff==0.17.6'] + DOCS,
+    'test': ['pytest>=8', 'pytest-xdist>=3.5', 'sympy>=1.12', 'ruff==0.17.6']
+    + DOCS,
   },
   entry_points={
     'console_scripts': [
