@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -39,7 +40,7 @@ _TRACE = textwrap.dedent("""
 """)
 
 
-def testPeakOfATracedWorker(tmp_path):
+def testPeakOfATracedWorker(tmp_path, capsys):
   trace = str(tmp_path / 'trace')
   out = subprocess.run(
     [sys.executable, '-c', _TRACE, trace],
@@ -50,14 +51,10 @@ def testPeakOfATracedWorker(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-3000:]
   path = str(tmp_path / 'peak.json')
-  out = subprocess.run(
-    [sys.executable, _TOOL, trace, f'--json={path}'],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert 'held before the trace' in out.stdout
+  status = runpy.run_path(_TOOL)['main']([trace, f'--json={path}'])
+  out = capsys.readouterr()
+  assert status == 0, out.err[-3000:]
+  assert 'held before the trace' in out.out
   with open(path) as f:
     result = json.load(f)
   mib = 2**20
@@ -69,13 +66,9 @@ def testPeakOfATracedWorker(tmp_path):
   assert result['peak_bytes'] >= 32 * mib
 
 
-def testNoTraceIsAClearError(tmp_path):
-  out = subprocess.run(
-    [sys.executable, _TOOL, str(tmp_path)],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert out.returncode == 2
-  assert 'No *.xplane.pb under' in out.stderr
-  assert 'Traceback' not in out.stderr
+def testNoTraceIsAClearError(tmp_path, capsys):
+  status = runpy.run_path(_TOOL)['main']([str(tmp_path)])
+  err = capsys.readouterr().err
+  assert status == 2
+  assert 'No *.xplane.pb under' in err
+  assert 'Traceback' not in err
