@@ -72,6 +72,7 @@ def Resolve(p):
       batch_dim=p.batch_dim,
       name=p.name,
       compiled=bool(p.jit_compile),
+      schedule=p.schedule,
     )
   except ValueError as e:
     raise ValueError(f'PipeliningLayer {p.name!r}: {e}') from e

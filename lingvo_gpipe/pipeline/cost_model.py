@@ -1,15 +1,17 @@
-"""A cost model of the GPipe fill-drain schedule, simulated clock by clock.
+"""A cost model of GPipe's fill-drain (and the 1F1B) schedule, simulated
+work item by work item.
 
 Inputs are per-cell costs (forward and backward seconds per micro-batch,
 bytes of the activation each cell sends to the next one, weight and stored
 input bytes), the number of micro-batches M, whether cells recompute their
 forward during the backward pass, and a device spec (link bandwidth and
-latency, per-op overhead, memory per device). The simulator follows
-schedule.ForwardOrder / BackwardOrder: a cell starts a micro-batch when its
-previous task is done and the input has arrived over its own link.
+latency, per-op overhead, memory per device). The simulator follows the
+schedule's work items (`schedule.Build`): a cell starts a micro-batch when
+its previous task is done and the input has arrived over its own link.
 
 Output per device: step time, peak memory (weights, gradients, optimizer
-slots, stored inputs of every micro-batch, live activations of the cell being
+slots, stored inputs of every micro-batch in flight (all M in GPipe's
+schedule, at most K - k in 1F1B's), live activations of the cell being
 recomputed, the output gradients that arrived from the next cell before the
 device could start their backward, or the optimizer's update temporaries once
 the backward is done; plus what the device's allocator rounds up), busy
@@ -31,6 +33,7 @@ __all__ = [
   'PeakMemoryBytes',
   'PeakOfBreakdown',
   'MemoryBreakdown',
+  'SIMULATED_SCHEDULES',
 ]
 
 # allocator_overhead: the fraction of the bytes of the buffers a step
@@ -257,6 +260,7 @@ def MemoryBreakdown(
   compiled=False,
   received_bytes=0,
   allocator_overhead=0.0,
+  held=None,
 ):
   """The bytes of one device holding `cell`, by part: a dict of 'weights',
   'gradients', 'optimizer_slots', 'stored_inputs', 'activations' and, where
@@ -277,7 +281,9 @@ def MemoryBreakdown(
   until added to it: 'compiled_gradients', one more copy of the weights in
   the backward pass when M > 1. 'received_gradients' (`received_bytes`)
   are the output gradients that arrived from the next cell while the device
-  was still busy, held beside the backward pass (see `Simulate`).
+  was still busy, held beside the backward pass (see `Simulate`). `held`:
+  the most micro-batches in flight on the device at once (default M; 1F1B
+  holds fewer, see `Simulate`).
   'allocator_rounding' is `allocator_overhead` times the step's share of
   the peak (all but the weights and slots) of a re-materialized cell: its
   buffers are freed and allocated again for every micro-batch, and the
@@ -291,13 +297,16 @@ def MemoryBreakdown(
   re-materialization costs no memory (and saves none).
   """
   m = num_micro_batches
+  # The micro-batches whose inputs (or activations) the device holds at
+  # once: all M in GPipe's schedule, at most K - k in 1F1B's.
+  h = m if held is None else held
   out = {
     'weights': cell.weight_bytes,
     'gradients': cell.weight_bytes,
     'optimizer_slots': cell.weight_bytes * optimizer_slots,
-    'stored_inputs': m * cell.input_bytes,
+    'stored_inputs': h * cell.input_bytes,
   }
-  out['activations'] = cell.activation_bytes * (1 if recompute else m)
+  out['activations'] = cell.activation_bytes * (1 if recompute else h)
   if cell.backward_bytes:
     out['backward_temporaries'] = cell.backward_bytes
   if compiled and m > 1:
@@ -363,6 +372,10 @@ def PeakMemoryBytes(
   )
 
 
+# The schedules `Simulate` times: one cell per device.
+SIMULATED_SCHEDULES = ('gpipe', '1f1b')
+
+
 def _ReceivedAhead(arrivals, starts, ends):
   """The most output gradients a device holds at the start of one of its
   backward tasks: those that have arrived (`arrivals[j]`) and whose backward
@@ -382,6 +395,7 @@ def Simulate(
   start_s=0.0,
   end_s=0.0,
   compiled=False,
+  schedule_name='gpipe',
 ):
   """Simulates one training step; returns a SimResult (lists per device).
 
@@ -397,6 +411,10 @@ def Simulate(
     end_s: seconds after the last backward (e.g. replicas returning their
       gradients).
     compiled: XLA-compiled cells (memory only; see `MemoryBreakdown`).
+    schedule_name: 'gpipe' (fill-drain) or '1f1b'; each device runs its
+      work items in the schedule's order (`schedule.Build`), each as soon
+      as the device is free and its inputs have arrived. A 1F1B device
+      holds at most K - k micro-batches in flight, against M in GPipe's.
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
@@ -411,6 +429,11 @@ def Simulate(
       'Simulate needs at least one cell and one micro-batch, '
       'got K=%d M=%d.' % (k_cells, m)
     )
+  if schedule_name not in SIMULATED_SCHEDULES:
+    raise ValueError(
+      f'The cost model simulates one cell per device: schedule '
+      f'{schedule_name!r} is not one of {", ".join(SIMULATED_SCHEDULES)}.'
+    )
   if isinstance(recompute, (list, tuple)):
     per_cell = [bool(r) for r in recompute]
   else:
@@ -420,24 +443,30 @@ def Simulate(
   sent = [0] * k_cells
   events = []
   fwd_done = {}
-  for _, k, mb in schedule.ForwardOrder(k_cells, m):
-    ready = free[k]
-    if k > 0:
-      ready = max(
-        ready, fwd_done[(k - 1, mb)] + _TransferS(cells[k - 1].out_bytes, spec)
-      )
-      sent[k - 1] += cells[k - 1].out_bytes
-    dur = cells[k].fprop_s + spec.op_overhead_s
-    free[k] = ready + dur
-    busy[k] += dur
-    fwd_done[(k, mb)] = free[k]
-    events.append(('forward', k, mb, ready, free[k]))
   bwd_done = {}
   # Per device: when each micro-batch's output gradient arrived, and when
   # its backward started and ended.
   arrived = [{} for _ in cells]
   started = [{} for _ in cells]
-  for _, k, mb in schedule.BackwardOrder(k_cells, m):
+  work = schedule.Build(schedule_name, k_cells, m)
+  held = schedule.InFlight(work, k_cells)
+  # Work items in clock order: what an item needs ran at an earlier clock.
+  for w in work:
+    k, mb = w.cell, w.micro_batch
+    if w.kind == schedule.FORWARD:
+      ready = free[k]
+      if k > 0:
+        ready = max(
+          ready,
+          fwd_done[(k - 1, mb)] + _TransferS(cells[k - 1].out_bytes, spec),
+        )
+        sent[k - 1] += cells[k - 1].out_bytes
+      dur = cells[k].fprop_s + spec.op_overhead_s
+      free[k] = ready + dur
+      busy[k] += dur
+      fwd_done[(k, mb)] = free[k]
+      events.append(('forward', k, mb, ready, free[k]))
+      continue
     ready = free[k]
     if k < k_cells - 1:
       # The gradient of the cell's output has the output's size.
@@ -470,6 +499,7 @@ def Simulate(
         compiled,
         received,
         spec.allocator_overhead,
+        held=held[k],
       )
     )
   return SimResult(

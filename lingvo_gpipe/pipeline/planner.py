@@ -10,9 +10,10 @@ number of ops, all read from the layer's abstractly traced `FProp` graph
 (or its `FPropMeta` formula). `MeasureProfile` adds the measured per-layer
 times of this host; `MeasureLink` the transfer bandwidth between two local
 TensorFlow server workers. For every candidate (R replicas, K cells, M
-micro-batches, recompute on or off, cells balanced by time or by memory),
-`Plan` groups the layers into `cost_model.CellCost`s and simulates the
-fill-drain schedule (`cost_model.Simulate`): predicted step time, peak
+micro-batches, GPipe's fill-drain or the 1F1B schedule, recompute on or off,
+cells balanced by time or by memory), `Plan` groups the layers into
+`cost_model.CellCost`s and simulates the schedule (`cost_model.Simulate`):
+predicted step time, peak
 memory per device, bubble and bytes sent. Candidates are ranked by step
 time; the others are rejected with a reason: does not fit (and what
 dominates memory), bubble-bound or transfer-bound.
@@ -105,6 +106,7 @@ class Candidate:
   verdict: str = 'ok'
   reason: str = ''
   events: list = None
+  schedule: str = 'gpipe'
 
   @property
   def max_peak_bytes(self):
@@ -130,9 +132,10 @@ class Candidate:
 
   def Label(self):
     rc = 'recompute' if self.recompute else 'no recompute'
+    sched = '' if self.schedule == 'gpipe' else f' {self.schedule}'
     return (
-      f'R={self.num_replicas} K={self.num_stages} M={self.num_micro_batches} '
-      f'{rc}, split by {self.split_by} {self.splits}'
+      f'R={self.num_replicas} K={self.num_stages} M={self.num_micro_batches}'
+      f'{sched} {rc}, split by {self.split_by} {self.splits}'
     )
 
   def ToDict(self):
@@ -189,9 +192,11 @@ def Evaluate(
   memory_bytes=None,
   optimizer_slots=2,
   compiled=False,
+  schedule='gpipe',
 ):
   """Predicts one configuration; returns a `Candidate` (`compiled`: the
-  cells are XLA-compiled, see `cost_model.MemoryBreakdown`)."""
+  cells are XLA-compiled, see `cost_model.MemoryBreakdown`; `schedule`:
+  one of `cost_model.SIMULATED_SCHEDULES`)."""
   k, m, r = num_stages, num_micro_batches, num_replicas
   if splits is None:
     splits = _Splits(profile, k, split_by, device, optimizer_slots)
@@ -214,6 +219,7 @@ def Evaluate(
     start_s=sync_s,
     end_s=sync_s,
     compiled=compiled,
+    schedule_name=schedule,
   )
   free = cost_model.Simulate(
     cells,
@@ -221,6 +227,7 @@ def Evaluate(
     spec._replace(link_bytes_per_s=float('inf'), link_latency_s=0.0),
     recompute,
     optimizer_slots,
+    schedule_name=schedule,
   )
   peaks = list(sim.peak_memory)
   worst = max(range(k), key=lambda i: peaks[i])
@@ -242,6 +249,7 @@ def Evaluate(
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,
     events=sim.events,
+    schedule=schedule,
   )
   limit = spec.memory_bytes
   if cand.max_peak_bytes > limit:
@@ -261,7 +269,7 @@ def Evaluate(
   elif cand.bubble > BUBBLE_BOUND:
     cand.verdict = 'bubble-bound'
     cand.reason = (
-      f'devices idle {100 * cand.bubble:.0f}% of the step (fill-drain '
+      f'devices idle {100 * cand.bubble:.0f}% of the step (the '
       f'bubble (K-1)/(M+K-1) and imbalance); use M >= 4K'
     )
   return cand
@@ -329,8 +337,8 @@ class PlanResult:
       )
     else:
       head = (
-        f'{"#":>3} {"R":>2} {"K":>3} {"M":>4} {"recompute":>9} '
-        f'{"step":>10} {"examples/s":>11} {"bubble":>6} '
+        f'{"#":>3} {"R":>2} {"K":>3} {"M":>4} {"schedule":>8} '
+        f'{"recompute":>9} {"step":>10} {"examples/s":>11} {"bubble":>6} '
         f'{"peak/device":>12}  splits (by)'
       )
       lines += ['Feasible, best first:', head, '-' * len(head)]
@@ -338,7 +346,8 @@ class PlanResult:
         note = '' if c.verdict == 'ok' else f'  [{c.verdict}]'
         lines.append(
           f'{i + 1:>3} {c.num_replicas:>2} {c.num_stages:>3} '
-          f'{c.num_micro_batches:>4} {"yes" if c.recompute else "no":>9} '
+          f'{c.num_micro_batches:>4} {c.schedule:>8} '
+          f'{"yes" if c.recompute else "no":>9} '
           f'{_FormatS(c.step_s):>10} {c.examples_per_s:>11.4g} '
           f'{_Bubble(c):>6} '
           f'{FormatBytes(c.max_peak_bytes):>12}  {c.splits} '
@@ -412,6 +421,7 @@ def Plan(
   max_micro_batches=64,
   split_by=('time', 'memory'),
   compiled=False,
+  schedules=cost_model.SIMULATED_SCHEDULES,
 ):
   """Predicts every candidate; returns a `PlanResult`.
 
@@ -428,7 +438,18 @@ def Plan(
     max_micro_batches: the largest M tried.
     split_by: how cells are balanced: by 'time' and/or by 'memory'.
     compiled: the cells are XLA-compiled (`jit_compile`; memory only).
+    schedules: the schedules tried ('gpipe' and/or '1f1b'). With one cell
+      or one micro-batch they are the same, and only the first is tried.
+      At equal step time the smaller peak ranks first: 1F1B holds K - k
+      micro-batches in flight where GPipe holds M.
   """
+  for name in schedules:
+    if name not in cost_model.SIMULATED_SCHEDULES:
+      raise ValueError(
+        f'schedule {name!r}: the planner predicts '
+        f'{" and ".join(cost_model.SIMULATED_SCHEDULES)} (one cell per '
+        "device); plan with those, then try 'interleaved' by measuring."
+      )
   num_layers = profile.num_layers
   CheckShape(num_layers, num_devices, num_stages, num_replicas)
   memory_bytes = int(memory_bytes or device.memory_bytes)
@@ -443,6 +464,8 @@ def Plan(
     max_k = min(num_layers, num_devices // r)
     ks = [num_stages] if num_stages else range(1, max_k + 1)
     for k in ks:
+      if k * r > num_devices:
+        continue  # A fixed K with this many replicas needs more devices.
       if num_micro_batches:
         ms = (
           [num_micro_batches] if (batch // r) % num_micro_batches == 0 else []
@@ -458,22 +481,25 @@ def Plan(
         if by != bys[0] and splits == splits_cache[(k, bys[0])]:
           continue
         for m in ms:
+          scheds = schedules if k > 1 and m > 1 else schedules[:1]
           for rc in recomputes:
-            cands.append(
-              Evaluate(
-                profile,
-                device,
-                k,
-                m,
-                rc,
-                r,
-                splits,
-                by,
-                memory_bytes,
-                optimizer_slots,
-                compiled,
+            for sched in scheds:
+              cands.append(
+                Evaluate(
+                  profile,
+                  device,
+                  k,
+                  m,
+                  rc,
+                  r,
+                  splits,
+                  by,
+                  memory_bytes,
+                  optimizer_slots,
+                  compiled,
+                  sched,
+                )
               )
-            )
   if not cands:
     raise ValueError(
       f'No configuration: the batch of {batch} is not divisible by '
@@ -534,11 +560,14 @@ def Resolve(
   name='pipeline',
   split_by=('time',),
   compiled=False,
+  schedule='gpipe',
 ):
   """Chooses K and/or M for a pipeline; returns (K, M, Candidate, text).
 
   `num_stages` / `num_micro_batches` are 'auto' or fixed ints; K * R is at
-  most `num_devices`; M divides the per-replica batch.
+  most `num_devices`; M divides the per-replica batch. The pipeline's
+  `schedule` is predicted as itself where the cost model simulates it
+  ('gpipe', '1f1b'), else as 'gpipe'.
   """
   if input_shapes is None:
     raise ValueError(
@@ -563,6 +592,9 @@ def Resolve(
     recompute=recompute,
     split_by=split_by,
     compiled=compiled,
+    schedules=(
+      (schedule,) if schedule in cost_model.SIMULATED_SCHEDULES else ('gpipe',)
+    ),
   )
   best = result.best
   if best is None:

@@ -208,6 +208,8 @@ def ApplyText(cand, model, pipe_key, device_name):
     ('recompute', _RECOMPUTE[cand.recompute]),
     ('splits', list(cand.splits)),
   ]
+  if cand.schedule != 'gpipe':
+    fields.append(('schedule', cand.schedule))
   if pipe_key is None:
     sets = [
       ('num_stages', cand.num_stages),
@@ -319,6 +321,9 @@ def RunPlan(args):
       num_micro_batches=args.num_micro_batches,
       num_replicas=args.num_replicas,
       recompute=recompute,
+      schedules=(
+        ('gpipe', '1f1b') if args.schedule == 'search' else (args.schedule,)
+      ),
       max_micro_batches=args.max_micro_batches,
       compiled=args.jit_compile,
     )
@@ -842,6 +847,12 @@ def ParseArgs(argv):
   parser.add_argument('--num_replicas', type=int, default=None, help='Fix R.')
   parser.add_argument(
     '--recompute', default='search', choices=['search', 'yes', 'no']
+  )
+  parser.add_argument(
+    '--schedule',
+    default='search',
+    choices=['search', 'gpipe', '1f1b'],
+    help="Fix the schedule; 'search' predicts GPipe's fill-drain and 1F1B.",
   )
   parser.add_argument('--max_micro_batches', type=int, default=64)
   parser.add_argument(

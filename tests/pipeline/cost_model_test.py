@@ -192,3 +192,25 @@ def testAllocatorOverheadOfThePresets():
   assert cost_model.GetPreset('cpu').Spec().allocator_overhead > 0
   assert cost_model.GetPreset('h100').Spec().allocator_overhead > 0
   assert cost_model.GetPreset('tpu_v3').Spec().allocator_overhead == 0
+
+
+def testOneFOneBTakesAsLongAndHoldsFewerMicroBatches():
+  cells = [
+    _Cell(weight_bytes=1000, input_bytes=10, activation_bytes=50),
+    _Cell(weight_bytes=400, input_bytes=20, activation_bytes=30),
+  ]
+  gpipe = cost_model.Simulate(cells, 4, _FREE_LINKS, recompute=True)
+  res = cost_model.Simulate(
+    cells, 4, _FREE_LINKS, recompute=True, schedule_name='1f1b'
+  )
+  # Uniform cells: the same bubble, so the same step.
+  assert res.step_s == pytest.approx(gpipe.step_s)
+  # Cell k holds at most K - k micro-batches' inputs (GPipe: all M = 4).
+  assert res.peak_memory == [4 * 1000 + 2 * 10 + 50, 4 * 400 + 1 * 20 + 30]
+  # Every work item of the schedule ran once, in each device's order.
+  assert len(res.events) == 2 * 2 * 4
+  for k in range(2):
+    mine = [e for e in res.events if e[1] == k]
+    assert all(a[4] <= b[3] for a, b in zip(mine, mine[1:]))
+  with pytest.raises(ValueError, match="schedule 'interleaved' is not one of"):
+    cost_model.Simulate(cells, 4, _FREE_LINKS, schedule_name='interleaved')

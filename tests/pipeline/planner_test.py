@@ -88,7 +88,7 @@ def testOneStageHasNoBubbleAndReMaterializingOneMicroBatchIsFree():
     for line in res.ToText(top=10).splitlines()
     if line.split()[:1] and line.split()[0].isdigit()
   ]
-  assert rows and all(row[8] == '-' for row in rows), rows
+  assert rows and all(row[9] == '-' for row in rows), rows
   # K=1, M=1: the recomputed forward pass reuses its own buffers.
   for r in (1, 2):
     peaks = {
@@ -332,3 +332,36 @@ def testAmoebaNetCellsPassTheirInputOn():
   dup = planner.InputDuplicateBytes(profile.layers)
   assert dup > 0
   assert dup < sum(lp.activation_bytes for lp in profile.layers) / 4
+
+
+def testPlannerRanksGPipeAndOneFOneB():
+  """Both schedules are predicted; where GPipe's M stored inputs do not fit
+  and 1F1B's K - k do, 1F1B is the plan, and the text says so."""
+  prof = planner.ProfileLayers(_Fcs(8, 256), [[1024, 256]])
+  device = cost_model.GetPreset('cpu')
+  both = {
+    s: planner.Evaluate(prof, device, 4, 16, True, schedule=s)
+    for s in ('gpipe', '1f1b')
+  }
+  assert both['1f1b'].max_peak_bytes < both['gpipe'].max_peak_bytes
+  budget = (both['1f1b'].max_peak_bytes + both['gpipe'].max_peak_bytes) // 2
+  res = planner.Plan(
+    prof,
+    device,
+    4,
+    memory_bytes=budget,
+    num_stages=4,
+    num_micro_batches=16,
+    recompute=True,
+  )
+  assert res.best.schedule == '1f1b'
+  # A fixed K takes only the replicas that the devices leave room for.
+  assert all(c.num_stages * c.num_replicas <= 4 for c in res.rejected)
+  assert {c.num_replicas for c in res.feasible + res.rejected} == {1}
+  assert any(
+    c.schedule == 'gpipe' and c.verdict == 'does not fit' for c in res.rejected
+  )
+  text = res.ToText()
+  assert ' 1f1b ' in text and 'schedule' in text
+  with pytest.raises(ValueError, match="schedule 'interleaved': the planner"):
+    planner.Plan(prof, device, 4, schedules=('interleaved',))

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from lingvo_gpipe.pipeline import planner
 from lingvo_gpipe.tools import plan
 
 _SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
@@ -282,6 +283,24 @@ def testPrintsTheTrainerFlagsThatApplyTheBestPlan(tmp_path, capsys):
   assert net.num_micro_batches == best['num_micro_batches'] == 4
   assert net.recompute == ('always' if best['recompute'] else 'never')
   assert list(net.splits) == best['splits']
+  assert net.schedule == best['schedule']  # 'gpipe' or '1f1b', as planned
+
+
+def testTheFlagsSetTheScheduleOfAOneFOneBPlan():
+  cand = planner.Candidate(
+    num_replicas=1,
+    num_stages=2,
+    num_micro_batches=4,
+    recompute=True,
+    split_by='time',
+    splits=[1, 2],
+    schedule='1f1b',
+  )
+  line = plan.ApplyText(cand, 'image.digits.MlpDigitsTiny', 'network', 'cpu')
+  assert "network.schedule : 1f1b'" in line, line
+  cand.schedule = 'gpipe'
+  line = plan.ApplyText(cand, 'image.digits.MlpDigitsTiny', 'network', 'cpu')
+  assert 'schedule' not in line  # the default: nothing to set
 
 
 def testPrintsThePipelineParamsOfABuiltInModel(capsys):
