@@ -25,7 +25,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.pipeline import device_presets
 
 __all__ = [
   'LayerProfile',
@@ -747,10 +747,10 @@ def MeasureLink(timeout_s=180):
 
 
 def MeasuredDevice(memory_bytes, link=None):
-  """The `cost_model.Device` of this host (per-layer times come from
+  """The `device_presets.Device` of this host (per-layer times come from
   `MeasureProfile`); `link`: (bytes per s, latency s), else measured."""
   bw, latency = link if link else MeasureLink()
-  return cost_model.Device(
+  return device_presets.Device(
     name='measure',
     description=(
       f'this host, measured: link {bw / 2**20:.0f} MiB/s one way, latency '
@@ -763,5 +763,5 @@ def MeasuredDevice(memory_bytes, link=None):
     link_latency_s=latency,
     op_overhead_s=0.0,
     flops_efficiency=1.0,
-    allocator_overhead=cost_model.BFC_OVERHEAD,
+    allocator_overhead=device_presets.BFC_OVERHEAD,
   )

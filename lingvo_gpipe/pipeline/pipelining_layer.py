@@ -165,7 +165,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       'planner_device',
       None,
       "With 'auto': the device preset the planner predicts for "
-      '(pipeline/cost_model.PRESETS: tpu_v2, tpu_v3, v100, a100, h100, '
+      '(pipeline/device_presets.PRESETS: tpu_v2, tpu_v3, v100, a100, h100, '
       'cpu); None: guessed from the devices.',
     )
     p.Define(

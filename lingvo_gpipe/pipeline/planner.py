@@ -19,7 +19,7 @@ time; the others are rejected with a reason: does not fit (and what
 dominates memory), bubble-bound or transfer-bound.
 
   profile = planner.ProfileLayers(layers, [[batch, dim]])
-  result = planner.Plan(profile, cost_model.GetPreset('tpu_v3'),
+  result = planner.Plan(profile, device_presets.GetPreset('tpu_v3'),
                         num_devices=8)
   print(result.ToText())
 
@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.pipeline import device_presets
 from lingvo_gpipe.pipeline.layer_profile import FormatBytes  # noqa: F401
 from lingvo_gpipe.pipeline.layer_profile import InputDuplicateBytes
 from lingvo_gpipe.pipeline.layer_profile import LayerProfile  # noqa: F401
@@ -427,7 +428,7 @@ def Plan(
 
   Args:
     profile: a `ModelProfile`.
-    device: a `cost_model.Device`.
+    device: a `device_presets.Device`.
     num_devices: devices available; candidates use K * R <= num_devices.
     memory_bytes: memory per device (default: the device's).
     optimizer_slots: optimizer slots per weight (Adam 2, SGD 0).
@@ -539,11 +540,11 @@ def DetectDevice(devices):
       model = ''
     for key in ('h100', 'a100', 'v100'):
       if key in model:
-        return cost_model.PRESETS[key]
-    return cost_model.PRESETS['v100']
+        return device_presets.PRESETS[key]
+    return device_presets.PRESETS['v100']
   if 'TPU' in name.upper():
-    return cost_model.PRESETS['tpu_v3']
-  return cost_model.PRESETS['cpu']
+    return device_presets.PRESETS['tpu_v3']
+  return device_presets.PRESETS['cpu']
 
 
 def Resolve(
@@ -577,7 +578,7 @@ def Resolve(
       'num_stages and num_micro_batches.'
     )
   if isinstance(device, str):
-    device = cost_model.GetPreset(device)
+    device = device_presets.GetPreset(device)
   profile = ProfileLayers(layer_params, input_shapes, batch_dim, name)
   k = None if num_stages == 'auto' else num_stages
   m = None if num_micro_batches == 'auto' else num_micro_batches

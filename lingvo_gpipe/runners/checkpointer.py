@@ -1,8 +1,5 @@
 """Checkpoints keyed by variable names, saved atomically, resumed safely.
 
-Over 500 lines: name mapping, atomic files and the Checkpointer, to be split
-by concept.
-
 A checkpoint is a `tf.train.Checkpoint` over a DICT {full variable name:
 variable} (plus, where the dataset allows, the input iterator):
 

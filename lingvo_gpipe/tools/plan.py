@@ -41,6 +41,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import cost_model  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.pipeline import device_presets  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import planner  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.tools import benchmark_pipeline  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.tools import max_model_size  # pylint: disable=g-import-not-at-top
@@ -283,11 +284,11 @@ def GetDevice(args, profile=None, layers=None, link=None):
       )
     mem = (
       ParseBytes(args.memory_per_device)
-      or cost_model.PRESETS['cpu'].memory_bytes
+      or device_presets.PRESETS['cpu'].memory_bytes
     )
     return planner.MeasuredDevice(mem, link=link)
   try:
-    return cost_model.GetPreset(args.device)
+    return device_presets.GetPreset(args.device)
   except ValueError as e:
     raise UserError(str(e)) from e
 
@@ -534,7 +535,7 @@ def ValidateCapacity(data, args):
   from lingvo_gpipe.core import base_layer  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.pipeline import balance  # pylint: disable=g-import-not-at-top
 
-  device = cost_model.GetPreset('cpu')
+  device = device_presets.GetPreset('cpu')
   rows = []
   families = None
   for trial in data['trials']:
@@ -624,7 +625,7 @@ def CalibratedDevice(records, profile, link):
   flops = 3 * sum(lp.flops for lp in profile.layers)
   rate = flops / float(base[0]['step_time_s'])
   bw = link[0] if link else 1e9
-  return cost_model.Device(
+  return device_presets.Device(
     name='calibrated',
     description=(
       f'{rate / 1e9:.1f} GFLOP/s from the measured one-device step of '
@@ -680,7 +681,7 @@ def ValidationTable(rows, devices):
 
 def PaperTable2(args):
   """Records of the paper's Table 2 predicted with the TPU preset."""
-  device = cost_model.GetPreset(args.paper_device)
+  device = device_presets.GetPreset(args.paper_device)
   records = []
   for model, builder in (
     ('transformer48', lambda: PaperTransformer(48)),
@@ -774,7 +775,7 @@ def LargestTransformer(device, num_stages, memory_bytes, recompute=True):
 
 
 def PaperTable1(args):
-  device = cost_model.GetPreset(args.paper_device)
+  device = device_presets.GetPreset(args.paper_device)
   memory = ParseBytes(args.memory_per_device) or 16 * GIB
   records = []
   rows = [('naive-1', 1, False, PAPER_TABLE1_NAIVE)] + [
@@ -833,7 +834,7 @@ def ParseArgs(argv):
   parser.add_argument(
     '--device',
     default='cpu',
-    help=f'Preset ({", ".join(sorted(cost_model.PRESETS))}) or measure.',
+    help=f'Preset ({", ".join(sorted(device_presets.PRESETS))}) or measure.',
   )
   parser.add_argument(
     '--memory_per_device',
@@ -900,10 +901,10 @@ def ParseArgs(argv):
     help="Registered models: the batch size (default: the model's input).",
   )
   args = parser.parse_args(argv)
-  if args.device != 'measure' and args.device not in cost_model.PRESETS:
+  if args.device != 'measure' and args.device not in device_presets.PRESETS:
     raise UserError(
       f'Unknown --device={args.device!r}; the presets are '
-      f"{sorted(cost_model.PRESETS)}, or 'measure' to profile this host."
+      f"{sorted(device_presets.PRESETS)}, or 'measure' to profile this host."
     )
   return args
 

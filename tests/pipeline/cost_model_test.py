@@ -3,6 +3,7 @@
 import pytest
 
 from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.pipeline import device_presets
 
 _FREE_LINKS = cost_model.DeviceSpec(
   memory_bytes=1 << 30,
@@ -189,9 +190,9 @@ def testReMaterializingOneMicroBatchCostsNoMemory():
 def testAllocatorOverheadOfThePresets():
   # TensorFlow's BFC allocator (CPU, GPU) rounds buffers up; XLA on TPU
   # assigns them ahead of time.
-  assert cost_model.GetPreset('cpu').Spec().allocator_overhead > 0
-  assert cost_model.GetPreset('h100').Spec().allocator_overhead > 0
-  assert cost_model.GetPreset('tpu_v3').Spec().allocator_overhead == 0
+  assert device_presets.GetPreset('cpu').Spec().allocator_overhead > 0
+  assert device_presets.GetPreset('h100').Spec().allocator_overhead > 0
+  assert device_presets.GetPreset('tpu_v3').Spec().allocator_overhead == 0
 
 
 def testOneFOneBTakesAsLongAndHoldsFewerMicroBatches():

@@ -9,7 +9,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.layers import activations
 from lingvo_gpipe.layers import transformer
-from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.pipeline import device_presets
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import planner
 
@@ -58,7 +58,7 @@ def testProfileNeedsTheBatchSize():
 
 def testPlanRanksAndExplainsRejections():
   prof = planner.ProfileLayers(_Fcs(8, 512), [[256, 512]])
-  device = cost_model.GetPreset('cpu')
+  device = device_presets.GetPreset('cpu')
   # 8 layers of 1 MiB weights: 4 MiB each with gradients and Adam slots.
   res = planner.Plan(prof, device, 4, memory_bytes=14 * MIB)
   assert res.feasible
@@ -76,7 +76,7 @@ def testPlanRanksAndExplainsRejections():
 
 def testOneStageHasNoBubbleAndReMaterializingOneMicroBatchIsFree():
   prof = planner.ProfileLayers(_Fcs(4, 128), [[64, 128]])
-  device = cost_model.GetPreset('cpu')
+  device = device_presets.GetPreset('cpu')
   res = planner.Plan(prof, device, 2, num_stages=1, num_micro_batches=1)
   cands = res.feasible + res.rejected
   # R=2 replicas of one stage idle while their weights and gradients move,
@@ -107,7 +107,7 @@ def testOneStageHasNoBubbleAndReMaterializingOneMicroBatchIsFree():
 def testCompiledCellsNeedOneMoreCopyOfTheirGradients():
   # 8 layers of 1 MiB weights on 2 cells: 4 MiB of weights per device.
   prof = planner.ProfileLayers(_Fcs(8, 512), [[256, 512]])
-  device = cost_model.GetPreset('cpu')
+  device = device_presets.GetPreset('cpu')
   kw = dict(num_stages=2, num_micro_batches=4, recompute=True)
   plain = planner.Plan(prof, device, 2, **kw).best
   compiled = planner.Plan(prof, device, 2, compiled=True, **kw).best
@@ -118,7 +118,7 @@ def testCompiledCellsNeedOneMoreCopyOfTheirGradients():
 
 def testModelThatFitsNothingNamesItsSmallestNeed():
   prof = planner.ProfileLayers(_Fcs(2, 512), [[64, 512]])
-  res = planner.Plan(prof, cost_model.GetPreset('cpu'), 2, memory_bytes=MIB)
+  res = planner.Plan(prof, device_presets.GetPreset('cpu'), 2, memory_bytes=MIB)
   assert not res.feasible
   text = res.ToText()
   assert 'No configuration fits' in text
@@ -127,19 +127,19 @@ def testModelThatFitsNothingNamesItsSmallestNeed():
 
 def testBadShapesGiveTheValidRange():
   prof = planner.ProfileLayers(_Fcs(3), [[8, 256]])
-  cpu = cost_model.GetPreset('cpu')
+  cpu = device_presets.GetPreset('cpu')
   with pytest.raises(ValueError, match=r'3 layers: K must lie in \[1, 3\]'):
     planner.Plan(prof, cpu, 8, num_stages=4)
   with pytest.raises(ValueError, match=r'K=2 x R=2 = 4 devices'):
     planner.Plan(prof, cpu, 2, num_stages=2, num_replicas=2)
   with pytest.raises(ValueError, match='tpu_v3'):
-    cost_model.GetPreset('tpu_v9')
+    device_presets.GetPreset('tpu_v9')
 
 
 def testBubbleBoundIsRejectedWhenBetterExists():
   # 1024 flops per byte sent: compute-bound on a TPU core's link.
   prof = planner.ProfileLayers(_Fcs(4, 2048), [[256, 2048]])
-  res = planner.Plan(prof, cost_model.GetPreset('tpu_v3'), 4)
+  res = planner.Plan(prof, device_presets.GetPreset('tpu_v3'), 4)
   bubble = [c for c in res.rejected if c.verdict == 'bubble-bound']
   assert any(c.num_stages == 4 and c.num_micro_batches == 1 for c in bubble)
   assert all('idle' in c.reason for c in bubble)
@@ -251,7 +251,7 @@ def testLargestVariableIsProfiled():
 def testSlowLinksMakeATransferBoundPipeline():
   prof = planner.ProfileLayers(_Fcs(4, 512), [[512, 512]])
   slow = dataclasses.replace(
-    cost_model.GetPreset('tpu_v3'), link_bytes_per_s=1e6, name='slow'
+    device_presets.GetPreset('tpu_v3'), link_bytes_per_s=1e6, name='slow'
   )
   cand = planner.Evaluate(prof, slow, 2, 8)
   assert cand.verdict == 'transfer-bound'
@@ -292,8 +292,10 @@ def testReluOfAPassedOnStateCountsOnceInACell():
   )
   # Cells are traced apart: the first layer of the next cell is not merged.
   profile = planner.ModelProfile(name='toy', layers=[a, b], batch_size=1)
-  whole = planner.CellCosts(profile, [2], 1, 1, cost_model.GetPreset('cpu'))
-  split = planner.CellCosts(profile, [1, 2], 1, 1, cost_model.GetPreset('cpu'))
+  whole = planner.CellCosts(profile, [2], 1, 1, device_presets.GetPreset('cpu'))
+  split = planner.CellCosts(
+    profile, [1, 2], 1, 1, device_presets.GetPreset('cpu')
+  )
   assert whole[0].activation_bytes == 2000 - 100
   assert [c.activation_bytes for c in split] == [1000, 1000]
 
@@ -338,7 +340,7 @@ def testPlannerRanksGPipeAndOneFOneB():
   """Both schedules are predicted; where GPipe's M stored inputs do not fit
   and 1F1B's K - k do, 1F1B is the plan, and the text says so."""
   prof = planner.ProfileLayers(_Fcs(8, 256), [[1024, 256]])
-  device = cost_model.GetPreset('cpu')
+  device = device_presets.GetPreset('cpu')
   both = {
     s: planner.Evaluate(prof, device, 4, 16, True, schedule=s)
     for s in ('gpipe', '1f1b')

@@ -193,7 +193,7 @@ def testPaperTable2TransformerRowsAtM32(tmp_path):
 
 
 def testPaperTable1LargestTransformerPerK():
-  device = plan.cost_model.GetPreset('tpu_v3')
+  device = plan.device_presets.GetPreset('tpu_v3')
   for k, paper in plan.PAPER_TABLE1_TRANSFORMER.items():
     if k > 8:
       continue
