@@ -460,8 +460,22 @@ def Validate(args):
     k = max(int(rec['num_stages']), 1)
     m = int(rec['num_micro_batches'])
     r = int(rec.get('replicas') or 1)
+    sched = rec.get('schedule') or 'gpipe'
+    if sched not in cost_model.SIMULATED_SCHEDULES:
+      print(
+        f'Not predicted: {model} K={k} M={m} schedule {sched} (the cost '
+        'model simulates one cell per device).'
+      )
+      continue
     cand = planner.Evaluate(
-      profile, device, k, m, bool(rec['recompute']), r, split_by='time'
+      profile,
+      device,
+      k,
+      m,
+      bool(rec['recompute']),
+      r,
+      split_by='time',
+      schedule=sched,
     )
     measured = float(rec['step_time_s'])
     row = dict(
@@ -470,6 +484,7 @@ def Validate(args):
       num_micro_batches=m,
       recompute=bool(rec['recompute']),
       replicas=r,
+      schedule=sched,
       predicted_step_s=cand.step_s,
       measured_step_s=measured,
       step_ratio=cand.step_s / measured,
@@ -670,6 +685,8 @@ def ValidationTable(rows, devices):
         )
         if x is not None
       )
+    if r.get('schedule', 'gpipe') != 'gpipe':
+      line += f'  [{r["schedule"]}]'
     lines.append(line)
   return '\n'.join(lines)
 

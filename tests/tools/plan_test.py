@@ -123,6 +123,20 @@ def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
   assert 'vs measured' in text and text.count('mlp') >= 3
   with open(out_json) as f:
     assert len(json.load(f)['rows']) == 3
+  # A 1F1B record is predicted as 1F1B (fewer micro-batches held); an
+  # interleaved one is named and left out.
+  one_f = dict(bench['records'][2], schedule='1f1b')
+  inter = dict(bench['records'][2], schedule='interleaved')
+  bench['records'] += [one_f, inter]
+  path.write_text(json.dumps(bench))
+  rows = plan.Validate(plan.ParseArgs([f'--validate={path}', '--device=cpu']))
+  assert [r['schedule'] for r in rows] == ['gpipe'] * 3 + ['1f1b']
+  assert max(rows[3]['predicted_peak_bytes']) <= max(
+    rows[2]['predicted_peak_bytes']
+  )
+  text = capsys.readouterr().out
+  assert '[1f1b]' in text
+  assert 'Not predicted: mlp K=2 M=4 schedule interleaved' in text
 
 
 def testCalibrateFitsEachModelOnItsOwnPlainRecord(tmp_path, capsys):
