@@ -476,9 +476,14 @@ def ParseConfigs(text):
   """'KxMxC[xR],...' (C=1: recompute; R: replicas) -> [(K, M, bool, R)]."""
   out = []
   for c in text.split(','):
-    parts = [int(x) for x in c.split('x')]
+    try:
+      parts = [int(x) for x in c.split('x')]
+    except ValueError:
+      parts = []
     if len(parts) not in (3, 4):
-      raise ValueError(f'Config {c!r} is not KxMxC or KxMxCxR.')
+      raise ValueError(
+        f'--configs item {c!r} is not KxMxC or KxMxCxR (ints), e.g. 2x8x1.'
+      )
     k, m, r = parts[:3]
     out.append((k, m, bool(r), parts[3] if len(parts) == 4 else 1))
   return out
@@ -848,8 +853,16 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     ParseSchedules(args.schedules)
+    configs = ParseConfigs(args.configs) if args.configs else []
   except ValueError as e:
     parser.error(str(e))
+  for k, m, _, reps in configs:
+    if max(k, 1) * reps > args.num_devices:
+      parser.error(
+        f'--configs item {k}x{m}: K={k} x R={reps} needs '
+        f'{max(k, 1) * reps} devices but --num_devices={args.num_devices}; '
+        f'raise --num_devices to {max(k, 1) * reps} or lower K or R.'
+      )
 
   local = None
   if args.mode == 'in_process':

@@ -1,4 +1,5 @@
-"""tools/benchmark_pipeline.py --jit_compile: rows with and without XLA."""
+"""tools/benchmark_pipeline.py: --jit_compile rows with and without XLA;
+--configs that the devices cannot run, refused in one line."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from lingvo_gpipe.tools import benchmark_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -55,3 +58,26 @@ def testJitCompileBothGivesRowsWithAndWithout(tmp_path):
       assert r['normalized_to_k2m1'] == 1.0
     assert r['speedup_vs_plain'] > 0
   assert 'jit_compile' in res.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+  'flags,message',
+  [
+    (
+      ['--configs=4x8x0'],
+      '--configs item 4x8: K=4 x R=1 needs 4 devices but --num_devices=2; '
+      'raise --num_devices to 4',
+    ),
+    (['--configs=1x1x0x3'], 'K=1 x R=3 needs 3 devices'),
+    (['--configs=2x8'], "--configs item '2x8' is not KxMxC or KxMxCxR"),
+    (['--configs=2xfourx1'], "'2xfourx1' is not KxMxC"),
+  ],
+)
+def testConfigsTheDevicesCannotRunAreOneLine(flags, message, capsys):
+  # Before any worker starts or any model is built.
+  with pytest.raises(SystemExit) as e:
+    benchmark_pipeline.main(flags)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert message in err, err
+  assert 'Traceback' not in err
