@@ -374,30 +374,55 @@ class ClockLoops:
       rest = rest[n:]
     return out, loss, updates
 
-  def _Read(self, run, r, k, tick, outputs=True):
+  def _Read(self, run, r, k, tick, outputs=True, stats=None):
     """(outputs or None, loss or None, updates) of cell k at `tick`, read
-    from the forward loop's lists (the updates only, unless `outputs`)."""
+    from the forward loop's lists (the updates only, unless `outputs`);
+    `stats`: {list index: [micro-batch] tensors}, the statistics of the
+    updates already read (see `_StatsOf`)."""
     out_t, has_loss, upd_t = run.templates[(r, k)]
     n = len(_NonNone(out_t)) + int(has_loss)
     lists = run.lists[(r, k)]
     with self._Device(k, r):
-      flat = [
-        ta.read(tick) if outputs or i >= n else None
-        for i, ta in enumerate(lists)
-      ]
+      flat = []
+      for i, ta in enumerate(lists):
+        if i >= n and stats is not None:
+          flat.append(stats[i][tick - k])
+        elif outputs or i >= n:
+          flat.append(ta.read(tick))
+        else:
+          flat.append(None)
     return self._Unflatten(run, r, k, flat)
+
+  def _StatsOf(self, run, r, k):
+    """{list index: [micro-batch m] cell k's statistic of micro-batch m}:
+    each statistic's list read whole (the ticks k .. k + M - 1) and
+    unstacked, two ops per statistic instead of one read per micro-batch
+    (a batch-normalized model has many statistics per cell)."""
+    out_t, has_loss, _ = run.templates[(r, k)]
+    n = len(_NonNone(out_t)) + int(has_loss)
+    lists = run.lists[(r, k)]
+    ticks = tf.range(k, k + run.num_mb)
+    with self._Device(k, r):
+      return {
+        i: tf.unstack(lists[i].gather(ticks), num=run.num_mb)
+        for i in range(n, len(lists))
+      }
 
   def _Results(self, run, num_r, num_k):
     """The outputs, losses and updates of every micro-batch, read from the
     loop's lists in the work items' order."""
     last = num_k - 1
     num_mb = run.num_mb
-    run.updates, finals = [], {}
+    run.updates, finals, stats = [], {}, {}
     for _, k, m in schedule_lib.ForwardOrder(num_k, num_mb):
       for r in range(num_r):
         if k != last and not run.templates[(r, k)][2]:
           continue
-        got = self._Read(run, r, k, m + k, outputs=k == last)
+        if (r, k) not in stats:
+          stats[(r, k)] = self._StatsOf(run, r, k)
+        got = self._Read(
+          run, r, k, m + k, outputs=k == last, stats=stats[(r, k)]
+        )
         run.updates.extend(got[2])
         if k == last:
           finals[r * num_mb + m] = got
