@@ -55,12 +55,13 @@ def _SetupDeterministicDropout(params):
   return params
 
 
-class _GPipeEvolvedMixin:
-  """The stack's 8-tuple around an Evolved Transformer layer's FProp."""
+class _Evolved(layers_with_gpipe.StackLayer):
+  """An Evolved Transformer layer of the stack (the first base; the second
+  is the Evolved Transformer layer)."""
 
-  def _InitGPipe(self):
+  def __init__(self, params):
     base_layer.RejectUnsupportedParams(
-      self.params,
+      params,
       {
         'is_transparent': (
           False,
@@ -69,105 +70,23 @@ class _GPipeEvolvedMixin:
         )
       },
     )
-    layers_with_gpipe.CreateLayerChildren(self)
+    super().__init__(params)
 
   @classmethod
   def SetupDeterministicDropout(cls, params):
     return _SetupDeterministicDropout(params)
 
-  @classmethod
-  def FPropMeta(cls, p, inputs, *args):
-    return layers_with_gpipe.LayerFPropMeta(p, inputs, *args)
-
 
 class GPipeEvolvedTransformerEncoderLayer(
-  _GPipeEvolvedMixin, evolved_transformer.EvolvedTransformerEncoderLayer
+  _Evolved, evolved_transformer.EvolvedTransformerEncoderLayer
 ):
   """An Evolved Transformer encoder layer of the stack."""
 
-  @classmethod
-  def Params(cls):
-    return layers_with_gpipe.DefineLayerParams(super().Params())
-
-  def __init__(self, params):
-    super().__init__(params)
-    self._InitGPipe()
-
-  def FProp(
-    self,
-    theta,
-    source_vecs,
-    source_paddings,
-    target_vecs,
-    target_paddings,
-    source_segment_id,
-    target_segment_id,
-    transparent_acc,
-    transparent_acc_helper,
-    source_task_id=None,
-    target_task_id=None,
-  ):
-    """The stack's 8-tuple in and out; the source is transformed."""
-    return layers_with_gpipe.LayerFProp(
-      self,
-      super().FProp,
-      theta,
-      source_vecs,
-      source_paddings,
-      target_vecs,
-      target_paddings,
-      source_segment_id,
-      target_segment_id,
-      transparent_acc,
-      transparent_acc_helper,
-      source_task_id=source_task_id,
-      target_task_id=target_task_id,
-    )
-
 
 class GPipeEvolvedTransformerDecoderLayer(
-  _GPipeEvolvedMixin, evolved_transformer.EvolvedTransformerDecoderLayer
+  _Evolved, evolved_transformer.EvolvedTransformerDecoderLayer
 ):
   """An Evolved Transformer decoder layer of the stack."""
-
-  @classmethod
-  def Params(cls):
-    return layers_with_gpipe.DefineLayerParams(super().Params())
-
-  def __init__(self, params):
-    super().__init__(params)
-    self._InitGPipe()
-
-  def FProp(
-    self,
-    theta,
-    source_vecs,
-    source_paddings,
-    target_vecs,
-    target_paddings,
-    source_segment_id,
-    target_segment_id,
-    transparent_acc,
-    transparent_acc_helper,
-    source_task_id=None,
-    target_task_id=None,
-  ):
-    """The stack's 8-tuple in and out; the target is transformed."""
-    return layers_with_gpipe.LayerFProp(
-      self,
-      super().FProp,
-      theta,
-      source_vecs,
-      source_paddings,
-      target_vecs,
-      target_paddings,
-      source_segment_id,
-      target_segment_id,
-      transparent_acc,
-      transparent_acc_helper,
-      source_task_id=source_task_id,
-      target_task_id=target_task_id,
-    )
 
 
 class GPipeEvolvedTransformerStack(layers_with_gpipe.GPipeTransformerStack):

@@ -43,6 +43,7 @@ __all__ = [
   'GPipeTransformerLayer',
   'GPipeTransformerSoftmaxLayer',
   'GPipeTransformerStack',
+  'StackLayer',
 ]
 
 
@@ -105,134 +106,56 @@ def _Unsupported(p, names):
   base_layer.RejectUnsupportedParams(p, names)
 
 
-def DefineLayerParams(p):
-  """Adds the Params every layer of the stack has (Lingvo's
-  `_common_gpipe_transformer_params`) to an encoder/decoder layer's `p`."""
-  p.Define(
-    'is_transparent',
-    False,
-    'Encoder: mix the inputs of all encoder layers into the output with '
-    'learned weights (Bapna et al. 2018).',
-  )
-  p.Define(
-    'transparent_merger_tpl',
-    None,
-    'The first encoder layer: Params of the mixing weights.',
-  )
-  p.Define('final_enc_layer', False, 'The last encoder layer.')
-  p.Define('normalize_output', False, 'Layer-normalize the output.')
-  p.Define(
-    'ln_tpl',
-    layers_with_attention.TransformerAttentionLayer.Params().ln_tpl,
-    'Params of the output layer norm.',
-  )
-  return p
-
-
-def CreateLayerChildren(layer):
-  """The output layer norm and the transparent mixing weights of a layer."""
-  p = layer.params
-  if p.normalize_output:
-    layer.CreateChild(
-      'layer_norm',
-      p.ln_tpl.Copy().Set(name='encoder_ln', input_dim=p.source_dim),
-    )
-  if p.is_transparent and p.transparent_merger_tpl is not None:
-    layer.CreateChild(
-      'transparent_merger',
-      p.transparent_merger_tpl.Copy().Set(name='transparent_0'),
-    )
-
-
 def _IsDecoder(p):
   return p.has_aux_atten or getattr(p, 'is_decoder', False)
 
 
-def LayerFProp(layer, fprop, theta, *tuple8, source_task_id, target_task_id):
-  """The stack's 8-tuple through an encoder or decoder layer.
+class StackLayer:
+  """Makes a Lingvo encoder/decoder layer a layer of the stack (the first
+  base; the second is the Lingvo layer, whose FProp(theta, vecs, paddings,
+  aux_vecs=, aux_paddings=) returns (out, probs)).
 
-  Args:
-    layer: the layer (its Params from `DefineLayerParams`).
-    fprop: its Lingvo FProp(theta, vecs, paddings, aux_vecs=, aux_paddings=)
-      -> (out, probs).
-    theta: its weights.
-    *tuple8: (source_vecs, source_paddings, target_vecs, target_paddings,
-      source_segment_id, target_segment_id, transparent_acc,
-      transparent_acc_helper).
-    source_task_id, target_task_id: only None.
-
-  Returns:
-    The 8-tuple with the source (encoder) or the target (decoder) replaced.
+  It adds the Params every layer of the stack has (Lingvo's
+  `_common_gpipe_transformer_params`), the output layer norm and the
+  transparent mixing weights, and takes and returns the stack's 8-tuple.
   """
-  (src, src_pad, tgt, tgt_pad, src_seg, tgt_seg, acc, helper) = tuple8
-  p = layer.params
-  if source_task_id is not None or target_task_id is not None:
-    raise ValueError(
-      f'{layer.path}: task ids are not supported; pass None (one task).'
-    )
-  if _IsDecoder(p):
-    h, _ = fprop(theta, tgt, tgt_pad, aux_vecs=src, aux_paddings=src_pad)
-    h = tf.ensure_shape(h, tgt.shape)
-    return (src, src_pad, h, tgt_pad, src_seg, tgt_seg, acc, helper)
-  h, _ = fprop(theta, src, src_pad)
-  h = tf.ensure_shape(h, src.shape)
-  if p.is_transparent:
-    if p.transparent_merger_tpl is not None:
-      helper = layer.transparent_merger.FProp(theta.transparent_merger)
-      acc = tf.zeros_like(src)
-    acc += helper[0] * src
-    if p.final_enc_layer:
-      h = acc + h * helper[-1]
-      acc, helper = None, None
-    else:
-      helper = helper[1:]
-  if p.normalize_output:
-    h = layer.layer_norm.FProp(theta.layer_norm, h)
-  return (h, src_pad, tgt, tgt_pad, src_seg, tgt_seg, acc, helper)
-
-
-def LayerFPropMeta(p, inputs, *args):
-  """FPropMeta of an encoder or decoder layer of the stack (Lingvo's flops
-  estimate: 5 t^2 b d)."""
-  inputs = tf.TensorShape(inputs)
-  t, b, d = inputs.as_list()
-  flops = 5 * (t or 1) * (t or 1) * (b or 1) * (d or 1)
-  args = [_Shape(a) for a in args]
-  while len(args) < 7:
-    args.append(None)
-  if not _IsDecoder(p) and p.is_transparent:
-    if p.transparent_merger_tpl is not None:
-      args[5] = inputs
-      args[6] = tf.TensorShape([p.transparent_merger_tpl.num_sources])
-    args[6] = tf.TensorShape([args[6][0] - 1])
-    if p.final_enc_layer:
-      args[5], args[6] = None, None
-  return meta.Meta(flops, inputs, *args)
-
-
-class GPipeTransformerLayer(layers_with_attention.TransformerLayer):
-  """A Transformer encoder or decoder layer (has_aux_atten) of the stack."""
 
   @classmethod
   def Params(cls):
-    return DefineLayerParams(super().Params())
+    p = super().Params()
+    p.Define(
+      'is_transparent',
+      False,
+      'Encoder: mix the inputs of all encoder layers into the output with '
+      'learned weights (Bapna et al. 2018).',
+    )
+    p.Define(
+      'transparent_merger_tpl',
+      None,
+      'The first encoder layer: Params of the mixing weights.',
+    )
+    p.Define('final_enc_layer', False, 'The last encoder layer.')
+    p.Define('normalize_output', False, 'Layer-normalize the output.')
+    p.Define(
+      'ln_tpl',
+      layers_with_attention.TransformerAttentionLayer.Params().ln_tpl,
+      'Params of the output layer norm.',
+    )
+    return p
 
   def __init__(self, params):
     super().__init__(params)
-    CreateLayerChildren(self)
-
-  @classmethod
-  def SetupDeterministicDropout(cls, params):
-    """Lingvo's switch of every dropout to DeterministicDropoutLayer."""
-    det = dropout.DeterministicDropoutLayer.Params()
-    for tpl in (params.tr_atten_tpl, params.tr_fflayer_tpl):
-      tpl.residual_dropout_tpl = det.Copy()
-    params.tr_atten_tpl.atten_tpl.atten_dropout_deterministic = True
-    params.tr_atten_tpl.atten_tpl.inner_atten_params.Set(
-      atten_dropout_deterministic=True
-    )
-    params.tr_fflayer_tpl.fflayer_tpl.dropout = det.Copy()
-    return params
+    p = self.params
+    if p.normalize_output:
+      self.CreateChild(
+        'layer_norm',
+        p.ln_tpl.Copy().Set(name='encoder_ln', input_dim=p.source_dim),
+      )
+    if p.is_transparent and p.transparent_merger_tpl is not None:
+      self.CreateChild(
+        'transparent_merger',
+        p.transparent_merger_tpl.Copy().Set(name='transparent_0'),
+      )
 
   def FProp(
     self,
@@ -248,26 +171,84 @@ class GPipeTransformerLayer(layers_with_attention.TransformerLayer):
     source_task_id=None,
     target_task_id=None,
   ):
-    """The stack's 8-tuple in and out (task ids: only None)."""
-    return LayerFProp(
-      self,
-      super().FProp,
-      theta,
+    """The stack's 8-tuple in and out (task ids: only None), with the
+    source (encoder) or the target (decoder) replaced."""
+    p = self.params
+    if source_task_id is not None or target_task_id is not None:
+      raise ValueError(
+        f'{self.path}: task ids are not supported; pass None (one task).'
+      )
+    acc, helper = transparent_acc, transparent_acc_helper
+    if _IsDecoder(p):
+      h, _ = super().FProp(
+        theta,
+        target_vecs,
+        target_paddings,
+        aux_vecs=source_vecs,
+        aux_paddings=source_paddings,
+      )
+      target_vecs = tf.ensure_shape(h, target_vecs.shape)
+    else:
+      h, _ = super().FProp(theta, source_vecs, source_paddings)
+      h = tf.ensure_shape(h, source_vecs.shape)
+      if p.is_transparent:
+        if p.transparent_merger_tpl is not None:
+          helper = self.transparent_merger.FProp(theta.transparent_merger)
+          acc = tf.zeros_like(source_vecs)
+        acc += helper[0] * source_vecs
+        if p.final_enc_layer:
+          h = acc + h * helper[-1]
+          acc, helper = None, None
+        else:
+          helper = helper[1:]
+      if p.normalize_output:
+        h = self.layer_norm.FProp(theta.layer_norm, h)
+      source_vecs = h
+    return (
       source_vecs,
       source_paddings,
       target_vecs,
       target_paddings,
       source_segment_id,
       target_segment_id,
-      transparent_acc,
-      transparent_acc_helper,
-      source_task_id=source_task_id,
-      target_task_id=target_task_id,
+      acc,
+      helper,
     )
 
   @classmethod
   def FPropMeta(cls, p, inputs, *args):
-    return LayerFPropMeta(p, inputs, *args)
+    """Lingvo's flops estimate (5 t^2 b d) and the 8-tuple's shapes."""
+    inputs = tf.TensorShape(inputs)
+    t, b, d = inputs.as_list()
+    flops = 5 * (t or 1) * (t or 1) * (b or 1) * (d or 1)
+    args = [_Shape(a) for a in args]
+    while len(args) < 7:
+      args.append(None)
+    if not _IsDecoder(p) and p.is_transparent:
+      if p.transparent_merger_tpl is not None:
+        args[5] = inputs
+        args[6] = tf.TensorShape([p.transparent_merger_tpl.num_sources])
+      args[6] = tf.TensorShape([args[6][0] - 1])
+      if p.final_enc_layer:
+        args[5], args[6] = None, None
+    return meta.Meta(flops, inputs, *args)
+
+
+class GPipeTransformerLayer(StackLayer, layers_with_attention.TransformerLayer):
+  """A Transformer encoder or decoder layer (has_aux_atten) of the stack."""
+
+  @classmethod
+  def SetupDeterministicDropout(cls, params):
+    """Lingvo's switch of every dropout to DeterministicDropoutLayer."""
+    det = dropout.DeterministicDropoutLayer.Params()
+    for tpl in (params.tr_atten_tpl, params.tr_fflayer_tpl):
+      tpl.residual_dropout_tpl = det.Copy()
+    params.tr_atten_tpl.atten_tpl.atten_dropout_deterministic = True
+    params.tr_atten_tpl.atten_tpl.inner_atten_params.Set(
+      atten_dropout_deterministic=True
+    )
+    params.tr_fflayer_tpl.fflayer_tpl.dropout = det.Copy()
+    return params
 
 
 class GPipeTransformerSoftmaxLayer(softmax_lib.SimpleFullSoftmax):
