@@ -10,6 +10,7 @@ inside a function is still a dependency). Tests also depend on
 `tests/conftest.py`; a py_binary whose file is also a py_library depends on
 that library. New files get a target (py_test for tests/**/*_test.py,
 py_binary for tools/*.py, else py_library); targets of deleted files go.
+Data files (Lingvo model files of tools/lingvo_models/) get a filegroup.
 Only the standard library is used, so this runs before anything is installed.
 """
 
@@ -28,6 +29,10 @@ _PATTERNS = (
   'tests/**/*.py',
 )
 _LIBRARY_DIRS = ('lingvo_gpipe/', 'params/')
+# Files that are data, not modules of this project: {filegroup: pattern}.
+# tools/lingvo_models/ holds model files written against Lingvo's API, which
+# tools/lingvo_crosscheck.py runs under Lingvo and, ported, here.
+_DATA_GROUPS = {'tools_lingvo_models': 'tools/lingvo_models/*.py'}
 _CONFTEST = 'tests/conftest.py'
 
 
@@ -170,9 +175,25 @@ def Generate(build_text, root=ROOT):
         at = i + 1
     blocks.insert(at, (kind, TargetName(src), src))
   text = '\n'.join(
-    _Format(k, n, s, _Deps(k, s, graph, libraries)) for k, n, s in blocks
+    [_Format(k, n, s, _Deps(k, s, graph, libraries)) for k, n, s in blocks]
+    + _DataBlocks(root)
   )
   return head + text
+
+
+def _DataBlocks(root):
+  """A filegroup per entry of _DATA_GROUPS, listing its files."""
+  out = []
+  for name, pattern in sorted(_DATA_GROUPS.items()):
+    files = sorted(
+      os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern))
+    )
+    if files:
+      srcs = ''.join(f'        "{f}",\n' for f in files)
+      out.append(
+        f'filegroup(\n    name = "{name}",\n    srcs = [\n{srcs}    ],\n)\n'
+      )
+  return out
 
 
 def main(argv=None):
