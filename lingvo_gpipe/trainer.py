@@ -99,6 +99,7 @@ from lingvo_gpipe import trainer_flags
 from lingvo_gpipe import trainer_logdir
 from lingvo_gpipe import trainer_params
 from lingvo_gpipe.core import distribute
+from lingvo_gpipe.core import worker_memory
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
@@ -242,7 +243,12 @@ def _RunTrainer(p, logdir, stop):
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
   trainer_state.WriteTrainerState(train_dir, running=True)
-  watchdog = _Watchdog(train_dir)
+  memory = (
+    worker_memory.WorkerMemory(_CLUSTER.spec)
+    if _CLUSTER is not None and _CLUSTER.is_remote
+    else None
+  )
+  watchdog = _Watchdog(train_dir, memory)
   loop = train_loop.TrainLoop(
     task,
     model.global_step,
@@ -257,11 +263,12 @@ def _RunTrainer(p, logdir, stop):
     max_weight_abs=FLAGS.max_weight_abs,
     batch_size=batch_size,
     strategy=strategy,
+    worker_memory=memory,
   )
   try:
     return loop.Run()
   except tf.errors.OpError as e:
-    trainer_errors.RaiseIfWorkerLost(e, train_dir, _CLUSTER)
+    trainer_errors.RaiseIfWorkerLost(e, train_dir, _CLUSTER, memory=memory)
     raise
   except trainer_errors.BUILD_ERRORS as e:
     raise trainer_errors.BuildError(
@@ -271,7 +278,9 @@ def _RunTrainer(p, logdir, stop):
     # A save that failed because a worker died names the worker, not the
     # disk.
     if isinstance(e.__cause__, tf.errors.OpError):
-      trainer_errors.RaiseIfWorkerLost(e.__cause__, train_dir, _CLUSTER)
+      trainer_errors.RaiseIfWorkerLost(
+        e.__cause__, train_dir, _CLUSTER, memory=memory
+      )
     raise
   finally:
     if watchdog is not None:
@@ -290,8 +299,10 @@ def _StepTimeout():
   return None if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
 
 
-def _Watchdog(train_dir):
-  """A StepWatchdog that ends the process naming the workers (or None)."""
+def _Watchdog(train_dir, memory=None):
+  """A StepWatchdog that ends the process naming the workers (or None);
+  `memory`: the workers' `WorkerMemory`, whose last samples of a lost worker
+  the message gives."""
   timeout = _StepTimeout()
   if timeout == 0:
     return None
@@ -313,6 +324,9 @@ def _Watchdog(train_dir):
         f'worker {", ".join(lost)} no longer accepts connections (the '
         'process died or its host is down)'
       )
+      known = [memory.Describe(w) for w in lost] if memory else []
+      if any(known):
+        who += ' (' + '; '.join(k for k in known if k) + ')'
     elif silent:
       who = (
         f'worker {", ".join(silent)} accepts connections but does not '

@@ -131,11 +131,14 @@ _LOST_WORKER_ERRORS = (
 _LOST_WORKER_GRACE_S = 5.0
 
 
-def RaiseIfWorkerLost(error, train_dir, cluster, during='training'):
+def RaiseIfWorkerLost(
+  error, train_dir, cluster, during='training', memory=None
+):
   """Turns the error of a step that lost a remote worker of `cluster` (the
   process's cluster.Cluster, or None) into a UserError naming the worker
   (the trainer then exits with status 1); `during`: what the trainer was
-  doing."""
+  doing; `memory`: the trainer's `worker_memory.WorkerMemory`, or None (its
+  last sample of the lost worker is named, and an out-of-memory kill)."""
   if (
     cluster is None
     or not cluster.is_remote
@@ -154,13 +157,34 @@ def RaiseIfWorkerLost(error, train_dir, cluster, during='training'):
   last = checkpointer.LatestCheckpoint(train_dir)
   first_line = str(error).strip().splitlines()[0] if str(error) else ''
   raise UserError(
-    f'Lost worker {", ".join(lost)} during {during}: it no longer accepts '
-    f'connections (the process died or its host is down; a worker killed '
-    f"without a traceback of its own is most often the kernel's "
-    f'out-of-memory killer, see dmesg). The last checkpoint is '
+    f'{LostWorkers(lost, memory, during)} The last checkpoint is '
     f'{last or "none"}; restart the worker and rerun the trainer to resume '
     f'from it. (TensorFlow: {type(error).__name__}: {first_line})'
   ) from error
+
+
+def LostWorkers(lost, memory=None, during='training'):
+  """The sentences that name the lost workers `lost` (`cluster.WorkerName`s)
+  and what is known of them: an out-of-memory kill, the last measured
+  memory."""
+  details = [memory.Describe(w) for w in lost] if memory is not None else []
+  details = [d for d in details if d]
+  oom = any('ran out of memory' in d for d in details)
+  hint = (
+    ''
+    if oom
+    else (
+      '; a worker killed without a traceback of its own is most often the '
+      "kernel's out-of-memory killer, see dmesg"
+    )
+  )
+  text = (
+    f'Lost worker {", ".join(lost)} during {during}: it no longer accepts '
+    f'connections (the process died or its host is down{hint}).'
+  )
+  if details:
+    text += ' ' + '; '.join(d[0].upper() + d[1:] for d in details) + '.'
+  return text
 
 
 def Restore(ckpt, train_dir, cluster):

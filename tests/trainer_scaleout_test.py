@@ -138,6 +138,11 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
     assert (
       f'ERROR: Lost worker /job:worker/task:1 ({local.addresses[1]})'
     ) in errors[0], log[-3000:]
+    # The trainer read each worker's memory after the first step, and names
+    # the lost worker's last reading (not an out-of-memory kill: SIGKILL).
+    assert 'Worker memory (resident, peak): /job:worker/task:0 ' in log, log
+    assert 'Its last measured resident memory was ' in errors[0], errors[0]
+    assert 'ran out of memory' not in errors[0], errors[0]
     # TensorFlow's native warnings that repeat the loss are dropped.
     for noise in ('rendezvous', 'GRPC', 'Failed to register', 'OP_REQUIRES'):
       assert noise not in log, log[-3000:]

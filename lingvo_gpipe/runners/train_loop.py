@@ -339,6 +339,7 @@ class TrainLoop:
     watchdog=None,
     max_weight_abs=1e6,
     strategy=None,
+    worker_memory=None,
   ):
     """Constructor.
 
@@ -364,7 +365,11 @@ class TrainLoop:
         step (`strategy.run`) on its share of the batch (`iterator` gives
         per-replica batches, see `distribute.DistributeDataset`), and the
         outputs are averaged over the replicas.
+      worker_memory: a `worker_memory.WorkerMemory` of the remote workers,
+        or None: sampled at every progress line, logged after the first
+        and at the end.
     """
+    self._worker_memory = worker_memory
     self._max_weight_abs = max_weight_abs
     self._watchdog = watchdog
     self._task = task
@@ -488,6 +493,13 @@ class TrainLoop:
       )
     logging.info('  '.join(parts))
 
+  def _SampleWorkers(self, step, log):
+    if self._worker_memory is None:
+      return
+    self._worker_memory.Sample(step)
+    if log and self._worker_memory.Line():
+      logging.info('%s', self._worker_memory.Line())
+
   def Run(self):
     """Trains; returns a TrainResult. Raises NonFiniteError on NaN/Inf."""
     step = int(self._global_step.numpy())
@@ -542,12 +554,15 @@ class TrainLoop:
       if step % self._summary_every == 0 or step >= self._max_steps:
         self._Summaries(step, scalars, eps, avg_step)
       if step % self._log_every == 0 or step >= self._max_steps:
-        self._Log(step, scalars, eps, avg_step, first=not window_steps)
+        first = not window_steps
+        self._Log(step, scalars, eps, avg_step, first=first)
+        self._SampleWorkers(step, log=first)
         window_start, window_steps, window_examples = time.time(), 0, 0
       checkpoint = self._Save(step, force=False) or checkpoint
       if self._watchdog is not None:
         self._watchdog.StepFinished()
     checkpoint = self._Save(step, force=True) or checkpoint
+    self._SampleWorkers(step, log=True)
     if self._writer is not None:
       self._writer.flush()
     logging.info('Training stopped at step %d (%s).', step, reason)

@@ -88,6 +88,7 @@ def testSplitGpuWithoutGpuNamesTheFix():
 _REMOTE_SCRIPT = textwrap.dedent("""
     import time
     from lingvo_gpipe.core import cluster
+    from lingvo_gpipe.core import worker_memory
     with cluster.LocalCluster(2, startup_timeout_s=60) as local:
       c = cluster.Cluster(cluster.Cluster.Params().Set(
           cluster_spec='worker=' + ','.join(local.addresses),
@@ -97,11 +98,23 @@ _REMOTE_SCRIPT = textwrap.dedent("""
       assert devices == [['/job:worker/replica:0/task:0/device:CPU:0',
                           '/job:worker/replica:0/task:1/device:CPU:0']], devices
       assert c.UnreachableWorkers() == []
+      # Each worker reads its own memory: its pid, not this process's.
+      memory = worker_memory.WorkerMemory(c.spec, kernel_log=lambda: '')
+      got = memory.Sample(step=7)
+      assert [s.pid for s in got.values()] == local.pids, (got, local.pids)
+      assert all(s.rss_peak >= s.rss > 50e6 for s in got.values()), got
+      assert all(0 < s.host_available < s.host_total for s in got.values())
+      assert memory.Line().startswith(
+          'Worker memory (resident, peak): /job:worker/task:0 '), memory.Line()
       local.Kill(1)
       t0 = time.time()
       lost = c.UnreachableWorkers(timeout_s=1.0)
       assert lost == [f'/job:worker/task:1 ({local.addresses[1]})'], lost
       assert time.time() - t0 < 10
+      text = memory.Describe(lost[0])
+      assert 'its last measured resident memory was' in text, text
+      assert 'after step 7' in text, text
+      assert memory.Sample(step=8)[lost[0]].step == 7  # kept, no error
       local.Restart(1)
       assert c.UnreachableWorkers() == []
       assert local.Alive() == [True, True]
@@ -190,3 +203,64 @@ def testWaitForWorkersNamesTheMissingOnesAndReportsProgress(caplog):
       timeout_s=1.0,
       skip=('worker', 1),
     )
+
+
+_OOM_SCRIPT = textwrap.dedent("""
+    import os
+    import tensorflow as tf
+    from lingvo_gpipe import trainer_errors
+    from lingvo_gpipe.core import cluster
+    from lingvo_gpipe.core import worker_memory
+    total = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    chunk = 512 * 1024 * 1024  # bytes
+    with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+      c = cluster.Cluster(cluster.Cluster.Params().Set(
+          cluster_spec='worker=' + ','.join(local.addresses),
+          worker_split_size=2)).Configure()
+      memory = worker_memory.WorkerMemory(c.spec)
+      memory.Sample(step=1)
+
+      @tf.function
+      def MoreThanTheHostHolds():
+        with tf.device('/job:worker/replica:0/task:1/device:CPU:0'):
+          xs = [tf.random.uniform([chunk // 4], seed=i)
+                for i in range(total // chunk + 4)]
+          return tf.reduce_sum(tf.concat(xs, 0))
+
+      try:
+        MoreThanTheHostHolds()
+      except tf.errors.OpError as e:
+        print('STEP_FAILED', type(e).__name__)
+      lost = c.UnreachableWorkers()
+      print('LOST', lost)
+      print('TEXT', trainer_errors.LostWorkers(lost, memory))
+""")
+
+
+@pytest.mark.slow
+def testWorkerKilledByTheOutOfMemoryKillerIsReportedAsSuch():
+  """A worker asked to hold more than the host's memory is ended by the
+  kernel's out-of-memory killer; the trainer's message says so, naming the
+  worker, the kernel's line and its last measured peak. Needs a readable
+  kernel log (dmesg)."""
+  if not subprocess.run(['dmesg'], capture_output=True).returncode == 0:
+    pytest.skip('The kernel log (dmesg) cannot be read here.')
+  out = subprocess.run(
+    [sys.executable, '-c', _OOM_SCRIPT],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+  assert 'STEP_FAILED' in out.stdout, (out.stdout, out.stderr[-3000:])
+  lines = [ln for ln in out.stdout.splitlines() if ln.startswith('TEXT ')]
+  assert lines, out.stdout
+  text = lines[0]
+  assert 'Lost worker /job:worker/task:1 (127.0.0.1:' in text, text
+  assert (
+    "/job:worker/task:1 ran out of memory: the kernel's out-of-memory "
+    in (text)
+  ), text
+  assert 'Killed process' in text, text
+  assert 'its last measured resident memory was ' in text, text
