@@ -59,6 +59,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from lingvo_gpipe.core import quiet_start
 
@@ -243,11 +244,10 @@ def _RunTrainer(p, logdir, stop):
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
   trainer_state.WriteTrainerState(train_dir, running=True)
-  memory = (
-    worker_memory.WorkerMemory(_CLUSTER.spec)
-    if _CLUSTER is not None and _CLUSTER.is_remote
-    else None
-  )
+  memory = None
+  if _CLUSTER is not None and _CLUSTER.is_remote:
+    memory = worker_memory.WorkerMemory(_CLUSTER.spec)
+    trainer_errors.BeforeExit(lambda: _ReleaseOnWorkers(model))
   watchdog = _Watchdog(train_dir, memory)
   loop = train_loop.TrainLoop(
     task,
@@ -290,6 +290,19 @@ def _RunTrainer(p, logdir, stop):
     except tf.errors.OpError:  # On a worker that is gone: the error above
       step = None  # says so; do not replace it with this one.
     trainer_state.WriteTrainerState(train_dir, running=False, step=step)
+
+
+def _ReleaseOnWorkers(model):
+  """Frees the model's variables (weights, optimizer slots) on the remote
+  workers before the process ends: the trainer ends by os._exit, and
+  without this every worker would keep them until it is restarted."""
+  t0 = time.time()
+  n = worker_memory.ReleaseRemoteVariables(model.VariablesByName().values())
+  logging.info(
+    'Freed %d variables of this trainer on the workers in %.1f s.',
+    n,
+    time.time() - t0,
+  )
 
 
 def _StepTimeout():
@@ -346,6 +359,7 @@ def _Watchdog(train_dir, memory=None):
       f'{bound:.0f} s, {rule}): {who}. The last checkpoint is '
       f'{last or "none"}; fix the workers and rerun the trainer to resume '
       'from it.',
+      release=not (lost or silent),
     )
 
   logging.info(

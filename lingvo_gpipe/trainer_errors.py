@@ -105,10 +105,28 @@ def OneLine(error, logdir=None, is_user_error=False):
   return f'{type(error).__name__}: {first} (traceback in {where})'
 
 
-def Exit(status, message=None):
+# Run by Exit before the process ends (`BeforeExit`).
+_BEFORE_EXIT = []
+
+
+def BeforeExit(fn):
+  """Registers `fn()` to run when the process ends through `Exit` (not on
+  a stuck worker's timeout): e.g. freeing this process's state on remote
+  workers, which `os._exit` leaves behind. Errors in `fn` are ignored."""
+  _BEFORE_EXIT.append(fn)
+
+
+def Exit(status, message=None, release=True):
   """Reports `message` in one line, after every line logged before it, and
   ends the process without running interpreter shutdown (which can block
-  in TensorFlow's destructors)."""
+  in TensorFlow's destructors). `release`: first run the `BeforeExit`
+  functions (False where a worker does not answer)."""
+  if release:
+    while _BEFORE_EXIT:
+      try:
+        _BEFORE_EXIT.pop()()
+      except Exception:  # pylint: disable=broad-except
+        pass
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()

@@ -13,6 +13,7 @@ import tensorflow as tf
 from lingvo_gpipe import trainer
 from lingvo_gpipe.core import cluster
 from lingvo_gpipe.runners import checkpointer
+from lingvo_gpipe.runners import device_memory
 from tests.testing import trainer_process
 
 MODEL = 'image.digits.MlpDigitsTinyBN'
@@ -90,10 +91,24 @@ def testTrainerWithReplicasWritesPlacement(tmp_path):
   assert '1 replica(s)' not in text and '2 replica(s) x 1 stage(s)' in text
 
 
+# Bytes a worker may still hold after a trainer of MODEL has ended.
+_LEFT_PER_RUN = 48 * 1024
+
+
+def _HeldBytes(local, task):
+  """What worker `task`'s allocator holds now (its status endpoint)."""
+  status = device_memory.StatusMap(local.devices, local.status_addresses)
+  device = local.devices[task]
+  return device_memory.DeviceMemory([device], status)[device][0]
+
+
 def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
   """K=2 stages on 2 worker processes; killing one makes the trainer exit 1
   naming it and the checkpoint to resume from, which the pointer still
   names; after a restart the trainer resumes from it.
+
+  Each time the trainer ends, its variables are freed on the workers that
+  remain (it ends by os._exit, which deletes no handle).
 
   A checkpoint is saved at every step, so the kill lands during a save (or
   the step right after one): the save cut off by the lost worker must leave
@@ -105,8 +120,11 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
   def Files():
     return sorted(os.listdir(train_dir)) if train_dir.is_dir() else []
 
-  with cluster.LocalCluster(2, startup_timeout_s=60) as local:
+  with cluster.LocalCluster(
+    2, startup_timeout_s=60, memory_stats=True
+  ) as local:
     spec = 'worker=' + ','.join(local.addresses)
+    idle = _HeldBytes(local, 0)
     args = [
       f'--logdir={logdir}',
       f'--cluster_spec={spec}',
@@ -157,6 +175,15 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
       Files(),
     )
     assert not [f for f in Files() if f.endswith('_temp')], Files()
+    # The worker that remains holds nothing of the trainer that exited.
+    assert 'Freed ' in log and ' variables of this trainer on the workers' in (
+      log
+    ), log[-3000:]
+    # Worker 0 held the trainer's weights and Adam slots of its cell (about
+    # 110 KB; all of it stayed there before the trainer emptied them). What
+    # remains (about 31 KB) is the dead client's function state, which
+    # TensorFlow keeps until the worker restarts.
+    assert _HeldBytes(local, 0) - idle < _LEFT_PER_RUN, _HeldBytes(local, 0)
     # Restart the worker; the trainer resumes from the checkpoint.
     local.Restart(1)
     res = subprocess.run(
@@ -170,6 +197,9 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert f'Restored {last}.' in res.stderr, res.stderr[-3000:]
     assert trainer_process.Latest(train_dir) == saved + 3
+    for task in (0, 1):
+      held = _HeldBytes(local, task) - idle
+      assert held < (2 - task) * _LEFT_PER_RUN, (task, held)
   assert not os.path.exists(logdir / 'train' / 'checkpoint.tmp')
 
 

@@ -17,18 +17,29 @@ workers, on this host or another.
 When a worker is lost, `Describe` names its last measured peak and, if the
 worker ran on this host, whether the kernel's out-of-memory killer ended it
 (the kernel log names the killed process id).
+
+`ReleaseRemoteVariables` frees a process's variables on its workers before
+the process ends without destructors (the trainer's `os._exit`): otherwise
+the workers keep them until they are restarted.
 """
 
 import collections
 import re
 import subprocess
+import threading
 import time
 
 import tensorflow as tf
 
 from lingvo_gpipe.core import cluster as cluster_lib
 
-__all__ = ['WorkerMemory', 'Sample', 'ParseStatus', 'OomKilled']
+__all__ = [
+  'WorkerMemory',
+  'Sample',
+  'ParseStatus',
+  'OomKilled',
+  'ReleaseRemoteVariables',
+]
 
 # One reading of one worker: its resident set now and at its peak, its
 # process id, its host's available and total memory (bytes), the global step
@@ -195,3 +206,60 @@ class WorkerMemory:
           )
       parts.append(text)
     return '; '.join(parts)
+
+
+def _IsRemote(device):
+  job = tf.DeviceSpec.from_string(device or '').job
+  return job not in (None, 'localhost')
+
+
+def ReleaseRemoteVariables(variables, timeout_s=30.0):
+  """Frees on their workers the memory of the `variables` of this process
+  that live on a remote worker's device; returns how many were emptied.
+
+  A worker frees a client's variable when the client deletes the
+  variable's handle (the handle owns it). A process that ends without
+  running its destructors (`os._exit`, which the trainer uses so that
+  TensorFlow's shutdown cannot hang it) deletes none, and every worker
+  keeps that process's weights and optimizer slots until the worker itself
+  ends: a trainer rerun against the same workers then holds the model
+  twice. This assigns each remote variable an empty value, so its worker
+  frees the buffer (the variable is unusable after). A worker that does not
+  answer is skipped (its memory goes with it); the whole release is bounded
+  by `timeout_s`.
+  """
+  remote = [
+    v
+    for v in variables
+    if _IsRemote(getattr(v, 'device', None))
+    and v.dtype not in (tf.string, tf.variant, tf.resource)
+  ]
+  if not remote:
+    return 0
+  by_device = collections.OrderedDict()
+  for v in remote:
+    by_device.setdefault(v.device, []).append(v)
+  emptied = [0]
+
+  def Release():
+    for device, vs in by_device.items():
+      try:
+        with tf.device(device):
+          empty = {}
+          for v in vs:
+            if v.dtype not in empty:
+              empty[v.dtype] = tf.zeros([0], v.dtype)
+            tf.raw_ops.AssignVariableOp(
+              resource=v.handle, value=empty[v.dtype], validate_shape=False
+            )
+          # Remote ops run asynchronously, in order: reading a result made
+          # after them on the same device waits until the worker ran them.
+          tf.zeros([]).numpy()
+        emptied[0] += len(vs)
+      except (tf.errors.OpError, ValueError):
+        continue  # A lost worker: nothing to free there.
+
+  thread = threading.Thread(target=Release, name='release-remote', daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return emptied[0]
