@@ -52,14 +52,15 @@ docs/reliability.md lists what survives which fault.
 """
 
 # The job loop is this module; the flags are in trainer_flags.py, what they
-# build (devices, strategy, model Params) in trainer_params.py, and how errors
-# end the process in trainer_errors.py.
+# build (devices, strategy, model Params) in trainer_params.py, how errors
+# end the process in trainer_errors.py, and what the trainer does about its
+# remote workers (their memory, a stuck step, freeing them at exit) in
+# trainer_workers.py.
 
 import os
 import signal
 import sys
 import threading
-import time
 
 from lingvo_gpipe.core import quiet_start
 
@@ -99,8 +100,8 @@ from lingvo_gpipe import trainer_errors
 from lingvo_gpipe import trainer_flags
 from lingvo_gpipe import trainer_logdir
 from lingvo_gpipe import trainer_params
+from lingvo_gpipe import trainer_workers
 from lingvo_gpipe.core import distribute
-from lingvo_gpipe.core import worker_memory
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import exporter
@@ -172,6 +173,7 @@ def _RunTrainer(p, logdir, stop):
     rules = checkpointer.ParseRestoreMap(FLAGS.restore_map)
   except ValueError as e:
     raise UserError(str(e)) from e
+  trainer_workers.WarnIfKilledBefore(train_dir, _CLUSTER)
   strategy = _STRATEGY
   with _BUILD_LOCK, (strategy or tf.distribute.get_strategy()).scope():
     try:
@@ -244,11 +246,14 @@ def _RunTrainer(p, logdir, stop):
   with tf.io.gfile.GFile(os.path.join(logdir, 'placement.txt'), 'w') as f:
     f.write(text + '\n')
   trainer_state.WriteTrainerState(train_dir, running=True)
-  memory = None
-  if _CLUSTER is not None and _CLUSTER.is_remote:
-    memory = worker_memory.WorkerMemory(_CLUSTER.spec)
-    trainer_errors.BeforeExit(lambda: _ReleaseOnWorkers(model))
-  watchdog = _Watchdog(train_dir, memory)
+  memory = trainer_workers.WatchMemory(_CLUSTER, model)
+  watchdog = trainer_workers.Watchdog(
+    train_dir,
+    _CLUSTER,
+    memory,
+    FLAGS.step_timeout_s,
+    FLAGS.min_step_timeout_s,
+  )
   loop = train_loop.TrainLoop(
     task,
     model.global_step,
@@ -290,83 +295,6 @@ def _RunTrainer(p, logdir, stop):
     except tf.errors.OpError:  # On a worker that is gone: the error above
       step = None  # says so; do not replace it with this one.
     trainer_state.WriteTrainerState(train_dir, running=False, step=step)
-
-
-def _ReleaseOnWorkers(model):
-  """Frees the model's variables (weights, optimizer slots) on the remote
-  workers before the process ends: the trainer ends by os._exit, and
-  without this every worker would keep them until it is restarted."""
-  t0 = time.time()
-  n = worker_memory.ReleaseRemoteVariables(model.VariablesByName().values())
-  logging.info(
-    'Freed %d variables of this trainer on the workers in %.1f s.',
-    n,
-    time.time() - t0,
-  )
-
-
-def _StepTimeout():
-  """Seconds, 0 (off) or None (auto: from the running median step time)."""
-  if FLAGS.step_timeout_s is not None:
-    return FLAGS.step_timeout_s
-  return None if _CLUSTER is not None and _CLUSTER.is_remote else 0.0
-
-
-def _Watchdog(train_dir, memory=None):
-  """A StepWatchdog that ends the process naming the workers (or None);
-  `memory`: the workers' `WorkerMemory`, whose last samples of a lost worker
-  the message gives."""
-  timeout = _StepTimeout()
-  if timeout == 0:
-    return None
-  floor = FLAGS.min_step_timeout_s
-  rule = (
-    f'--step_timeout_s={timeout:g}'
-    if timeout is not None
-    else f'the default step timeout, max({floor:g} s '
-    '(--min_step_timeout_s), 10 x the median step time)'
-  )
-
-  def OnTimeout(step, elapsed, bound):
-    lost = _CLUSTER.UnreachableWorkers() if _CLUSTER is not None else []
-    silent = []
-    if not lost and _CLUSTER is not None and _CLUSTER.is_remote:
-      silent = _CLUSTER.SilentWorkers()
-    if lost:
-      who = (
-        f'worker {", ".join(lost)} no longer accepts connections (the '
-        'process died or its host is down)'
-      )
-      known = [memory.Describe(w) for w in lost] if memory else []
-      if any(known):
-        who += ' (' + '; '.join(k for k in known if k) + ')'
-    elif silent:
-      who = (
-        f'worker {", ".join(silent)} accepts connections but does not '
-        'answer (stopped, swapping or deadlocked)'
-      )
-    elif _CLUSTER is not None and _CLUSTER.is_remote:
-      who = (
-        'every worker answers, so the step is slower than the bound or '
-        'stuck inside a worker; set --step_timeout_s if it is just slow'
-      )
-    else:
-      who = 'raise --step_timeout_s if the step is just slow'
-    last = checkpointer.LatestCheckpoint(train_dir)
-    trainer_errors.Exit(
-      1,
-      f'Step {step} did not finish within {elapsed:.0f} s (bound '
-      f'{bound:.0f} s, {rule}): {who}. The last checkpoint is '
-      f'{last or "none"}; fix the workers and rerun the trainer to resume '
-      'from it.',
-      release=not (lost or silent),
-    )
-
-  logging.info(
-    'Step timeout: %s.',
-    rule if timeout is not None else rule + ', 900 s for the first step',
-  )
-  return train_loop.StepWatchdog(timeout, OnTimeout, min_timeout_s=floor)
 
 
 def _RunEvaler(

@@ -367,9 +367,10 @@ class TrainLoop:
         outputs are averaged over the replicas.
       worker_memory: a `worker_memory.WorkerMemory` of the remote workers,
         or None: sampled at every progress line, logged after the first
-        and at the end.
+        one and at the end.
     """
     self._worker_memory = worker_memory
+    self._workers_logged = False
     self._max_weight_abs = max_weight_abs
     self._watchdog = watchdog
     self._task = task
@@ -499,6 +500,7 @@ class TrainLoop:
     self._worker_memory.Sample(step)
     if log and self._worker_memory.Line():
       logging.info('%s', self._worker_memory.Line())
+      self._workers_logged = True
 
   def Run(self):
     """Trains; returns a TrainResult. Raises NonFiniteError on NaN/Inf."""
@@ -554,9 +556,8 @@ class TrainLoop:
       if step % self._summary_every == 0 or step >= self._max_steps:
         self._Summaries(step, scalars, eps, avg_step)
       if step % self._log_every == 0 or step >= self._max_steps:
-        first = not window_steps
-        self._Log(step, scalars, eps, avg_step, first=first)
-        self._SampleWorkers(step, log=first)
+        self._Log(step, scalars, eps, avg_step, first=not window_steps)
+        self._SampleWorkers(step, log=not self._workers_logged)
         window_start, window_steps, window_examples = time.time(), 0, 0
       checkpoint = self._Save(step, force=False) or checkpoint
       if self._watchdog is not None:

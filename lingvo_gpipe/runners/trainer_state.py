@@ -13,7 +13,12 @@ import time
 
 import tensorflow as tf
 
-__all__ = ['TRAINER_STATE_FILE', 'WriteTrainerState', 'TrainerRunning']
+__all__ = [
+  'TRAINER_STATE_FILE',
+  'WriteTrainerState',
+  'TrainerRunning',
+  'KilledTrainer',
+]
 
 # In the train directory: whether the trainer runs (and its
 # process), so that a standalone evaler knows when no checkpoint will come.
@@ -33,6 +38,33 @@ def WriteTrainerState(train_dir, running, step=None):
   tf.io.gfile.makedirs(train_dir)
   with tf.io.gfile.GFile(os.path.join(train_dir, TRAINER_STATE_FILE), 'w') as f:
     f.write(json.dumps(state, sort_keys=True) + '\n')
+
+
+def _ReadState(train_dir):
+  path = os.path.join(train_dir, TRAINER_STATE_FILE)
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      return json.loads(f.read())
+  except (tf.errors.NotFoundError, ValueError):
+    return None
+
+
+def KilledTrainer(train_dir):
+  """The state of the last trainer of `train_dir` if it ended without
+  recording its exit (killed: SIGKILL, the out-of-memory killer) and ran
+  on this host, whose process is gone; else None."""
+  state = _ReadState(train_dir)
+  if not state or not state.get('running') or not state.get('pid'):
+    return None
+  if state.get('host') != socket.gethostname():
+    return None
+  try:
+    os.kill(int(state['pid']), 0)
+  except ProcessLookupError:
+    return state
+  except PermissionError:
+    pass
+  return None
 
 
 def TrainerRunning(train_dir):

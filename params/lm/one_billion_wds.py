@@ -207,3 +207,17 @@ class OneBWdsGPipeTransformerHalfB(OneBWdsGPipeTransformerBase):
   SAVE_INTERVAL_STEPS = 10
   SUMMARY_INTERVAL_STEPS = 1
   SAVE_MAX_TO_KEEP = 2
+
+
+@model_registry.RegisterSingleTaskModel
+class OneBWdsGPipeTransformerHalfBMini(OneBWdsGPipeTransformerHalfB):
+  """`OneBWdsGPipeTransformerHalfB` at about 1/100 of its parameters (d =
+  192, hidden 768, 4 heads; 5.7M parameters): the same 12 layers in the same
+  8 cells and 4 micro-batches, the same input and schedule. Runs the scale
+  path (8 worker processes, checkpoints, a killed trainer resumed) in about
+  a minute (`docs/scale.md`)."""
+
+  EMBEDDING_DIM = 192
+  HIDDEN_DIM = 768
+  NUM_HEADS = 4
+  SAVE_INTERVAL_STEPS = 5

@@ -16,6 +16,7 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import base_model
 from lingvo_gpipe.runners import checkpointer
 from lingvo_gpipe.runners import evaler
+from lingvo_gpipe.runners import trainer_state
 
 MODEL = 'image.digits.MlpDigitsTiny'
 
@@ -186,3 +187,10 @@ def testTrainerRunningIsFalseForADeadProcess(tmp_path):
   path.write_text(json.dumps(state))
   assert not evaler.TrainerRunning(str(tmp_path))
   assert not evaler.TrainerRunning(str(tmp_path / 'nothing'))
+  # Killed: its state says running, its process is gone.
+  assert trainer_state.KilledTrainer(str(tmp_path))['pid'] == proc.pid
+  assert trainer_state.KilledTrainer(str(tmp_path / 'nothing')) is None
+  evaler.WriteTrainerState(str(tmp_path), running=True)  # This process.
+  assert trainer_state.KilledTrainer(str(tmp_path)) is None
+  evaler.WriteTrainerState(str(tmp_path), running=False, step=3)
+  assert trainer_state.KilledTrainer(str(tmp_path)) is None
