@@ -209,7 +209,21 @@ def ErrorText(error):
   text = re.sub(r'\s*\[Op:[^\]]*\].*$', '', text, flags=re.S)
   text = ' '.join(text.split())
   m = re.match(r'^(\S+?)(?:\.tempstate\d+)?; (.+)$', text)
-  return f'{m.group(2)} (writing {m.group(1)})' if m else text
+  if m:
+    return f'{m.group(2)} (writing {m.group(1)})'
+  # A save over several devices (workers) fails with "Graph execution
+  # error: Detected at node ... (most recent call last): <the Python
+  # stack> ... N root error(s) found. (0) RESOURCE_EXHAUSTED:
+  # <file>.tempstate<n>; <reason> [[{{node SaveV2_2}}]] Hint: ...", once per
+  # failed device: the first file and its reason, and how many failed.
+  found = re.findall(
+    r'(?:^|\s)(\S+?)\.tempstate\d+; (.+?)(?=\s*\[\[|\\n|$)', text
+  )
+  if found:
+    files = sorted({f for f, _ in found})
+    more = f' and {len(files) - 1} more' if len(files) > 1 else ''
+    return f'{found[0][1]} (writing {found[0][0]}{more})'
+  return text
 
 
 def CheckWritableDir(directory, what='--logdir'):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.runners import checkpoint_files
 from lingvo_gpipe.runners import checkpointer
 
 
@@ -360,3 +361,30 @@ def testDataAndIndexReachTheDiskBeforeThePointerMoves(tmp_path, monkeypatch):
   # The directory (holding the new files' names) too, after the files.
   fsyncs = [path for kind, path in before if kind == 'fsync']
   assert fsyncs.index(str(tmp_path)) > fsyncs.index(prefix + '.index')
+
+
+def testAFullDiskOverSeveralWorkersReadsAsOneReason():
+  """A save whose shards fail on several workers: TensorFlow's message (the
+  Python stack of the save, then one root error per device, with gRPC
+  details) becomes the reason, the first file and how many more."""
+  stack = ' '.join(f'File "/x/lib{i}.py", line {i}, in F{i}' for i in range(40))
+  message = (
+    f'Graph execution error: Detected at node SaveV2_5 defined at (most '
+    f'recent call last): {stack} 7 root error(s) found. (0) '
+    'RESOURCE_EXHAUSTED: /d/train/ckpt-20_temp/part-00005-of-00009.data-'
+    '00000-of-00001.tempstate4219357733099696125; No space left on device '
+    '[[{{node SaveV2_5}}]] Hint: If you want to see a list of allocated '
+    'tensors when OOM happens, add report_tensor_allocations_upon_oom. '
+    'Additional GRPC error information from remote target /job:worker/'
+    'replica:0/task:4/device:CPU:0: {grpc_message:" /d/train/ckpt-20_temp/'
+    'part-00005-of-00009.data-00000-of-00001.tempstate4219357733099696125; '
+    'No space left on device\\n\\t [[{{node SaveV2_5}}]]\\nHint: ..."} (1) '
+    'RESOURCE_EXHAUSTED: /d/train/ckpt-20_temp/part-00001-of-00009.data-'
+    '00000-of-00001.tempstate77; No space left on device [[{{node SaveV2_1}}]]'
+  )
+  assert checkpoint_files.ErrorText(
+    tf.errors.ResourceExhaustedError(None, None, message)
+  ) == (
+    'No space left on device (writing /d/train/ckpt-20_temp/part-00005-of-'
+    '00009.data-00000-of-00001 and 1 more)'
+  )
