@@ -28,8 +28,11 @@ def ToSpec(x, dtype=tf.float32):
   """Turns a shape-like (TensorShape, list, TensorSpec) into a TensorSpec.
 
   NestedMaps, lists and tuples of them are converted leaf by leaf; a tuple or
-  list of ints is a single shape.
+  list of ints is a single shape. None (an absent input, e.g. a Lingvo
+  stack's unused segment ids) stays None.
   """
+  if x is None:
+    return None
   if isinstance(x, tf.TensorSpec):
     return x
   if isinstance(x, tf.TensorShape):

@@ -220,6 +220,8 @@ def _SpecBytes(structure):
 
 def _BatchOf(specs, batch_dim):
   for s in tf.nest.flatten(specs):
+    if s is None:  # An absent input.
+      continue
     dims = tf.TensorShape(s.shape).as_list()
     if len(dims) > batch_dim:
       return dims[batch_dim]
@@ -228,6 +230,8 @@ def _BatchOf(specs, batch_dim):
 
 def _WithBatch(specs, batch_dim, batch):
   def Fn(s):
+    if s is None:
+      return None
     dims = tf.TensorShape(s.shape).as_list()
     if len(dims) > batch_dim:
       dims[batch_dim] = batch
@@ -259,7 +263,9 @@ def _SavedBytes(fn, theta_spec, specs):
   def Grad(theta, *inputs):
     with tf.GradientTape() as tape:
       leaves = [
-        t for t in tf.nest.flatten((theta, inputs)) if t.dtype.is_floating
+        t
+        for t in tf.nest.flatten((theta, inputs))
+        if t is not None and t.dtype.is_floating
       ]
       tape.watch(leaves)
       outs = fn(theta, *inputs)
@@ -442,7 +448,7 @@ def _TraceLayer(p, specs):
     )
     outs = py_utils.AsTuple(concrete.structured_outputs)
     out_specs = tf.nest.map_structure(
-      lambda t: tf.TensorSpec(t.shape, t.dtype), outs
+      lambda t: None if t is None else tf.TensorSpec(t.shape, t.dtype), outs
     )
     unary = ()
     try:
@@ -566,14 +572,21 @@ def _ProfileOne(p, specs, i, layer_params):
 # -----------------------------------------------------------------------------
 
 
+def _Fetch(outputs):
+  """Waits for every tensor of `outputs` (None: an absent output)."""
+  for t in tf.nest.flatten(outputs):
+    if t is not None:
+      t.numpy()
+
+
 def _TimeFns(fns, repeats):
   out = []
   for fn in fns:
-    tf.nest.map_structure(lambda t: t.numpy(), fn())  # trace, warm up
+    _Fetch(fn())  # trace, warm up
     samples = []
     for _ in range(repeats):
       t0 = time.perf_counter()
-      tf.nest.map_structure(lambda t: t.numpy(), fn())
+      _Fetch(fn())
       samples.append(time.perf_counter() - t0)
     out.append(statistics.median(samples))
   return out
@@ -588,7 +601,9 @@ def _MeasureLayer(p, in_specs, batch_dim, batches, device, repeats):
       specs = _WithBatch(in_specs, batch_dim, b)
       xs = tf.nest.map_structure(
         lambda s: (
-          tf.random.normal(s.shape, dtype=s.dtype)
+          None
+          if s is None
+          else tf.random.normal(s.shape, dtype=s.dtype)
           if s.dtype.is_floating
           else tf.zeros(s.shape, s.dtype)
         ),
@@ -602,14 +617,18 @@ def _MeasureLayer(p, in_specs, batch_dim, batches, device, repeats):
       @tf.function
       def Step(xs=xs, layer=layer):
         with tf.GradientTape() as tape:
-          floats = [x for x in tf.nest.flatten(xs) if x.dtype.is_floating]
+          floats = [
+            x
+            for x in tf.nest.flatten(xs)
+            if x is not None and x.dtype.is_floating
+          ]
           tape.watch(floats)
           ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
           total = tf.add_n(
             [
               tf.reduce_sum(tf.cast(y, tf.float32))
               for y in tf.nest.flatten(ys)
-              if y.dtype.is_floating
+              if y is not None and y.dtype.is_floating
             ]
             or [tf.constant(0.0)]
           )

@@ -55,6 +55,9 @@ def testToSpecFromTupleOfShapes():
   assert out == (tf.TensorSpec([2, 3]), tf.TensorSpec([4]), tf.TensorSpec([5]))
   out = meta.ToSpec([[1], [2, 2]], tf.int32)
   assert out == [tf.TensorSpec([1], tf.int32), tf.TensorSpec([2, 2], tf.int32)]
+  # An absent input (None) stays absent, alone or among others.
+  assert meta.ToSpec(None) is None
+  assert meta.ToSpec(([2], None)) == (tf.TensorSpec([2]), None)
 
 
 def testToSpecRejectsOtherValues():

@@ -367,3 +367,33 @@ def testPlannerRanksGPipeAndOneFOneB():
   assert ' 1f1b ' in text and 'schedule' in text
   with pytest.raises(ValueError, match="schedule 'interleaved': the planner"):
     planner.Plan(prof, device, 4, schedules=('interleaved',))
+
+
+def testLingvoLmStackProfilesWithAbsentInputsAndIds():
+  """The layers of Lingvo's GPipe LM stack take the stack's 8 inputs: ids,
+  paddings, four absent (None) and labels. They profile from shapes: the
+  embedding's ids and the labels are ints, and the parameter counts are the
+  model's."""
+  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import trainer  # pylint: disable=g-import-not-at-top
+
+  p = model_registry.GetParams(
+    'lm.one_billion_wds.OneBWdsGPipeTransformerTiny', 'Train'
+  )
+  _, lp = trainer.PipelineLayers(p)[0]
+  layer_params = [s for c in lp.cls.CellParams(lp) for s in c.sub]
+  b, t = 4, 8
+  ids = tf.TensorSpec([b, t], tf.int32)
+  pads = tf.TensorSpec([b, t], tf.float32)
+  prof = planner.ProfileLayers(
+    layer_params, [ids, pads, None, None, None, None, ids, pads]
+  )
+  assert prof.batch_size == b
+  assert [x.name for x in prof.layers][0] == 'emb'
+  assert prof.layers[-1].name == 'softmax'
+  model = p.Instantiate()
+  assert sum(x.num_params for x in prof.layers) == sum(
+    int(np.prod(v.shape)) for v in model.GetTask().vars.Flatten()
+  )
+  blocks = prof.layers[1:-1]
+  assert all(x.flops > 0 and x.activation_bytes > 0 for x in blocks)
