@@ -214,6 +214,35 @@ class GPipeBatchMajorTransformerStack(pipelining_layer.PipeliningLayer):
     return p
 
   @classmethod
+  def PlannerLayers(cls, p):
+    """The stack's layers in order, as the planner splits them: the
+    embedding, the encoder and decoder layers, the softmax."""
+    return [sub for cell in cls.CellParams(p) for sub in cell.sub]
+
+  @classmethod
+  def PlannerInputs(cls, p, batch_size, seq_len):
+    """What the stack's first layer takes, as the planner profiles it: the
+    LM's ids and paddings [batch, time], four absent inputs (no source, no
+    segment ids), and the labels and their weights."""
+    if p.num_decoder_layers:
+      raise ValueError(
+        f'{p.name}: the planner takes the language-model form of this stack '
+        '(encoder layers only); this one has '
+        f'num_decoder_layers={p.num_decoder_layers}.'
+      )
+    ids = tf.TensorSpec([batch_size, seq_len], tf.int32)
+    pads = tf.TensorSpec([batch_size, seq_len], tf.float32)
+    return [ids, pads, None, None, None, None, ids, pads]
+
+  @classmethod
+  def PlannerSplits(cls, p, ends):
+    """The stack's `splits` for cells that end after layers `ends` of
+    `PlannerLayers` (the embedding counts as layer 0 of cell 0, the softmax
+    always closes the last cell)."""
+    n = p.num_encoder_layers + p.num_decoder_layers
+    return [int(e) - 1 for e in ends[:-1]] + [n]
+
+  @classmethod
   def CellParams(cls, p):
     _RejectPacked(p)
     splits = layers_with_gpipe.GPipeTransformerStack._EndIndices(p)  # pylint: disable=protected-access

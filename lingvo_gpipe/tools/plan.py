@@ -133,12 +133,27 @@ def _Registered(key, batch_size):
     raise UserError(f'--model={key} has no PipeliningLayer to plan.')
   pipe_key, lp = pipes[0]
   layers = list(lp.layers) or list(lp.cell_tpl)
+  stack = hasattr(lp.cls, 'PlannerInputs')  # builds its own cells
+  if not layers and stack:
+    layers = lp.cls.PlannerLayers(lp)
+  batch = batch_size or getattr(p.input, 'batch_size', None)
+  if lp.input_shapes is None and stack:
+    seq_len = getattr(p.input, 'max_tokens', None)
+    if not batch or not seq_len:
+      raise UserError(
+        f'--model={key}: the planner needs the batch size and the sequence '
+        f'length of its input (batch_size={batch}, max_tokens={seq_len}).'
+      )
+    try:
+      shapes = lp.cls.PlannerInputs(lp, batch, seq_len)
+    except ValueError as e:
+      raise UserError(f'--model={key}: {e}') from e
+    return layers, shapes, _Slots(p), pipe_key
   if lp.input_shapes is None:
     raise UserError(
       f'--model={key}: its PipeliningLayer has no input_shapes; the planner '
       'needs them (set input_shapes in the model params).'
     )
-  batch = batch_size or getattr(p.input, 'batch_size', None)
 
   def Fill(shape):
     dims = list(shape)
@@ -159,11 +174,29 @@ def _Registered(key, batch_size):
     return Fill(s)
 
   shapes = [FillAll(s) for s in lp.input_shapes]
-  slots = 2
+  return layers, shapes, _Slots(p), pipe_key
+
+
+def _Slots(p):
+  """The optimizer slots per weight of registered model Params `p`."""
   opt = getattr(getattr(p.task, 'train', None), 'optimizer', None)
   if opt is not None and 'SGD' in getattr(opt.cls, '__name__', ''):
-    slots = 0
-  return layers, shapes, slots, pipe_key
+    return 0
+  return 2
+
+
+def _StackSplits(key):
+  """For a registered model whose pipeline builds its own cells (Lingvo's
+  stacks): a function from the planner's cell ends to the stack's
+  `splits`; None otherwise."""
+  if key.startswith(('bench.', 'paper.')):
+    return None
+  from lingvo_gpipe import trainer  # pylint: disable=g-import-not-at-top
+
+  _, lp = trainer.PipelineLayers(model_registry.GetParams(key, 'Train'))[0]
+  if not hasattr(lp.cls, 'PlannerSplits'):
+    return None
+  return lambda ends: lp.cls.PlannerSplits(lp, ends)
 
 
 def BuildModel(args, key=None):
@@ -201,13 +234,18 @@ def PipelineKey(key):
 _RECOMPUTE = {True: 'always', False: 'never'}
 
 
-def ApplyText(cand, model, pipe_key, device_name):
+def ApplyText(cand, model, pipe_key, device_name, stack_splits=None):
   """How to apply plan `cand`: the trainer's flags for a registered model
-  (`pipe_key`: its pipeline's Params key), else PipeliningLayer Params."""
+  (`pipe_key`: its pipeline's Params key; `stack_splits`: for a pipeline
+  that builds its own cells, its `splits` from the plan's cell ends), else
+  PipeliningLayer Params."""
+  splits = list(cand.splits)
+  if stack_splits is not None:
+    splits = stack_splits(splits)
   fields = [
     ('num_micro_batches', cand.num_micro_batches),
     ('recompute', _RECOMPUTE[cand.recompute]),
-    ('splits', list(cand.splits)),
+    ('splits', splits),
   ]
   if cand.schedule != 'gpipe':
     fields.append(('schedule', cand.schedule))
@@ -338,7 +376,11 @@ def RunPlan(args):
   record = result.ToDict()
   if result.best is not None:
     how = ApplyText(
-      result.best, args.model, PipelineKey(args.model), args.device
+      result.best,
+      args.model,
+      PipelineKey(args.model),
+      args.device,
+      _StackSplits(args.model),
     )
     record['apply'] = how
     print(

@@ -2,6 +2,7 @@
 a benchmark JSON and the paper's tables."""
 
 import json
+import re
 import shlex
 import os
 
@@ -333,3 +334,35 @@ def testHelpExplainsTheModelFlag(capsys):
   assert 'registered model key' in out and 'bench.transformer' in out
   assert 'examples:\n  python tools/plan.py --model=' in out
   assert 'Over 500 lines' not in out
+
+
+def testPlansLingvosLmStackAndItsFlagsBuildThePlannedCells(capsys):
+  """A pipeline that builds its own cells (Lingvo's GPipe LM stack): the
+  planner profiles its layers (embedding, blocks, softmax) from the input's
+  batch and length, and the printed flags set the stack's own `splits`, so
+  the model built from them has the planned cells."""
+  from lingvo_gpipe import trainer_params  # pylint: disable=g-import-not-at-top
+
+  key = 'lm.one_billion_wds.OneBWdsGPipeTransformerTiny'
+  argv = [f'--model={key}', '--num_devices=2', '--device=cpu']
+  argv += ['--num_stages=2', '--num_micro_batches=4']
+  assert plan.main(argv) == 0
+  out = capsys.readouterr().out
+  assert f'{key}: 6 layers,' in out, out  # embedding, 4 blocks, softmax
+  flags = dict(a[2:].split('=', 1) for a in shlex.split(_ApplyLine(out))[3:])
+  assert 'task.lm.stack.splits : [' in flags['model_params_override']
+  p = trainer_params.BuildParams(
+    key,
+    overrides=[flags['model_params_override']],
+    worker_split_size=2,
+    devices=['/device:CPU:0', '/device:CPU:1'],
+  )
+  stack = p.task.lm.stack
+  # The best plan's split: row 1 of the table, '[end, ...] (by)'.
+  planned = re.search(r'^\s+1\s.*?\[([\d, ]+)\] \(', out, re.M).group(1)
+  ends = [int(e) for e in planned.split(',')]
+  cells = stack.cls.CellParams(stack)
+  assert [len(c.sub) for c in cells] == [
+    b - a for a, b in zip([0] + ends[:-1], ends)
+  ], (ends, stack.splits)
+  assert stack.num_micro_batches == 4
