@@ -185,6 +185,23 @@ def _Slots(p):
   return 2
 
 
+def _Schedules(args):
+  """The schedules to plan. A Lingvo stack computes its loss in the last
+  cell's softmax but returns it through FProp, not FPropWithLoss, so it
+  trains with 'gpipe' only (1F1B needs each micro-batch's loss)."""
+  if args.schedule != 'search':
+    if args.schedule != 'gpipe' and _StackSplits(args.model or '') is not None:
+      raise UserError(
+        f'--schedule={args.schedule}: --model={args.model} is a Lingvo '
+        "stack, which trains with schedule 'gpipe' only (its loss comes "
+        "out of FProp, and 1F1B needs each micro-batch's loss)."
+      )
+    return (args.schedule,)
+  if _StackSplits(args.model or '') is not None:
+    return ('gpipe',)
+  return ('gpipe', '1f1b')
+
+
 def _StackSplits(key):
   """For a registered model whose pipeline builds its own cells (Lingvo's
   stacks): a function from the planner's cell ends to the stack's
@@ -360,9 +377,7 @@ def RunPlan(args):
       num_micro_batches=args.num_micro_batches,
       num_replicas=args.num_replicas,
       recompute=recompute,
-      schedules=(
-        ('gpipe', '1f1b') if args.schedule == 'search' else (args.schedule,)
-      ),
+      schedules=_Schedules(args),
       max_micro_batches=args.max_micro_batches,
       compiled=args.jit_compile,
     )

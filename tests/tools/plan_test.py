@@ -366,3 +366,9 @@ def testPlansLingvosLmStackAndItsFlagsBuildThePlannedCells(capsys):
     b - a for a, b in zip([0] + ends[:-1], ends)
   ], (ends, stack.splits)
   assert stack.num_micro_batches == 4
+  # Its loss comes out of FProp: it trains with GPipe's schedule only.
+  assert (
+    ' 1f1b ' not in out and 'schedule' not in flags['model_params_override']
+  )
+  assert plan.main(argv + ['--schedule=1f1b']) == 2
+  assert "trains with schedule 'gpipe' only" in capsys.readouterr().err
