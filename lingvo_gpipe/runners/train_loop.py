@@ -508,6 +508,9 @@ class TrainLoop:
     reason = 'max_steps'
     window_start, window_steps, window_examples = None, 0, 0
     checkpoint = None
+    # Before the first step: which processes the workers are (a worker the
+    # out-of-memory killer ends in the first step is then named as such).
+    self._SampleWorkers(step, log=False)
     if step >= self._max_steps:
       logging.info(
         'Global step %d >= max_steps %d: nothing to train.',
