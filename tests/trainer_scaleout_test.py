@@ -175,7 +175,7 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
       Files(),
     )
     assert not [f for f in Files() if f.endswith('_temp')], Files()
-    # The worker that remains holds nothing of the trainer that exited.
+    # The worker that remains holds no variable of the trainer that exited.
     assert 'Freed ' in log and ' variables of this trainer on the workers' in (
       log
     ), log[-3000:]
