@@ -30,6 +30,7 @@ time (and peak bytes per device where the JSON has them) with their ratio.
 
 import argparse
 import json
+import os
 import sys
 
 from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
@@ -183,6 +184,37 @@ def _Slots(p):
   if opt is not None and 'SGD' in getattr(opt.cls, '__name__', ''):
     return 0
   return 2
+
+
+# What a TensorFlow worker process holds before any model (measured: 0.62
+# GB resident per worker of tools/local_cluster.py), and the trainer
+# driving them (1.2 GB for a 608M-parameter LM; docs/scale.md).
+_WORKER_RUNTIME_BYTES = int(0.62e9)
+_DRIVER_BYTES = int(1.2e9)
+
+
+def HostMemoryNote(args, host_bytes=None):
+  """A line for a CPU plan whose devices, as worker processes of this
+  host, would need more than its memory; '' otherwise."""
+  budget = ParseBytes(args.memory_per_device)
+  if args.device not in ('cpu', 'measure') or not budget:
+    return ''
+  if host_bytes is None:
+    host_bytes = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  n = args.num_devices
+  need = n * (budget + _WORKER_RUNTIME_BYTES) + _DRIVER_BYTES
+  if need <= host_bytes:
+    return ''
+  room = (host_bytes - _DRIVER_BYTES) / n - _WORKER_RUNTIME_BYTES
+  fmt = planner.FormatBytes
+  return (
+    f'Note: as worker processes of this host, {n} devices of '
+    f'{fmt(budget)} need {fmt(need)} with their TensorFlow runtimes '
+    f'(~{fmt(_WORKER_RUNTIME_BYTES)} each) and the trainer, more than its '
+    f'{fmt(host_bytes)}: give '
+    f'--memory_per_device={max(room, 0) / 2**30:.1f}GiB or less to plan '
+    'for this host, or run the workers on several hosts.'
+  )
 
 
 def _Schedules(args):
@@ -388,6 +420,9 @@ def RunPlan(args):
     f'parameters, batch {profile.batch_size}.'
   )
   print(result.ToText(top=args.top))
+  note = HostMemoryNote(args)
+  if note:
+    print(note)
   record = result.ToDict()
   if result.best is not None:
     how = ApplyText(

@@ -372,3 +372,23 @@ def testPlansLingvosLmStackAndItsFlagsBuildThePlannedCells(capsys):
   )
   assert plan.main(argv + ['--schedule=1f1b']) == 2
   assert "trains with schedule 'gpipe' only" in capsys.readouterr().err
+
+
+def testBudgetsThatDoNotFitTogetherOnThisHostAreNoted():
+  """8 CPU devices of 3 GiB are more than a 24 GB host once each worker's
+  TensorFlow runtime and the trainer are counted: the plan says so, with
+  the budget that would fit; a budget that fits, or an accelerator, gets
+  no note."""
+  args = plan.ParseArgs(
+    ['--model=bench.mlp', '--num_devices=8', '--memory_per_device=3GiB']
+  )
+  host = 24 * 10**9
+  note = plan.HostMemoryNote(args, host_bytes=host)
+  assert note.startswith(
+    'Note: as worker processes of this host, 8 devices of 3.0 GiB need '
+  ), note
+  assert '--memory_per_device=2.1GiB or less' in note, note
+  args.memory_per_device = '2GiB'
+  assert plan.HostMemoryNote(args, host_bytes=host) == ''
+  args.memory_per_device, args.device = '3GiB', 'tpu_v3'
+  assert plan.HostMemoryNote(args, host_bytes=host) == ''
