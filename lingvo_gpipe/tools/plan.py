@@ -217,21 +217,19 @@ def HostMemoryNote(args, host_bytes=None):
   )
 
 
-def _Schedules(args):
-  """The schedules to plan. A Lingvo stack computes its loss in the last
-  cell's softmax but returns it through FProp, not FPropWithLoss, so it
-  trains with 'gpipe' only (1F1B needs each micro-batch's loss)."""
+def _Schedules(args, stack):
+  """The schedules to plan. A Lingvo stack (`stack`) computes its loss in
+  the last cell's softmax but returns it through FProp, not FPropWithLoss,
+  so it trains with 'gpipe' only (1F1B needs each micro-batch's loss)."""
   if args.schedule != 'search':
-    if args.schedule != 'gpipe' and _StackSplits(args.model or '') is not None:
+    if args.schedule != 'gpipe' and stack:
       raise UserError(
         f'--schedule={args.schedule}: --model={args.model} is a Lingvo '
         "stack, which trains with schedule 'gpipe' only (its loss comes "
         "out of FProp, and 1F1B needs each micro-batch's loss)."
       )
     return (args.schedule,)
-  if _StackSplits(args.model or '') is not None:
-    return ('gpipe',)
-  return ('gpipe', '1f1b')
+  return ('gpipe',) if stack else ('gpipe', '1f1b')
 
 
 def _StackSplits(key):
@@ -382,6 +380,7 @@ def GetDevice(args, profile=None, layers=None, link=None):
 
 def RunPlan(args):
   name, layers, shapes, slots = BuildModel(args)
+  stack_splits = _StackSplits(args.model)
   if args.device != 'measure':
     GetDevice(args)  # an unknown preset fails before any work
   try:
@@ -409,7 +408,7 @@ def RunPlan(args):
       num_micro_batches=args.num_micro_batches,
       num_replicas=args.num_replicas,
       recompute=recompute,
-      schedules=_Schedules(args),
+      schedules=_Schedules(args, stack_splits is not None),
       max_micro_batches=args.max_micro_batches,
       compiled=args.jit_compile,
     )
@@ -430,7 +429,7 @@ def RunPlan(args):
       args.model,
       PipelineKey(args.model),
       args.device,
-      _StackSplits(args.model),
+      stack_splits,
     )
     record['apply'] = how
     print(

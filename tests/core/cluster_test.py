@@ -85,6 +85,19 @@ def testSplitGpuWithoutGpuNamesTheFix():
     cluster.SplitGpu(2, 1024)
 
 
+def _RunScript(script, timeout):
+  """Runs `script` in a fresh Python (connecting to a cluster changes the
+  process's TensorFlow context); its CompletedProcess, text captured."""
+  return subprocess.run(
+    [sys.executable, '-c', script],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
+
+
 _REMOTE_SCRIPT = textwrap.dedent("""
     import time
     from lingvo_gpipe.core import cluster
@@ -127,14 +140,7 @@ def testRemoteClusterDevicesAndDeadWorker():
 
   In a subprocess: connecting changes the process's TensorFlow context.
   """
-  out = subprocess.run(
-    [sys.executable, '-c', _REMOTE_SCRIPT],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
-  )
+  out = _RunScript(_REMOTE_SCRIPT, timeout=240)
   assert 'REMOTE_OK' in out.stdout, out.stderr[-4000:]
 
 
@@ -245,14 +251,7 @@ def testWorkerKilledByTheOutOfMemoryKillerIsReportedAsSuch():
   kernel log (dmesg)."""
   if not subprocess.run(['dmesg'], capture_output=True).returncode == 0:
     pytest.skip('The kernel log (dmesg) cannot be read here.')
-  out = subprocess.run(
-    [sys.executable, '-c', _OOM_SCRIPT],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
-  )
+  out = _RunScript(_OOM_SCRIPT, timeout=300)
   assert 'STEP_FAILED' in out.stdout, (out.stdout, out.stderr[-3000:])
   lines = [ln for ln in out.stdout.splitlines() if ln.startswith('TEXT ')]
   assert lines, out.stdout
