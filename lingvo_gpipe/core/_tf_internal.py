@@ -155,10 +155,12 @@ def InXlaContext():
   )
 
 
-def CallFunction(concrete, args):
+def CallFunction(concrete, args, return_op=False):
   """The outputs (a list) of one call of the concrete function `concrete`
   on the tensors `args`, built into the current graph like
-  `concrete(*args)`, but without shape inference of the called body.
+  `concrete(*args)`, but without shape inference of the called body
+  (with `return_op`, the call op itself, e.g. for a function of updates
+  without outputs).
 
   Building a call op infers the shapes of every op of the called function
   again (about 18 us per op of the body per call: 15 ms per call of a
@@ -204,7 +206,7 @@ def CallFunction(concrete, args):
   result = list(op.outputs)
   for t, o in zip(result, outs):
     t.set_shape(o.shape)
-  return result
+  return op if return_op else result
 
 
 _CONTROL_FLOW_GRAPHS = (
