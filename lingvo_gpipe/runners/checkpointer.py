@@ -70,6 +70,8 @@ from lingvo_gpipe.runners.checkpoint_names import FineTuneRestore
 from lingvo_gpipe.runners.checkpoint_names import ParseRestoreMap
 from lingvo_gpipe.runners.checkpoint_names import ReadCheckpointVariables
 from lingvo_gpipe.runners.checkpoint_names import RestoreReport
+from lingvo_gpipe.runners.checkpoint_names import RESTORE_CHUNK_BYTES
+from lingvo_gpipe.runners.checkpoint_names import RestoreVariables
 from lingvo_gpipe.runners.checkpoint_names import SplitIndependentMap
 from lingvo_gpipe.runners.checkpoint_names import UnescapeName
 from lingvo_gpipe.runners.checkpoint_names import VariableKey
@@ -95,6 +97,8 @@ __all__ = [
   'StepOf',
   'ParseRestoreMap',
   'FineTuneRestore',
+  'RestoreVariables',
+  'RESTORE_CHUNK_BYTES',
   'CheckWritableDir',
   'POINTER',
   'PREFIX',
@@ -397,9 +401,14 @@ class Checkpointer:
     try:
       return self._Read(prefix, names)
     except _DATA_ERRORS as e:
+      # A short data file: IndexError from the Python reader,
+      # OutOfRangeError from the restore op.
+      short = isinstance(e, IndexError) or (
+        isinstance(e, tf.errors.OutOfRangeError) and 'Read less bytes' in str(e)
+      )
       what = (
         'shorter than its index says (truncated)'
-        if isinstance(e, IndexError)
+        if short
         else f'{type(e).__name__}: {ErrorText(e)}'
       )
       raise BrokenCheckpointError(
@@ -409,13 +418,17 @@ class Checkpointer:
 
   def _Read(self, prefix, names=None):
     reader = tf.train.load_checkpoint(prefix)
-    has_iterator = reader.has_tensor(ITER_KEY)
-    if self._iterator is not None and has_iterator:
+    variables = self._vars
+    if names is not None:
+      variables = {names[n]: v for n, v in self._vars.items()}
+    # The variables a few at a time (no second copy of the model), then the
+    # input position alone.
+    RestoreVariables(prefix, variables)
+    if self._iterator is not None and reader.has_tensor(ITER_KEY):
       try:
-        status = self._Checkpoint(True, names).read(prefix)
+        status = tf.train.Checkpoint(**{ITERATOR: self._iterator}).read(prefix)
         status.assert_existing_objects_matched()
         status.expect_partial()
-        return StepOf(prefix)
       except _DATA_ERRORS:
         raise
       except (tf.errors.OpError, AssertionError, ValueError) as e:
@@ -425,9 +438,6 @@ class Checkpointer:
           prefix,
           str(e).splitlines()[0],
         )
-    status = self._Checkpoint(False, names).read(prefix)
-    status.assert_existing_objects_matched()
-    status.expect_partial()
     return StepOf(prefix)
 
   def Restore(self):
