@@ -366,6 +366,11 @@ class UpdateCollector:
       groups[id(layer)].append(stats)
     return [(layer, groups[id(layer)]) for layer in order]
 
+  # Graph-style code (no control flow on tensors): converted by AutoGraph,
+  # as a tf.function converts what it calls, the NestedMap walks of every
+  # layer's statistics cost seconds per trace (AmoebaNet, 175 batch-norm
+  # layers x 16 micro-batches: 29 s).
+  @tf.autograph.experimental.do_not_convert
   def Apply(self):
     """Applies every layer's updates; returns the list of assign ops."""
     ops = []

@@ -1,5 +1,7 @@
 """Tests of lingvo_gpipe.core.py_utils."""
 
+import inspect
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -248,6 +250,28 @@ def testNestedCollectorsInnermostWins():
   assert [s for _, s in outer.updates] == [1, 3]
   py_utils.AddDeferredUpdate(a, 4)
   assert a.calls == [[4]]
+
+
+def testApplyInATfFunctionIsNotConvertedByAutoGraph():
+  # A tf.function converts what it calls with AutoGraph, line by line; the
+  # layers' updates are graph-style code, and converting them cost seconds
+  # per trace. Converted code runs from a generated file.
+  files = []
+
+  class Layer(_FakeLayer):
+    def ApplyDeferredUpdates(self, stats_list):
+      files.append(inspect.currentframe().f_code.co_filename)
+      return tf.add_n(stats_list)
+
+  @tf.function
+  def Step(x):
+    with py_utils.UpdateCollector() as updates:
+      py_utils.AddDeferredUpdate(Layer('a'), x)
+      py_utils.AddDeferredUpdate(Layer('b'), 2 * x)
+    return updates.Apply()
+
+  assert [float(t) for t in Step(tf.constant(1.0))] == [1.0, 2.0]
+  assert files == [__file__, __file__], files
 
 
 def testNoUpdateCollectionDrops():
