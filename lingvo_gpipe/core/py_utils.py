@@ -340,7 +340,8 @@ class UpdateCollector:
   A pipeline opens one collector per micro-batch and cell, then forwards all
   the statistics to the enclosing collector, so the moving averages are
   updated once per mini-batch from the statistics of all micro-batches.
-  Outside any collector, updates are applied at once.
+  Outside any collector, updates are applied at once. `Apply` is not
+  converted by AutoGraph: that only slowed the trace (docs/benchmarks.md).
   """
 
   def __init__(self):
@@ -358,18 +359,11 @@ class UpdateCollector:
 
   def Grouped(self):
     """Returns [(layer, [stats, ...])] in first-seen order."""
-    order, groups = [], {}
+    groups = {}  # id(layer) -> (layer, [stats, ...]), in first-seen order
     for layer, stats in self.updates:
-      if id(layer) not in groups:
-        order.append(layer)
-        groups[id(layer)] = []
-      groups[id(layer)].append(stats)
-    return [(layer, groups[id(layer)]) for layer in order]
+      groups.setdefault(id(layer), (layer, []))[1].append(stats)
+    return list(groups.values())
 
-  # Graph-style code (no control flow on tensors): converted by AutoGraph,
-  # as a tf.function converts what it calls, the NestedMap walks of every
-  # layer's statistics cost seconds per trace (AmoebaNet, 175 batch-norm
-  # layers x 16 micro-batches: 29 s).
   @tf.autograph.experimental.do_not_convert
   def Apply(self):
     """Applies every layer's updates; returns the list of assign ops."""

@@ -32,6 +32,7 @@ import time
 import tensorflow as tf
 
 from lingvo_gpipe.core import cluster as cluster_lib
+from lingvo_gpipe.core import proc_status
 
 __all__ = [
   'WorkerMemory',
@@ -59,18 +60,12 @@ def ParseStatus(status_text, meminfo_text):
   int) from the text of /proc/self/status and /proc/meminfo; None where a
   field is missing."""
 
-  def Field(text, name):
-    m = re.search(rf'^{name}:\s+(\d+)(\s*kB)?', text, re.MULTILINE)
-    if not m:
-      return None
-    return int(m.group(1)) * (1024 if m.group(2) else 1)
-
   return (
-    Field(status_text, 'VmRSS'),
-    Field(status_text, 'VmHWM'),
-    Field(status_text, 'Pid'),
-    Field(meminfo_text, 'MemAvailable'),
-    Field(meminfo_text, 'MemTotal'),
+    proc_status.Field(status_text, 'VmRSS'),
+    proc_status.Field(status_text, 'VmHWM'),
+    proc_status.Field(status_text, 'Pid'),
+    proc_status.Field(meminfo_text, 'MemAvailable'),
+    proc_status.Field(meminfo_text, 'MemTotal'),
   )
 
 

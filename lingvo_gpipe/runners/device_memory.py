@@ -36,6 +36,8 @@ import threading
 import urllib.error
 import urllib.request
 
+from lingvo_gpipe.core import proc_status
+
 __all__ = [
   'EnableCpuStats',
   'ProcessMemory',
@@ -72,22 +74,9 @@ def EnableCpuStats(limit_mb=None):
     os.environ['TF_CPU_BFC_MEM_LIMIT_IN_MB'] = str(int(limit_mb))
 
 
-def _ReadStatus(pid='self'):
-  out = {}
-  try:
-    with open(f'/proc/{pid}/status') as f:
-      for line in f:
-        m = re.match(r'(VmRSS|VmHWM):\s+(\d+) kB', line)
-        if m:
-          out[m.group(1)] = int(m.group(2)) * 1024
-  except OSError:
-    pass
-  return out
-
-
 def ProcessMemory():
   """(resident bytes now, peak resident bytes) of this process (Linux)."""
-  s = _ReadStatus()
+  s = proc_status.ReadStatus()
   return s.get('VmRSS'), s.get('VmHWM')
 
 

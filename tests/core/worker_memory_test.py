@@ -4,6 +4,9 @@ described: parsing, the kernel's out-of-memory line, a nearly full host.
 A real sample of worker processes is in cluster_test (remote cluster).
 """
 
+import subprocess
+import sys
+
 from lingvo_gpipe import trainer_errors
 from lingvo_gpipe.core import worker_memory
 
@@ -99,3 +102,22 @@ def testNothingKnownKeepsTheOldMessage():
   assert trainer_errors.LostWorkers([LOST], memory) == (
     trainer_errors.LostWorkers([LOST])
   )
+
+
+def testProcStatusReadsThisProcessWithoutTensorFlow():
+  # The parser device_memory uses before TensorFlow is imported.
+  out = subprocess.run(
+    [
+      sys.executable,
+      '-c',
+      'import sys; from lingvo_gpipe.core import proc_status; '
+      's = proc_status.ReadStatus(); '
+      'assert 0 < s["VmRSS"] <= s["VmHWM"], s; '
+      'assert "tensorflow" not in sys.modules; '
+      'assert proc_status.ReadStatus(pid=0) == {}',
+    ],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]

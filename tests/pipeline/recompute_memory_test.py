@@ -80,41 +80,41 @@ _HELD = textwrap.dedent("""
                                     num_heads=1, vocab_size=1024)
     ids = tf.random.stateless_uniform([32, 32], [1, 2], maxval=1024,
                                       dtype=tf.int32)
-    layer = gpipe.PipeliningLayer.Params().Set(
-        name='p', layers=lp, num_stages=1, num_micro_batches=8,
-        recompute='always', micro_batch_loop=sys.argv[2] == 'loop'
-    ).Instantiate()
-    vs = layer.trainable_variables
+    out = {}
+    # Each step in turn; what an earlier one holds is in both readings.
+    for how in sys.argv[2:]:
+      layer = gpipe.PipeliningLayer.Params().Set(
+          name=f'p_{how}', layers=lp, num_stages=1, num_micro_batches=8,
+          recompute='always', micro_batch_loop=how == 'loop'
+      ).Instantiate()
+      vs = layer.trainable_variables
 
-    @tf.function
-    def Step():
-      with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(layer(ids, ids))
-      for v, g in zip(vs, tape.gradient(loss, vs)):
-        v.assign_sub(1e-3 * tf.convert_to_tensor(g))
-      return loss
-    Step.get_concrete_function()
-    traced = Current()
-    Step()
-    before = Current()
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    Step()
-    print('RESULT', json.dumps(dict(
-        weights=sum(v.shape.num_elements() * 4 for v in vs),
-        held=Current() - traced,
-        step=tf.config.experimental.get_memory_info('CPU:0')['peak'] - before)))
+      @tf.function
+      def Step():
+        with tf.GradientTape() as tape:
+          loss = tf.reduce_mean(layer(ids, ids))
+        for v, g in zip(vs, tape.gradient(loss, vs)):
+          v.assign_sub(1e-3 * tf.convert_to_tensor(g))
+        return loss
+      Step.get_concrete_function()
+      traced = Current()
+      Step()
+      before = Current()
+      tf.config.experimental.reset_memory_stats('CPU:0')
+      Step()
+      out[how] = dict(
+          weights=sum(v.shape.num_elements() * 4 for v in vs),
+          held=Current() - traced,
+          step=tf.config.experimental.get_memory_info('CPU:0')['peak'] - before)
+    print('RESULT', json.dumps(out))
 """)
 
 
-def _Held(inter_op_threads, loop=False):
+def _Held(inter_op_threads, *steps):
+  """{step: its weights, what it holds between steps, its peak}, for the
+  item-by-item step ('items') and the loops ('loop'), in one process."""
   out = subprocess.run(
-    [
-      sys.executable,
-      '-c',
-      _HELD,
-      str(inter_op_threads),
-      'loop' if loop else '',
-    ],
+    [sys.executable, '-c', _HELD, str(inter_op_threads), *steps],
     capture_output=True,
     text=True,
     timeout=300,
@@ -124,19 +124,24 @@ def _Held(inter_op_threads, loop=False):
   return json.loads(line[len('RESULT') :])
 
 
-def testGradientSumHoldsNothingBetweenSteps():
+@pytest.fixture(scope='module')
+def held():
+  return _Held(2, 'items', 'loop')
+
+
+def testGradientSumHoldsNothingBetweenSteps(held):
   # The micro-batch gradients are summed as they arrive. AccumulateNV2 did
   # that too, but held one more copy of the weights between steps (constant
   # zeros of its temporary variables): 2.1 MiB here for 2.0 MiB of weights.
-  r = _Held(2)
+  r = held['items']
   assert r['held'] < 0.2 * r['weights'], r
 
 
-def testLoopsHoldNothingBetweenSteps():
+def testLoopsHoldNothingBetweenSteps(held):
   # The loops' zeros are made from the weights at run time: made from
   # constants, they were folded into constants that stayed allocated (3.4
   # MB here, a copy of the running sums).
-  r = _Held(2, loop=True)
+  r = held['loop']
   assert r['held'] < 0.2 * r['weights'], r
 
 
@@ -144,7 +149,7 @@ def testLoopsHoldNothingBetweenSteps():
 def testOneInterOpThreadKeepsNoMoreActivations():
   # With AccumulateNV2 one inter-op thread kept 2.8x the activations of two
   # (21.8 MiB against 7.6 MiB here); the chain of adds keeps about the same.
-  one, two = _Held(1), _Held(2)
+  one, two = _Held(1, 'items')['items'], _Held(2, 'items')['items']
   assert one['held'] < 0.2 * one['weights'], one
   assert one['step'] < 1.3 * two['step'], (one, two)
 

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lingvo_gpipe.tools import max_model_size
 
 _TOOL = os.path.join(
@@ -64,7 +66,9 @@ def testGpuWithoutAGpuIsOneClearMessage(capsys, monkeypatch):
   assert 'cpu and gpu' in err
 
 
+@pytest.mark.slow
 def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
+  # A real trial that does not fit (the faked one below covers the search).
   out = _Run(
     '--family=transformer',
     '--budget_mb=1',
@@ -75,6 +79,28 @@ def testBudgetBelowTheSmallestModelIsOneClearMessage(tmp_path):
   assert 'does not fit 1 MiB per device in naive-1' in out.stderr
   assert 'raise --budget_mb' in out.stderr
   trials = json.loads((tmp_path / 'r.json').read_text())['trials']
+  assert len(trials) == 1 and not trials[0]['fits']
+
+
+def testBudgetBelowTheSmallestSizeIsOneLineOnFakedTrials(
+  tmp_path, capsys, monkeypatch
+):
+  trial, tried = _FakeTrial({'naive-1': 0})
+  monkeypatch.setattr(max_model_size.Searcher, 'Trial', trial)
+  path = tmp_path / 'r.json'
+  status, _, err = _InProcess(
+    capsys,
+    '--family=transformer',
+    '--budget_mb=1',
+    '--configs=naive-1',
+    f'--json={path}',
+  )
+  assert status == 1, err
+  (line,) = [ln for ln in err.splitlines() if 'does not fit' in ln]
+  assert 'does not fit 1 MiB per device in naive-1' in line, err
+  assert line.endswith('raise --budget_mb.'), line
+  assert tried == [('naive-1', 1)]
+  trials = json.loads(path.read_text())['trials']
   assert len(trials) == 1 and not trials[0]['fits']
 
 
