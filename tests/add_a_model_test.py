@@ -138,7 +138,9 @@ def testTheGuideRunsAsWritten(tmp_path):
     else:
       assert args[0] == 'python', command
       args[0] = sys.executable
-    args = [a.replace('/tmp/', f'{tmp_path}/') for a in args]
+    # The guide's /tmp/ paths, in this test's directory (not the
+    # interpreter's path, which may lie under /tmp/ too).
+    args[1:] = [a.replace('/tmp/', f'{tmp_path}/') for a in args[1:]]
     if '--job=trainer,evaler_dev' in args:
       args += ['--max_steps=3', '--eval_max_batches=1']
     out = subprocess.run(
