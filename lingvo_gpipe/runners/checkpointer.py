@@ -245,12 +245,9 @@ class Checkpointer:
     if newest and newest != latest:
       WritePointer(self._dir, newest, self._kept)
 
-  def _Checkpoint(self, with_iterator, names=None):
-    """`names`: {model name: checkpoint name} where they differ."""
-    variables = self._vars
-    if names is not None:
-      variables = {names[n]: v for n, v in self._vars.items()}
-    kwargs = {MODEL: variables}
+  def _Checkpoint(self, with_iterator):
+    """What `Save` writes: the variables, and the input position."""
+    kwargs = {MODEL: self._vars}
     if with_iterator and self._iterator is not None:
       kwargs[ITERATOR] = self._iterator
     return tf.train.Checkpoint(**kwargs)
