@@ -4,12 +4,11 @@ Measured with the allocator's peak (a fresh process: CPU allocator statistics
 must be switched on before the first op).
 """
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.testing import fresh_process
 
 _MEASURE = textwrap.dedent("""
     import json, sys
@@ -53,15 +52,7 @@ def testIntegerInputsKeepMicroBatchesOrderedInTheBackwardPass():
   # micro-batches' backward passes must not depend on an input gradient, or
   # every micro-batch is re-materialized at once (about the plain model's
   # memory).
-  out = subprocess.run(
-    [sys.executable, '-c', _MEASURE],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  act = json.loads(line[len('RESULT') :])
+  act = fresh_process.Result(_MEASURE)
   plain, piped = act['0'], act['8']
   assert piped < 0.22 * plain, act
 
@@ -113,15 +104,7 @@ _HELD = textwrap.dedent("""
 def _Held(inter_op_threads, *steps):
   """{step: its weights, what it holds between steps, its peak}, for the
   item-by-item step ('items') and the loops ('loop'), in one process."""
-  out = subprocess.run(
-    [sys.executable, '-c', _HELD, str(inter_op_threads), *steps],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  return json.loads(line[len('RESULT') :])
+  return fresh_process.Result(_HELD, inter_op_threads, *steps)
 
 
 @pytest.fixture(scope='module')
@@ -202,13 +185,5 @@ def testCompiledCellsKeepNoMoreActivations():
   # The compiled peak still varies from run to run by up to half a copy of
   # the weights (3.0-3.8 MiB against 2.8-2.9 MiB without XLA, measured over
   # runs), so the bound is one copy of the weights, not a ratio.
-  out = subprocess.run(
-    [sys.executable, '-c', _COMPILED],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  r = json.loads(line[len('RESULT') :])
+  r = fresh_process.Result(_COMPILED)
   assert r['True'] < r['False'] + r['weights'], r

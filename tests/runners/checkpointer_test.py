@@ -1,9 +1,6 @@
 """Unit tests of the name-keyed, atomic checkpointer."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,6 +8,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.runners import checkpoint_files
 from lingvo_gpipe.runners import checkpointer
+from tests.testing import fresh_process
 
 
 def _Vars(scale=1.0, w_shape=(2, 3), extra=False):
@@ -423,6 +421,7 @@ from lingvo_gpipe.runners import device_memory
 device_memory.EnableCpuStats()
 import tensorflow as tf
 from lingvo_gpipe.runners import checkpointer
+from tests.testing import fresh_process
 vs = {f'w{i}': tf.Variable(tf.zeros([2048, 1024])) for i in range(24)}
 ckpt = checkpointer.Checkpointer(sys.argv[1], vs)
 ckpt.Save(1)
@@ -438,14 +437,6 @@ def testRestoreHoldsNoSecondCopyOfTheModel(tmp_path):
   # tf.train.Checkpoint.read reads every tensor before it assigns any: 192
   # MiB of weights restored with 192 MiB more at the peak. The checkpointer
   # reads at most RESTORE_CHUNK_BYTES (64 MiB) at a time.
-  out = subprocess.run(
-    [sys.executable, '-c', _RESTORE_PEAK, str(tmp_path)],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  r = json.loads(line[len('RESULT') :])
+  r = fresh_process.Result(_RESTORE_PEAK, tmp_path, timeout=120)
   assert r['extra'] <= checkpointer.RESTORE_CHUNK_BYTES + (1 << 20), r
   assert r['extra'] < 0.6 * r['weights'], r

@@ -1,11 +1,10 @@
 """Per-device memory figures, measured by each device's own process."""
 
-import subprocess
-import sys
 import textwrap
 
 
 from lingvo_gpipe.runners import device_memory
+from tests.testing import fresh_process
 
 
 def testTaskOfAndStatusMap():
@@ -54,17 +53,7 @@ _WORKERS = textwrap.dedent("""
 
 
 def testAllocationOnWorker1ShowsOnWorker1Only():
-  out = subprocess.run(
-    [sys.executable, '-c', _WORKERS],
-    capture_output=True,
-    text=True,
-    timeout=200,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  import json  # pylint: disable=g-import-not-at-top
-
-  line = [l for l in out.stdout.splitlines() if l.startswith('RESULT')][0]
-  r = json.loads(line[len('RESULT') :])
+  r = fresh_process.Result(_WORKERS, timeout=200)
   mib = 2**20
   (c0, p0), (c1, p1) = r['after']
   # Task 0 holds nothing of the model; task 1 the variable (and eager
