@@ -25,7 +25,7 @@ def _OneLine(previous):
 # TensorFlow comes as an extra (CPU-only and GPU machines need different
 # builds), so a plain `pip install` lacks it: say which extra to install
 # instead of failing later with "No module named 'tensorflow'". Only looked
-# up, not imported: `pipeline.balance` runs without TensorFlow. The error is
+# up, not imported: `planning.balance` runs without TensorFlow. The error is
 # still an ImportError for code that catches it; uncaught (a script, the
 # trainer, a console script) it prints one line.
 if _importlib_util.find_spec('tensorflow') is None:

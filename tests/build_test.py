@@ -196,12 +196,14 @@ _LAYERS = {
   'layers': 1,
   'input': 1,
   'pipeline': 2,
-  'models': 3,
-  'model_registry': 3,
-  'runners': 4,
-  'trainer': 5,
-  'tools': 6,
-  'params': 6,
+  'planning': 2,
+  'gpipe_layers': 3,
+  'models': 4,
+  'model_registry': 4,
+  'runners': 5,
+  'trainer': 6,
+  'tools': 7,
+  'params': 7,
 }
 # The Lingvo import-path facades re-export the pipeline and the layers.
 _FACADES = {
@@ -243,14 +245,24 @@ def testLibraryImportsFollowTheLayers():
   upward = _UpwardImports(graph)
   assert not upward, (
     'Library modules importing a higher layer '
-    '(core -> layers, input -> pipeline -> models -> runners -> trainer -> '
+    '(core -> layers, input -> pipeline, planning -> gpipe_layers -> models '
+    '-> runners -> trainer -> '
     f'tools, params): {upward}. Move the shared code down a layer.'
   )
 
 
 # General modules know no particular model or input: a model's or input's
 # behaviour reaches them through the task's or generator's methods.
-_GENERAL = ('core', 'compat', 'layers', 'pipeline', 'runners', 'trainer')
+_GENERAL = (
+  'core',
+  'compat',
+  'layers',
+  'pipeline',
+  'planning',
+  'gpipe_layers',
+  'runners',
+  'trainer',
+)
 _SPECIFIC = ('models', 'input')
 
 
@@ -267,6 +279,35 @@ def testGeneralModulesImportNoSpecificModelOrInput():
     f'General modules importing a particular model or input: {found}. '
     'Ask the task or the input generator instead (a method they override).'
   )
+
+
+# The runtime (pipeline/) asks the planning package for K, M and the split
+# through planning/auto.py only; planning may read the runtime's schedules.
+_PLANNING_ENTRY = 'lingvo_gpipe/planning/auto.py'
+
+
+def _RuntimeIntoPlanning(graph):
+  return [
+    f'{f} -> {d}'
+    for f, deps in sorted(graph.items())
+    if _Layer(f) == 'pipeline'
+    for d in sorted(deps)
+    if _Layer(d) == 'planning' and d != _PLANNING_ENTRY
+  ]
+
+
+def testRuntimeImportsPlanningOnlyThroughAuto():
+  graph = _GenBuild().LibraryGraph(_GenBuild().ImportGraph())
+  found = _RuntimeIntoPlanning(graph)
+  assert not found, (
+    f'Runtime modules importing the planning package directly: {found}. '
+    f'Ask through {_PLANNING_ENTRY} (a function there) instead.'
+  )
+  layer = 'lingvo_gpipe/pipeline/pipelining_layer.py'
+  assert _PLANNING_ENTRY in graph[layer]
+  assert _RuntimeIntoPlanning(
+    {layer: {_PLANNING_ENTRY, 'lingvo_gpipe/planning/balance.py'}}
+  ) == [f'{layer} -> lingvo_gpipe/planning/balance.py']
 
 
 def testLayerCheckSeesAnUpwardImport():

@@ -118,7 +118,7 @@ _PUBLIC = [
   'lingvo_gpipe.core.schedule',
   'lingvo_gpipe.core.tpu',
   'lingvo_gpipe.pipeline.pipelining_layer',
-  'lingvo_gpipe.pipeline.planner',
+  'lingvo_gpipe.planning.planner',
   'lingvo_gpipe.pipeline.schedule',
   'lingvo_gpipe.model_registry',
   'lingvo_gpipe.trainer',

@@ -5,7 +5,9 @@ import json
 import sys
 import tensorflow as tf
 from lingvo_gpipe import model_registry, trainer
-from lingvo_gpipe.pipeline import device_presets, layer_profile, planner
+from lingvo_gpipe.planning import device_presets
+from lingvo_gpipe.planning import layer_profile
+from lingvo_gpipe.planning import planner
 
 key = (
   sys.argv[1]

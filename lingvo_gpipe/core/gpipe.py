@@ -7,23 +7,23 @@ its public surface under the name Lingvo users know
 `FeatureExtractionLayer` and Lingvo's `PartitionSequentialLayers`.
 """
 
-from lingvo_gpipe.pipeline.balance import BalancedSplits
-from lingvo_gpipe.pipeline.balance import MakeReport
-from lingvo_gpipe.pipeline.balance import PartitionReport
-from lingvo_gpipe.pipeline.balance import UniformSplits
-from lingvo_gpipe.pipeline.partition import ComputeSplits
-from lingvo_gpipe.pipeline.partition import LayerCosts
-from lingvo_gpipe.pipeline.partition import Report
+from lingvo_gpipe.gpipe_layers.seq_layer import PartitionSequentialLayers
+from lingvo_gpipe.gpipe_layers.seq_layer import SeqLayer
 from lingvo_gpipe.pipeline.pipelining_layer import FeatureExtractionLayer
 from lingvo_gpipe.pipeline.pipelining_layer import PipeliningLayer
 from lingvo_gpipe.pipeline.pipelining_layer import RECOMPUTE_POLICIES
 from lingvo_gpipe.pipeline.pipelining_layer import SCHEDULES
-from lingvo_gpipe.pipeline.seq_layer import PartitionSequentialLayers
-from lingvo_gpipe.pipeline.seq_layer import SeqLayer
 from lingvo_gpipe.pipeline.schedule import BubbleFraction
 from lingvo_gpipe.pipeline.schedule import IdealSpeedup
 from lingvo_gpipe.pipeline.schedule import ScheduleText
 from lingvo_gpipe.pipeline.schedule import ScheduleTracer
+from lingvo_gpipe.planning.balance import BalancedSplits
+from lingvo_gpipe.planning.balance import MakeReport
+from lingvo_gpipe.planning.balance import PartitionReport
+from lingvo_gpipe.planning.balance import UniformSplits
+from lingvo_gpipe.planning.partition import ComputeSplits
+from lingvo_gpipe.planning.partition import LayerCosts
+from lingvo_gpipe.planning.partition import Report
 
 __all__ = [
   'BalancedSplits',

@@ -1,6 +1,6 @@
 """Keras 3 layers in a pipeline: `KerasLayer` and `KerasLayersParams`.
 
-(`pipeline/keras_model.py`'s `PipelinedModel` wraps a pipeline of them as a
+(`gpipe_layers/keras_model.py`'s `PipelinedModel` wraps a pipeline of them as a
 keras.Model, for compile / fit / evaluate / predict.)
 
 `KerasLayer` wraps one Keras layer, given by its config

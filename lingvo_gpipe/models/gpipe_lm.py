@@ -27,8 +27,8 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import base_model
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.gpipe_layers import batch_major_gpipe
 from lingvo_gpipe.layers import batch_major_attention
-from lingvo_gpipe.pipeline import batch_major_gpipe
 
 __all__ = ['GPipeTransformerLm', 'GPipeTransformerLmTask']
 

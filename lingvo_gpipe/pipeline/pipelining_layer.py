@@ -62,19 +62,16 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
-from lingvo_gpipe.pipeline import auto_plan
-from lingvo_gpipe.pipeline import balance
 from lingvo_gpipe.pipeline import cell_function
 from lingvo_gpipe.pipeline import cell_shapes
 from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import layer_function
 from lingvo_gpipe.pipeline import microbatch
-from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.planning import auto
 
 __all__ = [
   'FeatureExtractionLayer',
@@ -123,7 +120,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       'num_stages',
       None,
       'Number of cells K for `layers`; None: len(devices) or 1; '
-      "'auto': the planner (pipeline/planner.py) chooses K for the "
+      "'auto': the planner (planning/planner.py) chooses K for the "
       'devices at hand (needs input_shapes with the batch size).',
     )
     p.Define(
@@ -165,7 +162,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       'planner_device',
       None,
       "With 'auto': the device preset the planner predicts for "
-      '(pipeline/device_presets.PRESETS: tpu_v2, tpu_v3, v100, a100, h100, '
+      '(planning/device_presets.PRESETS: tpu_v2, tpu_v3, v100, a100, h100, '
       'cpu); None: guessed from the devices.',
     )
     p.Define(
@@ -354,7 +351,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           lp.name = f'layer_{i}'
       self._cell_names = []
       self._splits = self._Splits(layers)
-      self._ranges = balance.SplitsToRanges(self._splits)
+      self._ranges = auto.SplitsToRanges(self._splits)
       num_stages = len(self._splits)
       self._SetDevices(num_stages)
       self._CreateBefore()
@@ -416,47 +413,19 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def _ResolveAuto(self):
     """Resolves num_stages / num_micro_batches = 'auto' with the planner."""
-    k, m, text = auto_plan.Resolve(self.params)
+    k, m, text = auto.Resolve(self.params)
     if self.params.num_stages == 'auto':
       self._auto_num_stages = k
     self._num_micro_batches = m
     self.plan_text = text
 
   def _Splits(self, layers):
-    p = self.params
-    if self._auto_num_stages:
-      return partition.ComputeSplits(
-        layers,
-        self._auto_num_stages,
-        None,
-        'flops' if p.balance_by == 'auto' else p.balance_by,
-        self._CellInputShapes(),
-        device=(p.devices or [None])[0],
-      )
-    num_stages = p.num_stages or (
-      len(p.devices) // p.num_replicas if p.devices else None
-    )
-    by = p.balance_by
-    if by == 'auto':
-      by = 'flops' if p.input_shapes is not None else 'params'
-    shapes = self._CellInputShapes()
-    num_micro_batches = p.num_micro_batches
-    if by == 'memory' and p.micro_batch_size and shapes:
-      batch = tf.nest.flatten(meta.ToShape(tuple(shapes)))[0].as_list()[
-        p.batch_dim
-      ]
-      if batch:
-        num_micro_batches = max(1, batch // p.micro_batch_size)
-    return partition.ComputeSplits(
+    return auto.Splits(
+      self.params,
       layers,
-      num_stages,
-      p.splits,
-      by,
-      shapes,
-      device=(p.devices or [None])[0],
-      num_micro_batches=num_micro_batches,
-      state_copies=p.memory_state_copies,
-      name=self.path,
+      self._CellInputShapes(),
+      self._auto_num_stages,
+      self.path,
     )
 
   def _SetDevices(self, num_stages):

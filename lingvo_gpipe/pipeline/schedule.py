@@ -73,6 +73,8 @@ __all__ = [
   'Build',
   'InFlight',
   'IdleFraction',
+  'PerDevice',
+  'Times',
 ]
 
 # The schedules a PipeliningLayer accepts (Params().schedule).
@@ -132,45 +134,89 @@ def FillDrain(num_cells, num_micro_batches):
   return fwd + bwd
 
 
-def _Simulate(num_cells, num_devices, sequences):
-  """Clocks of per-device work sequences, each pass one clock.
+def PerDevice(work, num_cells, num_devices=None):
+  """[device] -> the items of `work` that device runs, in `work`'s order
+  (cell k on device k mod D; D defaults to K)."""
+  num_devices = num_devices or num_cells
+  out = [[] for _ in range(num_devices)]
+  for w in work:
+    out[w.cell % num_devices].append(w)
+  return out
+
+
+def Times(sequences, num_cells, duration, transfer=None):
+  """The schedules' one simulator: when each work item starts and ends.
+
+  Each device runs its items in order, each as soon as the device is free
+  and what the item needs has ended: a forward needs the previous cell's
+  forward of its micro-batch, a backward the cell's own forward and the next
+  cell's backward. Unit durations give a schedule's clocks (`OneFOneB`,
+  `Interleaved`); the cost model's seconds give a predicted step
+  (`planning/cost_model.py`).
 
   Args:
+    sequences: [device] -> [WorkItem] (only cell, micro_batch and kind are
+      read) in the order the device runs them.
     num_cells: K.
-    num_devices: D; cell k runs on device k mod D.
-    sequences: [device] -> [(kind, cell, micro_batch)] in the order the
-      device runs them.
+    duration: item -> its seconds (or clocks).
+    transfer: item -> the seconds its input takes to arrive from the cell
+      that produced it (the previous cell's output for a forward, the next
+      cell's input gradient for a backward); None: 0.
 
   Returns:
-    [WorkItem] sorted by clock (then device): at each clock every device runs
-    its next item if what it needs finished at an earlier clock.
+    [(device, item, start, end)] in the order they were computed.
+
+  Raises:
+    ValueError: if the orders deadlock (an item waits on one that its own
+      device runs later).
   """
-  pos = [0] * num_devices
-  done = set()
+  pos = [0] * len(sequences)
+  free = [0.0] * len(sequences)
+  ends = {}
   out = []
-  clock = 0
   total = sum(len(s) for s in sequences)
   while len(out) < total:
-    ran = []
-    for d in range(num_devices):
-      if pos[d] == len(sequences[d]):
-        continue
-      kind, k, m = sequences[d][pos[d]]
-      if kind == FORWARD:
-        needs = [(FORWARD, k - 1, m)] if k > 0 else []
-      else:
-        needs = [(FORWARD, k, m)]
-        if k < num_cells - 1:
-          needs.append((BACKWARD, k + 1, m))
-      if all(n in done for n in needs):
-        ran.append(WorkItem(clock, k, m, kind))
+    progressed = False
+    for d, seq in enumerate(sequences):
+      while pos[d] < len(seq):
+        w = seq[pos[d]]
+        k, m = w.cell, w.micro_batch
+        if w.kind == FORWARD:
+          needs = [(FORWARD, k - 1, m)] if k > 0 else []
+        else:
+          needs = [(FORWARD, k, m)]
+          if k < num_cells - 1:
+            needs.append((BACKWARD, k + 1, m))
+        if not all(n in ends for n in needs):
+          break
+        start = free[d]
+        for n in needs:  # An input from another cell arrives over a link.
+          arrive = ends[n] + (transfer(w) if transfer and n[1] != k else 0)
+          start = max(start, arrive)
+        end = start + duration(w)
+        free[d] = end
+        ends[(w.kind, k, m)] = end
+        out.append((d, w, start, end))
         pos[d] += 1
-    if not ran:
-      raise ValueError(f'The per-device orders {sequences} deadlock.')
-    done.update((w.kind, w.cell, w.micro_batch) for w in ran)
-    out.extend(ran)
-    clock += 1
+        progressed = True
+    if not progressed:
+      raise ValueError(
+        'The per-device orders '
+        f'{[[(w.kind, w.cell, w.micro_batch) for w in s] for s in sequences]} '
+        'deadlock.'
+      )
   return out
+
+
+def _Simulate(num_cells, num_devices, sequences):
+  """[WorkItem] with clocks, from per-device [(kind, cell, micro_batch)]
+  orders: `Times` with each pass one clock, sorted by clock (then device)."""
+  seqs = [[WorkItem(0, k, m, kind) for kind, k, m in s] for s in sequences]
+  timed = Times(seqs, num_cells, lambda w: 1)
+  return [
+    w._replace(clock=int(start))
+    for _, w, start, _ in sorted(timed, key=lambda x: (x[2], x[0]))
+  ]
 
 
 def OneFOneB(num_cells, num_micro_batches):

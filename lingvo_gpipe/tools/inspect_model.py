@@ -37,8 +37,8 @@ quiet_start.ImportTensorFlow(min_log_level='2')
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import trainer_params
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.pipeline import balance
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import partition
 # pylint: enable=g-import-not-at-top
 
 __all__ = ['ApplyOverrides', 'FindPipelines', 'Inspect', 'main']

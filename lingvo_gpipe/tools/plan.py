@@ -41,9 +41,9 @@ quiet_start.ImportTensorFlow(min_log_level='2')
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.pipeline import cost_model  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.pipeline import device_presets  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.pipeline import planner  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.planning import cost_model  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.planning import device_presets  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.planning import planner  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.tools import benchmark_pipeline  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.tools import max_model_size  # pylint: disable=g-import-not-at-top
 
@@ -229,7 +229,7 @@ def _Schedules(args, stack):
         "out of FProp, and 1F1B needs each micro-batch's loss)."
       )
     return (args.schedule,)
-  return ('gpipe',) if stack else ('gpipe', '1f1b')
+  return ('gpipe',) if stack else ('gpipe', '1f1b', 'interleaved')
 
 
 def _StackSplits(key):
@@ -303,9 +303,22 @@ def ApplyText(cand, model, pipe_key, device_name, stack_splits=None):
       ('num_replicas', cand.num_replicas),
     ]
     body = ', '.join(f'{k}={v!r}' for k, v in sets)
-    return f'PipeliningLayer.Params().Set({body})'
-  devices = cand.num_stages * cand.num_replicas
-  flags = [f'--model={model}', f'--worker_split_size={cand.num_stages}']
+    where = ''
+    if cand.virtual_stages > 1:
+      where = (
+        f'  # on {cand.num_devices} devices (devices=[...]): cell k on '
+        f'device k mod {cand.num_devices}'
+      )
+    return f'PipeliningLayer.Params().Set({body}){where}'
+  devices = cand.num_devices * cand.num_replicas
+  flags = [f'--model={model}']
+  if cand.virtual_stages > 1:
+    # K cells on the host's D devices, cell k on device k mod D: the
+    # pipeline places them itself (--worker_split_size would give each
+    # cell a device of its own).
+    fields.insert(0, ('num_stages', cand.num_stages))
+  else:
+    flags.append(f'--worker_split_size={cand.num_stages}')
   if cand.num_replicas > 1:
     flags.append(f'--worker_replicas={cand.num_replicas}')
   if device_name in ('cpu', 'measure'):
@@ -553,20 +566,20 @@ def Validate(args):
     r = int(rec.get('replicas') or 1)
     sched = rec.get('schedule') or 'gpipe'
     if sched not in cost_model.SIMULATED_SCHEDULES:
-      print(
-        f'Not predicted: {model} K={k} M={m} schedule {sched} (the cost '
-        'model simulates one cell per device).'
-      )
+      print(f'Not predicted: {model} K={k} M={m} schedule {sched}.')
       continue
+    # An interleaved record's K is its devices; its cells are num_cells.
+    cells = int(rec.get('num_cells') or k) if sched == 'interleaved' else k
     cand = planner.Evaluate(
       profile,
       device,
-      k,
+      cells,
       m,
       bool(rec['recompute']),
       r,
       split_by='time',
       schedule=sched,
+      virtual_stages=max(1, cells // k),
     )
     measured = float(rec['step_time_s'])
     row = dict(
@@ -639,7 +652,7 @@ def ValidateCapacity(data, args):
   tools/max_model_size.py JSON (Adam; the cells of the trial's `splits`,
   else balanced by parameters as older records were)."""
   from lingvo_gpipe.core import base_layer  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.pipeline import balance  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.planning import balance  # pylint: disable=g-import-not-at-top
 
   device = device_presets.GetPreset('cpu')
   rows = []
@@ -960,8 +973,9 @@ def ParseArgs(argv):
   parser.add_argument(
     '--schedule',
     default='search',
-    choices=['search', 'gpipe', '1f1b'],
-    help="Fix the schedule; 'search' predicts GPipe's fill-drain and 1F1B.",
+    choices=['search', 'gpipe', '1f1b', 'interleaved'],
+    help="Fix the schedule; 'search' predicts GPipe's fill-drain, 1F1B and "
+    'the interleaved schedule (K cells on K/v devices, v = 2..4).',
   )
   parser.add_argument('--max_micro_batches', type=int, default=64)
   parser.add_argument(

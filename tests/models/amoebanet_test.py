@@ -13,11 +13,11 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
+from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.models import amoebanet
 from lingvo_gpipe.models import amoebanet_cells
-from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.models import amoebanet_ops
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.planning import partition
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
 

@@ -9,7 +9,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.models.mt import layers as mt_layers
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.planning import partition
 from lingvo_gpipe.runners import checkpointer
 from tests.testing import mt
 

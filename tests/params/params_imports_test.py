@@ -2,7 +2,8 @@
 
 A registered experiment is the example a user copies. So it imports only
 public modules and public names of the library's model-building packages
-(core, layers, input, pipeline, models and the registry), never the
+(core, layers, input, pipeline, planning, gpipe_layers, models and the
+registry), never the
 trainer's runners or the trainer, never a private module or name, and never
 a test helper.
 """
@@ -20,6 +21,8 @@ _USER_PACKAGES = {
   'layers',
   'input',
   'pipeline',
+  'planning',
+  'gpipe_layers',
   'models',
   'model_registry',
 }

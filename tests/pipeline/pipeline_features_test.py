@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.planning import partition
 from tests.testing import pipeline_layers
 
 plt = pipeline_layers

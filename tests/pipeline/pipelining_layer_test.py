@@ -218,7 +218,8 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 from lingvo_gpipe.core import cluster
 cluster.SplitCpu(2)
-from lingvo_gpipe.pipeline import pipelining_layer, schedule
+from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.pipeline import schedule
 from tests.testing.pipeline_layers import Dense
 dim = 512
 layers = [Dense.Params().Set(name=f'fc_{i}', input_dim=dim, output_dim=dim)

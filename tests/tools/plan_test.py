@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from lingvo_gpipe.pipeline import planner
+from lingvo_gpipe.planning import planner
 from lingvo_gpipe.tools import plan
 
 _SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
@@ -125,19 +125,22 @@ def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
   with open(out_json) as f:
     assert len(json.load(f)['rows']) == 3
   # A 1F1B record is predicted as 1F1B (fewer micro-batches held); an
-  # interleaved one is named and left out.
+  # interleaved one's K are its devices and num_cells its cells.
   one_f = dict(bench['records'][2], schedule='1f1b')
-  inter = dict(bench['records'][2], schedule='interleaved')
+  inter = dict(bench['records'][2], schedule='interleaved', num_cells=4)
   bench['records'] += [one_f, inter]
   path.write_text(json.dumps(bench))
   rows = plan.Validate(plan.ParseArgs([f'--validate={path}', '--device=cpu']))
-  assert [r['schedule'] for r in rows] == ['gpipe'] * 3 + ['1f1b']
+  assert [r['schedule'] for r in rows] == ['gpipe'] * 3 + [
+    '1f1b',
+    'interleaved',
+  ]
   assert max(rows[3]['predicted_peak_bytes']) <= max(
     rows[2]['predicted_peak_bytes']
   )
+  assert len(rows[4]['predicted_peak_bytes']) == 2
   text = capsys.readouterr().out
-  assert '[1f1b]' in text
-  assert 'Not predicted: mlp K=2 M=4 schedule interleaved' in text
+  assert '[1f1b]' in text and '[interleaved]' in text
 
 
 def testCalibrateFitsEachModelOnItsOwnPlainRecord(tmp_path, capsys):
@@ -392,3 +395,39 @@ def testBudgetsThatDoNotFitTogetherOnThisHostAreNoted():
   assert plan.HostMemoryNote(args, host_bytes=host) == ''
   args.memory_per_device, args.device = '3GiB', 'tpu_v3'
   assert plan.HostMemoryNote(args, host_bytes=host) == ''
+
+
+def testTheFlagsOfAnInterleavedPlanPlaceItsCellsOnFewerDevices():
+  """An interleaved plan's K cells on D devices: the flags set K and the
+  schedule and give the host D devices (no --worker_split_size, which
+  gives each cell a device of its own); the pipeline built from them runs
+  cell k on device k mod D."""
+  from lingvo_gpipe import trainer_params  # pylint: disable=g-import-not-at-top
+
+  key = 'image.amoebanet.AmoebaNetTiny'
+  p = trainer_params.BuildParams(key)
+  num_layers = len(p.task.network.layers)
+  assert num_layers >= 4
+  cand = planner.Candidate(
+    num_replicas=1,
+    num_stages=4,
+    num_micro_batches=4,
+    recompute=True,
+    split_by='time',
+    splits=[1, 2, 3, num_layers],
+    schedule='interleaved',
+    virtual_stages=2,
+  )
+  line = plan.ApplyText(cand, key, plan.PipelineKey(key), 'cpu')
+  flags = dict(a[2:].split('=', 1) for a in shlex.split(line)[3:])
+  assert 'worker_split_size' not in flags and flags['num_cpu_devices'] == '2'
+  p = trainer_params.BuildParams(
+    key, overrides=[flags['model_params_override']]
+  )
+  net = p.task.network
+  assert (net.num_stages, net.schedule) == (4, 'interleaved')
+  assert list(net.splits) == cand.splits
+  # What --num_cpu_devices=2 gives the layer: the host's 2 devices.
+  cpus = [f'/device:CPU:{i}' for i in range(2)]
+  layer = net.Copy().Set(devices=cpus).Instantiate()
+  assert [device for _, device, _ in layer.Placement()] == cpus * 2

@@ -3,8 +3,8 @@
 import pytest
 
 from lingvo_gpipe.layers import linears
-from lingvo_gpipe.pipeline import auto_plan
 from lingvo_gpipe.pipeline import pipelining_layer
+from lingvo_gpipe.planning import auto
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
 MIB = 2**20
@@ -31,14 +31,14 @@ def _Params(**kw):
 
 def testResolveGivesAFittingKAndADividingM():
   # 8 x 4 MiB of weights, gradients and slots: only K >= 3 fits 14 MiB.
-  k, m, text = auto_plan.Resolve(_Params(planner_memory_per_device=14 * MIB))
+  k, m, text = auto.Resolve(_Params(planner_memory_per_device=14 * MIB))
   assert 3 <= k <= 4
   assert 64 % m == 0
   assert f'K={k}, M={m}' in text
 
 
 def testAFixedKIsKept():
-  k, m, _ = auto_plan.Resolve(_Params(num_stages=2))
+  k, m, _ = auto.Resolve(_Params(num_stages=2))
   assert k == 2 and m >= 1
 
 
@@ -55,4 +55,4 @@ def testAFixedKIsKept():
 )
 def testBadSettingsAreNamed(kw, match):
   with pytest.raises(ValueError, match=match):
-    auto_plan.Resolve(_Params(**kw))
+    auto.Resolve(_Params(**kw))

@@ -1,4 +1,4 @@
-"""Unit tests for lingvo_gpipe.pipeline.partition on tiny projections."""
+"""Unit tests for lingvo_gpipe.planning.partition on tiny projections."""
 
 import logging
 
@@ -11,8 +11,8 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import linears
 from lingvo_gpipe.layers import reshape
 from lingvo_gpipe.layers import sequential
-from lingvo_gpipe.pipeline import balance
-from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import partition
 
 
 def _Proj(i, o, name=''):

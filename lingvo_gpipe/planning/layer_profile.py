@@ -25,7 +25,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.pipeline import device_presets
+from lingvo_gpipe.planning import device_presets
 
 __all__ = [
   'LayerProfile',

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import keras_model
+from lingvo_gpipe.gpipe_layers import keras_model
 
 DEVICES = ['/device:CPU:0', '/device:CPU:1']
 

@@ -1,4 +1,4 @@
-"""Tests for lingvo_gpipe.pipeline.balance."""
+"""Tests for lingvo_gpipe.planning.balance."""
 
 import itertools
 import json
@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from lingvo_gpipe.pipeline import balance
-from lingvo_gpipe.pipeline import balance_report
+from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import balance_report
 
 
 def _SumOfSquares(costs, splits):

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lingvo_gpipe.pipeline.balance_report import CellReport
-from lingvo_gpipe.pipeline.balance_report import PartitionReport
+from lingvo_gpipe.planning.balance_report import CellReport
+from lingvo_gpipe.planning.balance_report import PartitionReport
 
 __all__ = [
   'BalancedSplits',

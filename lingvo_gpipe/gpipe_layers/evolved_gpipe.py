@@ -11,9 +11,9 @@ transparent sums of a transparent encoder: `is_transparent` is refused.
 """
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.gpipe_layers import layers_with_gpipe
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import evolved_transformer
-from lingvo_gpipe.pipeline import layers_with_gpipe
 
 __all__ = [
   'GPipeEvolvedTransformerDecoderLayer',

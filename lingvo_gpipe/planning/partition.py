@@ -29,7 +29,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
-from lingvo_gpipe.pipeline import balance
+from lingvo_gpipe.planning import balance
 
 __all__ = [
   'LayerMetas',

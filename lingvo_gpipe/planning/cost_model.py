@@ -1,5 +1,5 @@
-"""A cost model of GPipe's fill-drain (and the 1F1B) schedule, simulated
-work item by work item.
+"""A cost model of the pipeline's schedules (GPipe's fill-drain, 1F1B and
+the interleaved one), simulated work item by work item.
 
 Inputs are per-cell costs (forward and backward seconds per micro-batch,
 bytes of the activation each cell sends to the next one, weight and stored
@@ -209,18 +209,40 @@ def PeakMemoryBytes(
   )
 
 
-# The schedules `Simulate` times: one cell per device.
-SIMULATED_SCHEDULES = ('gpipe', '1f1b')
+# The schedules `Simulate` times ('interleaved': K cells on D devices).
+SIMULATED_SCHEDULES = schedule.SCHEDULES
 
 
-def _ReceivedAhead(arrivals, starts, ends):
-  """The most output gradients a device holds at the start of one of its
-  backward tasks: those that have arrived (`arrivals[j]`) and whose backward
-  has not ended (`ends[j]`), at each start time `starts[j]`."""
+def _ReceivedAhead(arrivals, starts, ends, nbytes):
+  """The most bytes of output gradients a device holds at the start of one
+  of its backward tasks: those that have arrived (`arrivals[j]`) and whose
+  backward has not ended (`ends[j]`), at each start time `starts[j]`;
+  `nbytes[j]`: the size of gradient j."""
   return max(
-    sum(1 for i in arrivals if arrivals[i] <= t and ends[i] > t)
+    sum(nbytes[i] for i in arrivals if arrivals[i] <= t and ends[i] > t)
     for t in starts.values()
   )
+
+
+def _DeviceBreakdown(cells, held, recompute, m, optimizer_slots, compiled):
+  """The `MemoryBreakdown` of a device that holds several cells (the
+  interleaved schedule), before received gradients and rounding: what each
+  cell holds through the step adds up (weights, gradients, slots, stored
+  inputs, and without re-materialization its activations); what one cell's
+  pass holds at a time (a recomputed cell's activations, the backward's
+  temporaries, the update's) is the largest of the cells'."""
+  parts = [
+    MemoryBreakdown(c, m, r, optimizer_slots, compiled, held=h)
+    for c, h, r in zip(cells, held, recompute)
+  ]
+  out = {}
+  for key in parts[0].keys() | {k for p in parts for k in p}:
+    values = [p.get(key, 0) for p in parts]
+    one_at_a_time = key in ('backward_temporaries', 'update_temporaries') or (
+      key == 'activations' and all(recompute)
+    )
+    out[key] = max(values) if one_at_a_time else sum(values)
+  return out
 
 
 def Simulate(
@@ -233,11 +255,12 @@ def Simulate(
   end_s=0.0,
   compiled=False,
   schedule_name='gpipe',
+  num_devices=None,
 ):
   """Simulates one training step; returns a SimResult (lists per device).
 
   Args:
-    cells: one `CellCost` per device, in pipeline order.
+    cells: one `CellCost` per cell, in pipeline order.
     num_micro_batches: M.
     spec: a `DeviceSpec`.
     recompute: a bool, or a list of bools (one per cell): whether the
@@ -248,10 +271,13 @@ def Simulate(
     end_s: seconds after the last backward (e.g. replicas returning their
       gradients).
     compiled: XLA-compiled cells (memory only; see `MemoryBreakdown`).
-    schedule_name: 'gpipe' (fill-drain) or '1f1b'; each device runs its
-      work items in the schedule's order (`schedule.Build`), each as soon
-      as the device is free and its inputs have arrived. A 1F1B device
+    schedule_name: 'gpipe' (fill-drain), '1f1b' or 'interleaved'; each
+      device runs its work items in the schedule's order (`schedule.Build`),
+      each as soon as the device is free and its inputs have arrived
+      (`schedule.Times`, the schedules' one simulator). A 1F1B device
       holds at most K - k micro-batches in flight, against M in GPipe's.
+    num_devices: D for 'interleaved' (cell k on device k mod D); None: one
+      cell per device.
 
   Returns:
     SimResult: step_s, and per device busy_fraction, bytes_sent,
@@ -268,77 +294,111 @@ def Simulate(
     )
   if schedule_name not in SIMULATED_SCHEDULES:
     raise ValueError(
-      f'The cost model simulates one cell per device: schedule '
-      f'{schedule_name!r} is not one of {", ".join(SIMULATED_SCHEDULES)}.'
+      f'schedule {schedule_name!r} is not one of '
+      f'{", ".join(SIMULATED_SCHEDULES)}.'
     )
+  d_count = num_devices if schedule_name == 'interleaved' else None
+  d_count = d_count or k_cells
   if isinstance(recompute, (list, tuple)):
     per_cell = [bool(r) for r in recompute]
   else:
     per_cell = [bool(recompute)] * k_cells
-  free = [float(start_s)] * k_cells  # when each device is free
-  busy = [0.0] * k_cells
-  sent = [0] * k_cells
-  events = []
-  fwd_done = {}
-  bwd_done = {}
-  # Per device: when each micro-batch's output gradient arrived, and when
-  # its backward started and ended.
-  arrived = [{} for _ in cells]
-  started = [{} for _ in cells]
-  work = schedule.Build(schedule_name, k_cells, m)
+  work = schedule.Build(schedule_name, k_cells, m, d_count)
   held = schedule.InFlight(work, k_cells)
-  # Work items in clock order: what an item needs ran at an earlier clock.
-  for w in work:
-    k, mb = w.cell, w.micro_batch
+
+  def Duration(w):
+    c = cells[w.cell]
     if w.kind == schedule.FORWARD:
-      ready = free[k]
-      if k > 0:
-        ready = max(
-          ready,
-          fwd_done[(k - 1, mb)] + _TransferS(cells[k - 1].out_bytes, spec),
-        )
-        sent[k - 1] += cells[k - 1].out_bytes
-      dur = cells[k].fprop_s + spec.op_overhead_s
-      free[k] = ready + dur
-      busy[k] += dur
-      fwd_done[(k, mb)] = free[k]
-      events.append(('forward', k, mb, ready, free[k]))
+      return c.fprop_s + spec.op_overhead_s
+    return (
+      c.bprop_s + spec.op_overhead_s + (c.fprop_s if per_cell[w.cell] else 0)
+    )
+
+  def Sent(w):
+    """(sending device, bytes) of the input `w` waits for; None: local."""
+    k = w.cell
+    src = k - 1 if w.kind == schedule.FORWARD else k + 1
+    if not 0 <= src < k_cells or src % d_count == k % d_count:
+      return None
+    # The gradient of a cell's output has the output's size.
+    nbytes = cells[min(k, src)].out_bytes
+    return src % d_count, nbytes
+
+  def Transfer(w):
+    sent = Sent(w)
+    return _TransferS(sent[1], spec) if sent else 0.0
+
+  timed = schedule.Times(
+    schedule.PerDevice(work, k_cells, d_count), k_cells, Duration, Transfer
+  )
+  order = {(w.kind, w.cell, w.micro_batch): i for i, w in enumerate(work)}
+  timed.sort(key=lambda x: order[(x[1].kind, x[1].cell, x[1].micro_batch)])
+  ends = {(w.kind, w.cell, w.micro_batch): e + start_s for _, w, _, e in timed}
+  busy = [0.0] * d_count
+  sent = [0] * d_count
+  last = [float(start_s)] * d_count
+  events = []
+  # Per device: when each output gradient it receives arrived, and when
+  # each of its backward tasks started and ended, and the gradients' sizes.
+  arrived = [{} for _ in range(d_count)]
+  started = [{} for _ in range(d_count)]
+  ended = [{} for _ in range(d_count)]
+  sizes = [{} for _ in range(d_count)]
+  for d, w, start, end in timed:
+    start, end = start + start_s, end + start_s
+    busy[d] += end - start
+    last[d] = max(last[d], end)
+    events.append((w.kind, w.cell, w.micro_batch, start, end))
+    s = Sent(w)
+    if s:
+      sent[s[0]] += s[1]
+    if w.kind != schedule.BACKWARD:
       continue
-    ready = free[k]
-    if k < k_cells - 1:
-      # The gradient of the cell's output has the output's size.
-      arrived[k][mb] = bwd_done[(k + 1, mb)] + _TransferS(
-        cells[k].out_bytes, spec
-      )
-      ready = max(ready, arrived[k][mb])
-      sent[k + 1] += cells[k].out_bytes
-    dur = cells[k].bprop_s + spec.op_overhead_s
-    if per_cell[k]:
-      dur += cells[k].fprop_s
-    free[k] = ready + dur
-    busy[k] += dur
-    bwd_done[(k, mb)] = free[k]
-    started[k][mb] = ready
-    events.append(('backward', k, mb, ready, free[k]))
-  step = max(free) + end_s
+    key = (w.cell, w.micro_batch)
+    started[d][key] = start
+    ended[d][key] = end
+    if w.cell < k_cells - 1:
+      upstream = ends[(schedule.BACKWARD, w.cell + 1, w.micro_batch)]
+      arrived[d][key] = upstream + Transfer(w)
+      sizes[d][key] = cells[w.cell].out_bytes
+  step = max(last) + end_s
   memory = []
-  for k, (c, r) in enumerate(zip(cells, per_cell)):
-    received = 0
-    if arrived[k]:
-      ends = {mb: bwd_done[(k, mb)] for mb in arrived[k]}
-      received = c.out_bytes * _ReceivedAhead(arrived[k], started[k], ends)
-    memory.append(
-      MemoryBreakdown(
-        c,
+  for d in range(d_count):
+    mine = list(range(d, k_cells, d_count))
+    received = (
+      _ReceivedAhead(arrived[d], started[d], ended[d], sizes[d])
+      if arrived[d]
+      else 0
+    )
+    if len(mine) == 1:
+      (k,) = mine
+      parts = MemoryBreakdown(
+        cells[k],
         m,
-        r,
+        per_cell[k],
         optimizer_slots,
         compiled,
         received,
         spec.allocator_overhead,
         held=held[k],
       )
-    )
+    else:
+      parts = _DeviceBreakdown(
+        [cells[k] for k in mine],
+        [held[k] for k in mine],
+        [per_cell[k] for k in mine],
+        m,
+        optimizer_slots,
+        compiled,
+      )
+      if received:
+        parts['received_gradients'] = int(received)
+      if spec.allocator_overhead and all(per_cell[k] for k in mine) and m > 1:
+        kept = parts['weights'] + parts['optimizer_slots']
+        parts['allocator_rounding'] = int(
+          spec.allocator_overhead * (PeakOfBreakdown(parts) - kept)
+        )
+    memory.append(parts)
   return SimResult(
     step_s=step,
     busy_fraction=[b / step for b in busy],

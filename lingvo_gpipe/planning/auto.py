@@ -1,15 +1,26 @@
-"""`num_stages='auto'` and `num_micro_batches='auto'`, resolved by the planner.
+"""What the pipeline asks of the planning package: its K, M and split.
 
-A `PipeliningLayer` whose K or M is `'auto'` asks `planner.Resolve` for them,
-for its layers, its input shapes and the devices at hand, at build time. The
-choice and the planner's reasons are logged and kept as `plan_text` (written
-to `placement.txt` by the trainer).
+The runtime (`lingvo_gpipe/pipeline/`) imports planning through this module
+only (the build test guards it):
+- `Resolve`: `num_stages='auto'` and `num_micro_batches='auto'`. A
+  `PipeliningLayer` whose K or M is `'auto'` asks `planner.Resolve` for them,
+  for its layers, its input shapes and the devices at hand, at build time.
+  The choice and the planner's reasons are logged and kept as `plan_text`
+  (written to `placement.txt` by the trainer).
+- `Splits`: the cells' layer split from the Params (`splits`, or balanced
+  by `balance_by`), and `SplitsToRanges`.
 """
 
 from absl import logging
+import tensorflow as tf
 
+from lingvo_gpipe.core import meta
 from lingvo_gpipe.pipeline import placement
-from lingvo_gpipe.pipeline import planner
+from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import partition
+from lingvo_gpipe.planning import planner
+
+SplitsToRanges = balance.SplitsToRanges
 
 
 def Resolve(p):
@@ -78,3 +89,48 @@ def Resolve(p):
     raise ValueError(f'PipeliningLayer {p.name!r}: {e}') from e
   logging.info('Pipeline %r %s', p.name, text)
   return k, m, text
+
+
+def Splits(p, layers, shapes, auto_num_stages, name):
+  """The K end indices of the cells' layers, for PipeliningLayer Params `p`.
+
+  Args:
+    p: PipeliningLayer Params.
+    layers: the layers' Params, in order.
+    shapes: the first cell's input shapes (or None).
+    auto_num_stages: K chosen by `Resolve`, or None.
+    name: the pipeline's path, for errors.
+
+  Returns:
+    The splits (Lingvo's convention: K end indices).
+  """
+  device = (p.devices or [None])[0]
+  if auto_num_stages:
+    by = 'flops' if p.balance_by == 'auto' else p.balance_by
+    return partition.ComputeSplits(
+      layers, auto_num_stages, None, by, shapes, device=device
+    )
+  num_stages = p.num_stages or (
+    len(p.devices) // p.num_replicas if p.devices else None
+  )
+  by = p.balance_by
+  if by == 'auto':
+    by = 'flops' if p.input_shapes is not None else 'params'
+  num_micro_batches = p.num_micro_batches
+  if by == 'memory' and p.micro_batch_size and shapes:
+    batch = tf.nest.flatten(meta.ToShape(tuple(shapes)))[0].as_list()[
+      p.batch_dim
+    ]
+    if batch:
+      num_micro_batches = max(1, batch // p.micro_batch_size)
+  return partition.ComputeSplits(
+    layers,
+    num_stages,
+    p.splits,
+    by,
+    shapes,
+    device=device,
+    num_micro_batches=num_micro_batches,
+    state_copies=p.memory_state_copies,
+    name=name,
+  )

@@ -18,12 +18,12 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.gpipe_layers import layers_with_gpipe
 from lingvo_gpipe.layers import batch_major_attention
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import embedding
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.layers import softmax as softmax_lib
-from lingvo_gpipe.pipeline import layers_with_gpipe
 from lingvo_gpipe.pipeline import pipelining_layer
 
 __all__ = [

@@ -10,7 +10,8 @@ number of ops, all read from the layer's abstractly traced `FProp` graph
 (or its `FPropMeta` formula). `MeasureProfile` adds the measured per-layer
 times of this host; `MeasureLink` the transfer bandwidth between two local
 TensorFlow server workers. For every candidate (R replicas, K cells, M
-micro-batches, GPipe's fill-drain or the 1F1B schedule, recompute on or off,
+micro-batches, GPipe's fill-drain, the 1F1B or the interleaved schedule (K
+cells on K/v devices, v = 2..4), recompute on or off,
 cells balanced by time or by memory), `Plan` groups the layers into
 `cost_model.CellCost`s and simulates the schedule (`cost_model.Simulate`):
 predicted step time, peak
@@ -31,17 +32,17 @@ import dataclasses
 
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import balance
-from lingvo_gpipe.pipeline import cost_model
-from lingvo_gpipe.pipeline import device_presets
-from lingvo_gpipe.pipeline.layer_profile import FormatBytes  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import InputDuplicateBytes
-from lingvo_gpipe.pipeline.layer_profile import LayerProfile  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import MeasureLink  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import MeasuredDevice  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import MeasureProfile  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import ModelProfile  # noqa: F401
-from lingvo_gpipe.pipeline.layer_profile import ProfileLayers  # noqa: F401
+from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import cost_model
+from lingvo_gpipe.planning import device_presets
+from lingvo_gpipe.planning.layer_profile import FormatBytes  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import InputDuplicateBytes
+from lingvo_gpipe.planning.layer_profile import LayerProfile  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import MeasureLink  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import MeasureProfile  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import MeasuredDevice  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import ModelProfile  # noqa: F401
+from lingvo_gpipe.planning.layer_profile import ProfileLayers  # noqa: F401
 
 
 __all__ = [
@@ -108,6 +109,13 @@ class Candidate:
   reason: str = ''
   events: list = None
   schedule: str = 'gpipe'
+  # Cells per device: 'interleaved' runs K cells on K / v devices.
+  virtual_stages: int = 1
+
+  @property
+  def num_devices(self):
+    """Devices of one replica: K, or K / v for 'interleaved'."""
+    return self.num_stages // self.virtual_stages
 
   @property
   def max_peak_bytes(self):
@@ -134,6 +142,8 @@ class Candidate:
   def Label(self):
     rc = 'recompute' if self.recompute else 'no recompute'
     sched = '' if self.schedule == 'gpipe' else f' {self.schedule}'
+    if self.virtual_stages > 1:
+      sched += f' on {self.num_devices} devices'
     return (
       f'R={self.num_replicas} K={self.num_stages} M={self.num_micro_batches}'
       f'{sched} {rc}, split by {self.split_by} {self.splits}'
@@ -194,11 +204,14 @@ def Evaluate(
   optimizer_slots=2,
   compiled=False,
   schedule='gpipe',
+  virtual_stages=1,
 ):
   """Predicts one configuration; returns a `Candidate` (`compiled`: the
   cells are XLA-compiled, see `cost_model.MemoryBreakdown`; `schedule`:
-  one of `cost_model.SIMULATED_SCHEDULES`)."""
+  one of `cost_model.SIMULATED_SCHEDULES`; `virtual_stages`: v cells per
+  device, for 'interleaved')."""
   k, m, r = num_stages, num_micro_batches, num_replicas
+  devices = k // virtual_stages
   if splits is None:
     splits = _Splits(profile, k, split_by, device, optimizer_slots)
   spec = device.Spec(memory_bytes)
@@ -221,6 +234,7 @@ def Evaluate(
     end_s=sync_s,
     compiled=compiled,
     schedule_name=schedule,
+    num_devices=devices,
   )
   free = cost_model.Simulate(
     cells,
@@ -229,9 +243,10 @@ def Evaluate(
     recompute,
     optimizer_slots,
     schedule_name=schedule,
+    num_devices=devices,
   )
   peaks = list(sim.peak_memory)
-  worst = max(range(k), key=lambda i: peaks[i])
+  worst = max(range(len(peaks)), key=lambda i: peaks[i])
   cand = Candidate(
     num_replicas=r,
     num_stages=k,
@@ -244,13 +259,14 @@ def Evaluate(
     busy_fraction=list(sim.busy_fraction),
     # One cell per replica has no pipeline bubble (its idle time is the
     # replicas' weight and gradient transfers, in step_s).
-    bubble=0.0 if k == 1 else 1.0 - sum(sim.busy_fraction) / k,
+    bubble=0.0 if k == 1 else 1.0 - sum(sim.busy_fraction) / devices,
     peak_bytes=peaks,
     memory=sim.memory[worst],
     bytes_sent=list(sim.bytes_sent),
     free_link_step_s=free.step_s,
     events=sim.events,
     schedule=schedule,
+    virtual_stages=virtual_stages,
   )
   limit = spec.memory_bytes
   if cand.max_peak_bytes > limit:
@@ -289,6 +305,31 @@ def _Splits(profile, k, split_by, device, optimizer_slots):
   else:
     raise ValueError(f'split_by={split_by!r}; use time or memory.')
   return balance.BalancedSplits(costs, k)
+
+
+# The most cells per device the planner tries for 'interleaved'.
+MAX_VIRTUAL_STAGES = 4
+
+
+def _Shapes(num_layers, max_devices, num_stages, plain, interleaved, max_v):
+  """[(K, v, schedules)] to try on at most `max_devices` devices per
+  replica: K cells on K / v devices; v = 1 for the `plain` schedules (one
+  cell per device), v = 2 .. `max_v` for 'interleaved' on D >= 2
+  devices. A fixed `num_stages` fixes K."""
+  out = []
+  if plain:
+    if num_stages:
+      ks = [num_stages] if num_stages <= max_devices else []
+    else:
+      ks = range(1, min(num_layers, max_devices) + 1)
+    out += [(k, 1, plain) for k in ks]
+  if interleaved:
+    for d in range(2, max_devices + 1):
+      for v in range(2, max_v + 1):
+        k = v * d
+        if k <= num_layers and (not num_stages or k == num_stages):
+          out.append((k, v, ('interleaved',)))
+  return out
 
 
 def _Divisors(n, limit):
@@ -338,16 +379,21 @@ class PlanResult:
       )
     else:
       head = (
-        f'{"#":>3} {"R":>2} {"K":>3} {"M":>4} {"schedule":>8} '
+        f'{"#":>3} {"R":>2} {"K":>3} {"D":>3} {"M":>4} {"schedule":>11} '
         f'{"recompute":>9} {"step":>10} {"examples/s":>11} {"bubble":>6} '
         f'{"peak/device":>12}  splits (by)'
       )
-      lines += ['Feasible, best first:', head, '-' * len(head)]
+      lines += [
+        'Feasible, best first (R replicas of K cells on D devices each):',
+        head,
+        '-' * len(head),
+      ]
       for i, c in enumerate(self.feasible[:top]):
         note = '' if c.verdict == 'ok' else f'  [{c.verdict}]'
         lines.append(
           f'{i + 1:>3} {c.num_replicas:>2} {c.num_stages:>3} '
-          f'{c.num_micro_batches:>4} {c.schedule:>8} '
+          f'{c.num_devices:>3} '
+          f'{c.num_micro_batches:>4} {c.schedule:>11} '
           f'{"yes" if c.recompute else "no":>9} '
           f'{_FormatS(c.step_s):>10} {c.examples_per_s:>11.4g} '
           f'{_Bubble(c):>6} '
@@ -423,6 +469,7 @@ def Plan(
   split_by=('time', 'memory'),
   compiled=False,
   schedules=cost_model.SIMULATED_SCHEDULES,
+  max_virtual_stages=MAX_VIRTUAL_STAGES,
 ):
   """Predicts every candidate; returns a `PlanResult`.
 
@@ -439,20 +486,31 @@ def Plan(
     max_micro_batches: the largest M tried.
     split_by: how cells are balanced: by 'time' and/or by 'memory'.
     compiled: the cells are XLA-compiled (`jit_compile`; memory only).
-    schedules: the schedules tried ('gpipe' and/or '1f1b'). With one cell
-      or one micro-batch they are the same, and only the first is tried.
-      At equal step time the smaller peak ranks first: 1F1B holds K - k
-      micro-batches in flight where GPipe holds M.
+    schedules: the schedules tried ('gpipe', '1f1b', 'interleaved'). With
+      one cell or one micro-batch 'gpipe' and '1f1b' are the same, and only
+      the first is tried. At equal step time the smaller peak ranks first:
+      1F1B holds K - k micro-batches in flight where GPipe holds M.
+      'interleaved' runs K = v * D cells on D >= 2 devices (v = 2 ..
+      `max_virtual_stages`; a fixed `num_stages` is K, the cells).
+    max_virtual_stages: the most cells per device tried for 'interleaved'.
   """
   for name in schedules:
     if name not in cost_model.SIMULATED_SCHEDULES:
       raise ValueError(
         f'schedule {name!r}: the planner predicts '
-        f'{" and ".join(cost_model.SIMULATED_SCHEDULES)} (one cell per '
-        "device); plan with those, then try 'interleaved' by measuring."
+        f'{", ".join(cost_model.SIMULATED_SCHEDULES)}.'
       )
   num_layers = profile.num_layers
-  CheckShape(num_layers, num_devices, num_stages, num_replicas)
+  plain = tuple(s for s in schedules if s != 'interleaved')
+  # 'interleaved' alone: a fixed K is cells, which may outnumber devices.
+  CheckShape(
+    num_layers, num_devices, num_stages if plain else None, num_replicas
+  )
+  if num_stages is not None and not plain and not 2 <= num_stages <= num_layers:
+    raise ValueError(
+      f"num_stages={num_stages} with schedule 'interleaved': K cells on "
+      f'fewer devices need 2 <= K <= {num_layers} (the layers).'
+    )
   memory_bytes = int(memory_bytes or device.memory_bytes)
   batch = profile.batch_size
   reps = [num_replicas] if num_replicas else range(1, num_devices + 1)
@@ -462,11 +520,15 @@ def Plan(
   for r in reps:
     if batch % r:
       continue
-    max_k = min(num_layers, num_devices // r)
-    ks = [num_stages] if num_stages else range(1, max_k + 1)
-    for k in ks:
-      if k * r > num_devices:
-        continue  # A fixed K with this many replicas needs more devices.
+    shapes = _Shapes(
+      num_layers,
+      num_devices // r,
+      num_stages,
+      plain,
+      'interleaved' in schedules and r == 1,  # The layer's: one replica.
+      max_virtual_stages,
+    )
+    for k, v, scheds_kv in shapes:
       if num_micro_batches:
         ms = (
           [num_micro_batches] if (batch // r) % num_micro_batches == 0 else []
@@ -482,7 +544,7 @@ def Plan(
         if by != bys[0] and splits == splits_cache[(k, bys[0])]:
           continue
         for m in ms:
-          scheds = schedules if k > 1 and m > 1 else schedules[:1]
+          scheds = scheds_kv if k > 1 and m > 1 else scheds_kv[:1]
           for rc in recomputes:
             for sched in scheds:
               cands.append(
@@ -499,6 +561,7 @@ def Plan(
                   optimizer_slots,
                   compiled,
                   sched,
+                  v,
                 )
               )
   if not cands:
@@ -567,8 +630,9 @@ def Resolve(
 
   `num_stages` / `num_micro_batches` are 'auto' or fixed ints; K * R is at
   most `num_devices`; M divides the per-replica batch. The pipeline's
-  `schedule` is predicted as itself where the cost model simulates it
-  ('gpipe', '1f1b'), else as 'gpipe'.
+  `schedule` is predicted as itself for 'gpipe' and '1f1b'; an
+  'interleaved' pipeline's K cells are its devices here (its layer
+  places them), so it is predicted as 'gpipe'.
   """
   if input_shapes is None:
     raise ValueError(
@@ -593,9 +657,7 @@ def Resolve(
     recompute=recompute,
     split_by=split_by,
     compiled=compiled,
-    schedules=(
-      (schedule,) if schedule in cost_model.SIMULATED_SCHEDULES else ('gpipe',)
-    ),
+    schedules=((schedule,) if schedule in ('gpipe', '1f1b') else ('gpipe',)),
   )
   best = result.best
   if best is None:

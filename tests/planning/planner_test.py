@@ -9,9 +9,9 @@ import tensorflow as tf
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.layers import activations
 from lingvo_gpipe.layers import transformer
-from lingvo_gpipe.pipeline import device_presets
 from lingvo_gpipe.pipeline import pipelining_layer
-from lingvo_gpipe.pipeline import planner
+from lingvo_gpipe.planning import device_presets
+from lingvo_gpipe.planning import planner
 
 DEVICES = [f'/device:CPU:{i}' for i in range(4)]
 MIB = 2**20
@@ -65,7 +65,7 @@ def testPlanRanksAndExplainsRejections():
   steps = [c.step_s for c in res.feasible]
   assert steps == sorted(steps)
   for c in res.feasible:
-    assert c.num_stages * c.num_replicas <= 4
+    assert c.num_devices * c.num_replicas <= 4
     assert c.max_peak_bytes <= 14 * MIB
   no_fit = [c for c in res.rejected if c.verdict == 'does not fit']
   assert any(c.num_stages == 1 for c in no_fit)
@@ -88,7 +88,9 @@ def testOneStageHasNoBubbleAndReMaterializingOneMicroBatchIsFree():
     for line in res.ToText(top=10).splitlines()
     if line.split()[:1] and line.split()[0].isdigit()
   ]
-  assert rows and all(row[9] == '-' for row in rows), rows
+  # '#', R, K, D, M, schedule, recompute, the step (2 words), examples/s,
+  # bubble.
+  assert rows and all(row[10] == '-' for row in rows), rows
   # K=1, M=1: the recomputed forward pass reuses its own buffers.
   for r in (1, 2):
     peaks = {
@@ -358,15 +360,40 @@ def testPlannerRanksGPipeAndOneFOneB():
   )
   assert res.best.schedule == '1f1b'
   # A fixed K takes only the replicas that the devices leave room for.
-  assert all(c.num_stages * c.num_replicas <= 4 for c in res.rejected)
+  assert all(c.num_devices * c.num_replicas <= 4 for c in res.rejected)
   assert {c.num_replicas for c in res.feasible + res.rejected} == {1}
   assert any(
     c.schedule == 'gpipe' and c.verdict == 'does not fit' for c in res.rejected
   )
   text = res.ToText()
   assert ' 1f1b ' in text and 'schedule' in text
-  with pytest.raises(ValueError, match="schedule 'interleaved': the planner"):
-    planner.Plan(prof, device, 4, schedules=('interleaved',))
+  with pytest.raises(ValueError, match="schedule 'circular': the planner"):
+    planner.Plan(prof, device, 4, schedules=('circular',))
+
+
+def testPlannerPlansTheInterleavedScheduleOnFewerDevices():
+  """'interleaved' runs K = v * D cells on D devices: its candidates use
+  K / v devices, are labelled so, and with M = 2K its smaller bubble makes
+  it faster than fill-drain on the same devices (free links)."""
+  prof = planner.ProfileLayers(_Fcs(8, 256), [[512, 256]])
+  device = device_presets.GetPreset('tpu_v3')
+  fill = planner.Evaluate(prof, device, 2, 4, True, schedule='gpipe')
+  inter = planner.Evaluate(
+    prof, device, 4, 4, True, schedule='interleaved', virtual_stages=2
+  )
+  assert inter.num_devices == 2 and len(inter.peak_bytes) == 2
+  assert inter.free_link_step_s < fill.free_link_step_s
+  assert 'interleaved on 2 devices' in inter.Label()
+  res = planner.Plan(
+    prof, device, 2, num_micro_batches=4, schedules=('interleaved',)
+  )
+  shapes = {
+    (c.num_stages, c.virtual_stages) for c in res.feasible + res.rejected
+  }
+  assert shapes == {(4, 2), (6, 3), (8, 4)}
+  assert all(c.num_devices == 2 for c in res.feasible + res.rejected)
+  with pytest.raises(ValueError, match='2 <= K <= 8'):
+    planner.Plan(prof, device, 2, num_stages=9, schedules=('interleaved',))
 
 
 def testLingvoLmStackProfilesWithAbsentInputsAndIds():

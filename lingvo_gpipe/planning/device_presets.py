@@ -9,7 +9,7 @@ up (`layer_profile.MeasuredDevice` measures this host instead).
 
 import dataclasses
 
-from lingvo_gpipe.pipeline import cost_model
+from lingvo_gpipe.planning import cost_model
 
 __all__ = ['BFC_OVERHEAD', 'Device', 'PRESETS', 'GetPreset']
 
