@@ -1,8 +1,5 @@
 """BaseLayer: the Lingvo layer contract on a `tf.Module`.
 
-Over 500 lines: the layer contract (children, variables, theta, abstract
-builds) is one class.
-
 A layer is described by its `Params()` and built by `p.Instantiate()`. In
 `__init__` it creates its children (`CreateChild`, `CreateChildren`) and its
 variables (`CreateVariable`); `FProp(theta, *inputs)` computes with the

@@ -1,8 +1,5 @@
 """The Params container: definition, access by dotted keys, copy, freeze, visit.
 
-Over 500 lines: one class, Lingvo's Params API, and the value helpers its copy
-and visit need.
-
 `ParamsContainer` is the part of `hyperparams.Params` that does not know
 Lingvo's text format; `hyperparams.Params` adds `ToText()`/`FromText()`
 (written and read by `params_text`). Users import `hyperparams`, which

@@ -1,8 +1,5 @@
 """Lingvo's GPipe Transformer: `GPipeTransformerStack` and its layers.
 
-Over 500 lines: Lingvo's stack with its embedding, Transformer, softmax and
-transparent-merger layers, which pass one 8-tuple from layer to layer.
-
 Every layer of the stack takes and returns the same 8-tuple, so any split of
 the layers into cells is a valid pipeline (time-major, batch_dim=1):
 

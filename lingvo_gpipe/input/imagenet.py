@@ -1,8 +1,5 @@
 """ImageNetInput: ImageNet-format TFRecords, at any resolution.
 
-Over 500 lines: reading, decoding and naming bad records are one input;
-each error message names the file, the record and the fix.
-
 Each record is a `tf.train.Example` with (the format of TensorFlow's
 `build_imagenet_data.py` / the TPU `imagenet_to_gcs.py`):
 

@@ -1,8 +1,5 @@
 """MultilingualMTInput: many parallel corpora -> padded batches on tf.data.
 
-Over 500 lines: one tf.data pipeline (sampling, bucketing, padding) whose
-stages share their Params.
-
 One corpus per language pair (`mt_corpus`: TSV or TFRecord), one shared
 sentencepiece vocabulary (`mt_vocab`), and:
 

@@ -1,9 +1,5 @@
 """Lingvo's time-major Transformer layers, with Lingvo's Params and math.
 
-Over 500 lines: Lingvo's four attention and Transformer layers, their
-Params (each with a description) and the one-line refusals of the Params
-they do not support.
-
 `lingvo_gpipe.layers.transformer` holds the library's own (batch-major,
 pre-layer-norm) blocks. This module computes what Lingvo's
 `layers_with_attention` computes, on tensors shaped [time, batch, dim], with

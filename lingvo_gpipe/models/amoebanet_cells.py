@@ -1,8 +1,5 @@
 """AmoebaNet genotypes (as data) and cells.
 
-Over 500 lines: the genotypes are data (tables of ops), kept beside the cell
-that reads them.
-
 An AmoebaNet is a chain of cells, each consuming the outputs of the two
 previous cells. To run it in a `PipeliningLayer`, whose layers pass one state
 along, the state is `NestedMap(prev=..., cur=...)`:

@@ -1,8 +1,5 @@
 """The operations of AmoebaNet cells, built from their names in a genotype.
 
-Over 500 lines: one small layer per genotype op name, and the table that maps
-names to them.
-
 A genotype names each operation with a string, as TensorFlow's AmoebaNet
 (tensorflow/tpu models/official/amoeba_net) does. `CellOp` turns such a name
 into layers; every op maps [b, h, w, dim] to [b, ceil(h / stride),

@@ -1,8 +1,5 @@
 """Each pipeline cell as a function: traced once, called per micro-batch.
 
-Over 500 lines: the forward and the recompute-and-backward functions share
-one layout of a cell's arguments, its traces and its checks.
-
 A step of K cells and M micro-batches runs K*M forward and K*M backward
 work items. Building each item from the cell's layers would write every op
 of every layer M times into the step's graph: the graph, the time to trace

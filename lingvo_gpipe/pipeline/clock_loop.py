@@ -1,8 +1,5 @@
 """The fill-drain schedule as two loops over its clock ticks.
 
-Over 500 lines: the forward and the backward loop share one state layout,
-one ordering of each device's calls and the reads of the forward's lists.
-
 In GPipe's schedule every clock tick t does the same work: cell k runs the
 forward of micro-batch t - k (where 0 <= t - k < M), and the backward pass
 mirrors it. So the step can hold each cell's call once, in the body of a

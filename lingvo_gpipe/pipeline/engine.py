@@ -1,8 +1,5 @@
 """The pipeline engine: runs a schedule of cell work items on their devices.
 
-Over 500 lines: the forward pass, the backward pass and the per-micro-batch
-loss path all walk one schedule with one ordering of each device's work.
-
 `PipelineEngine` knows nothing of Params or layers: it is given the cells as
 functions (`cell_function.CellFunctions`: each cell traced once, called once
 per work item), a `placement.StagePlacement` and a schedule, an ordered list

@@ -1,8 +1,5 @@
 """PipeliningLayer: GPipe pipeline parallelism (Huang et al., 2019).
 
-Over 500 lines: the Params, their checks (each error names the fix), the
-construction and the introspection of one layer; the engine is apart.
-
 A sequence of layers is split into K cells, cell k placed on device k. A
 mini-batch is split into M micro-batches that flow through the cells in the
 fill-drain schedule (see `schedule.py` for the clock-cycle table):

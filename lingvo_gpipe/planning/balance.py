@@ -1,8 +1,5 @@
 """Balanced partitioning of a layer sequence into pipeline cells.
 
-Over 500 lines: the split arithmetic and the checks of its arguments (mostly
-error messages naming the fix) are one concept; the report is apart.
-
 GPipe splits a sequence of L layers into K contiguous, non-empty cells, one per
 accelerator. The GPipe paper: "the partitioning algorithm minimizes the
 variance in the estimated costs of all cells". The total cost is fixed, so

@@ -6,8 +6,11 @@ bytes of the activation each cell sends to the next one, weight and stored
 input bytes), the number of micro-batches M, whether cells recompute their
 forward during the backward pass, and a device spec (link bandwidth and
 latency, per-op overhead, memory per device). The simulator follows the
-schedule's work items (`schedule.Build`): a cell starts a micro-batch when
-its previous task is done and the input has arrived over its own link.
+schedule's work items (`schedule.Build`), timed by the schedules' own
+simulator (`schedule.Times`): a device starts its next item when its
+previous one is done and the input has arrived over its link. With the
+interleaved schedule a device holds several cells (cell k on device
+k mod D), and its figures are theirs together.
 
 Output per device: step time, peak memory (weights, gradients, optimizer
 slots, stored inputs of every micro-batch in flight (all M in GPipe's

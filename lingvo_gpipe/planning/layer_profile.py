@@ -1,8 +1,5 @@
 """Per-layer profiles for the planner, built without allocating weights.
 
-Over 500 lines: the abstract trace, the measured times and the link probe
-all fill one LayerProfile record.
-
 `ProfileLayers` reads each layer's forward flops, output bytes, parameter
 bytes, the bytes its backward pass keeps and the extra peak of its backward
 from the layer's abstractly traced `FProp` graph (or its `FPropMeta`).

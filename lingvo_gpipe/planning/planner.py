@@ -1,8 +1,5 @@
 """The planner: chooses K, M, R, the split and re-materialization.
 
-Over 500 lines: the candidate search, its evaluation and the 'auto'
-resolution share the Candidate and PlanResult types; profiles are apart.
-
 From a model's layer Params and input shapes it builds a per-layer profile
 without allocating any weight (`ProfileLayers`): forward flops, output
 bytes, parameter bytes, the bytes of the intermediate activations and the

@@ -1,8 +1,5 @@
 """The training loop: steps, progress lines, summaries, checkpoints, stops.
 
-Over 500 lines: the loop, its stop request, its step watchdog and its
-guards against diverged weights share the loop's state.
-
   loop = TrainLoop(task, global_step, iterator, checkpointer, max_steps=1000,
                    summary_dir=logdir + '/train')
   result = loop.Run()   # -> TrainResult(step, reason)

@@ -1,8 +1,5 @@
 r"""Benchmarks the GPipe pipeline: step time, throughput, memory, schedule.
 
-Over 500 lines: one command-line tool: its models, the in-process and
-multi-process runs, memory, traces and the table are one flag set.
-
   python tools/benchmark_pipeline.py --mode=multi_process --json=/tmp/b.json
   python tools/benchmark_pipeline.py --mode=in_process --model=transformer
   python tools/benchmark_pipeline.py --trace=/tmp/trace   # timeline PNG+JSON
@@ -83,10 +80,10 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.layers import transformer  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import pipelining_layer  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import schedule  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.pipeline import timeline  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools import common  # pylint: disable=g-import-not-at-top
 
 # (K, M, recompute, R); K=0: the plain model without the pipeline; R:
 # data-parallel replicas (M micro-batches each).
@@ -104,74 +101,8 @@ DEFAULT_CONFIGS = [
 ]
 
 
-# ----------------------------------------------------------------------------
-# Models: (layer params list, input shape).
-# ----------------------------------------------------------------------------
-
-
-def TransformerModel(args):
-  d = args.dim
-  blocks = [
-    transformer.TransformerLayer.Params().Set(
-      name=f'block_{i}',
-      source_dim=d,
-      hidden_dim=4 * d,
-      num_attention_heads=max(1, d // 64),
-    )
-    for i in range(args.num_blocks)
-  ]
-  return blocks, [args.batch_size, args.seq_len, d]
-
-
-def MlpModel(args):
-  d = args.dim * 4
-  fcs = [
-    layers.FCLayer.Params().Set(
-      name=f'fc_{i}', input_dim=d, output_dim=d, activation='RELU'
-    )
-    for i in range(args.num_blocks)
-  ]
-  return fcs, [args.batch_size * args.seq_len, d]
-
-
-def ConvModel(args):
-  c = max(16, args.dim // 4)
-  convs = [
-    layers.Conv2DLayer.Params().Set(
-      name='conv_0',
-      filter_shape=[3, 3, 3, c],
-      filter_stride=[1, 1],
-      activation='RELU',
-    )
-  ]
-  convs += [
-    layers.Conv2DLayer.Params().Set(
-      name=f'conv_{i}',
-      filter_shape=[3, 3, c, c],
-      filter_stride=[1, 1],
-      activation='RELU',
-    )
-    for i in range(1, args.num_blocks)
-  ]
-  return convs, [args.batch_size, 32, 32, 3]
-
-
-def AmoebaNetModel(args):
-  from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-  return amoebanet.BenchmarkCells(
-    args.batch_size,
-    filters=getattr(args, 'amoebanet_filters', None) or 16,
-    image_size=getattr(args, 'image_size', None) or 32,
-  )
-
-
-MODELS = {
-  'transformer': TransformerModel,
-  'mlp': MlpModel,
-  'conv': ConvModel,
-  'amoebanet': AmoebaNetModel,
-}
+# The models: tools/common.py (plan.py plans them as bench.<name>).
+MODELS = common.MODELS
 
 
 # ----------------------------------------------------------------------------
@@ -452,12 +383,9 @@ def Table(records):
     'peak_bytes',
     'activation_bytes',
   ]
-  rows = [[_Fmt(r.get(c), c) for c in cols] for r in records]
-  widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-  head = '  '.join(c.rjust(w) for c, w in zip(cols, widths))
-  lines = [head, '-' * len(head)]
-  lines += ['  '.join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
-  return '\n'.join(lines)
+  return common.FormatTable(
+    cols, [[_Fmt(r.get(c), c) for c in cols] for r in records]
+  )
 
 
 def _Fmt(v, col=''):
@@ -743,7 +671,7 @@ def _TraceOne(args, devices, name):
   )
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     '--mode', default='multi_process', choices=['multi_process', 'in_process']
@@ -759,22 +687,7 @@ def main(argv=None):
     'default: the standard set.',
   )
   parser.add_argument('--num_devices', type=int, default=2)
-  parser.add_argument('--num_blocks', type=int, default=8)
-  parser.add_argument('--dim', type=int, default=256)
-  parser.add_argument('--seq_len', type=int, default=64)
-  parser.add_argument('--batch_size', type=int, default=64)
-  parser.add_argument(
-    '--amoebanet_filters',
-    type=int,
-    default=16,
-    help='--model=amoebanet: filters of the first cells (and the stem).',
-  )
-  parser.add_argument(
-    '--image_size',
-    type=int,
-    default=32,
-    help='--model=amoebanet: input height and width.',
-  )
+  common.AddModelArgs(parser)
   parser.add_argument(
     '--steps',
     type=int,
@@ -850,7 +763,11 @@ def main(argv=None):
     help='A progress line on stderr at most this often within a phase '
     '(0: after every step); the table and --json are unchanged.',
   )
-  args = parser.parse_args(argv)
+  return parser
+
+
+def _CheckArgs(parser, args):
+  """parser.error (one line, exit 2) for bad --schedules or --configs."""
   try:
     ParseSchedules(args.schedules)
     configs = ParseConfigs(args.configs) if args.configs else []
@@ -864,6 +781,9 @@ def main(argv=None):
         f'raise --num_devices to {max(k, 1) * reps} or lower K or R.'
       )
 
+
+def _Devices(args):
+  """(devices, the local cluster or None) of --mode."""
   local = None
   if args.mode == 'in_process':
     cluster.SplitCpu(args.num_devices)
@@ -887,41 +807,55 @@ def main(argv=None):
     ).Start()
     cluster.Connect(local.cluster_spec)
     devices = local.devices
+  return devices, local
+
+
+def _Report(args, devices, local):
+  """Runs the benchmark and the trace; prints the table; the JSON's dict."""
+  result = {'records': [], 'trace': None, 'args': vars(args)}
+  if not args.no_benchmark:
+    status = (
+      device_memory.StatusMap(devices, local.status_addresses)
+      if local is not None and args.memory
+      else None
+    )
+    result['records'] = RunBenchmark(
+      args, devices, local.pids if local is not None else (), status
+    )
+    print(Table(result['records']))
+    notes = sorted(
+      {r['memory_note'] for r in result['records'] if r.get('memory_note')}
+    )
+    for note in notes:
+      print(f'Memory: {note}.')
+    if local is not None and len(devices) > 1:
+      result['transfer'] = MeasureTransfer(devices)
+      t = result['transfer']
+      print(
+        f'Transfer between workers 0 and 1 over gRPC: '
+        f'{t["bytes"] / 2**20:.0f} MB one way in {t["one_way_s"]:.3f} s '
+        f'({t["bytes_per_s"] / 2**20:.0f} MB/s).'
+      )
+  if args.trace:
+    trace = RunTrace(args, devices)
+    if 'events' in trace:  # One schedule.
+      trace = {'': trace}
+    result['trace'] = {
+      name: {k: v for k, v in t.items() if k != 'events'}
+      for name, t in trace.items()
+    }
+    if '' in result['trace']:
+      result['trace'] = result['trace']['']
+  return result
+
+
+def main(argv=None):
+  parser = _Parser()
+  args = parser.parse_args(argv)
+  _CheckArgs(parser, args)
+  devices, local = _Devices(args)
   try:
-    result = {'records': [], 'trace': None, 'args': vars(args)}
-    if not args.no_benchmark:
-      status = (
-        device_memory.StatusMap(devices, local.status_addresses)
-        if local is not None and args.memory
-        else None
-      )
-      result['records'] = RunBenchmark(
-        args, devices, local.pids if local is not None else (), status
-      )
-      print(Table(result['records']))
-      notes = sorted(
-        {r['memory_note'] for r in result['records'] if r.get('memory_note')}
-      )
-      for note in notes:
-        print(f'Memory: {note}.')
-      if local is not None and len(devices) > 1:
-        result['transfer'] = MeasureTransfer(devices)
-        t = result['transfer']
-        print(
-          f'Transfer between workers 0 and 1 over gRPC: '
-          f'{t["bytes"] / 2**20:.0f} MB one way in {t["one_way_s"]:.3f} s '
-          f'({t["bytes_per_s"] / 2**20:.0f} MB/s).'
-        )
-    if args.trace:
-      trace = RunTrace(args, devices)
-      if 'events' in trace:  # One schedule.
-        trace = {'': trace}
-      result['trace'] = {
-        name: {k: v for k, v in t.items() if k != 'events'}
-        for name, t in trace.items()
-      }
-      if '' in result['trace']:
-        result['trace'] = result['trace']['']
+    result = _Report(args, devices, local)
     if args.json:
       with open(args.json, 'w') as f:
         json.dump(result, f, indent=1, default=str)

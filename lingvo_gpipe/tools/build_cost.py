@@ -47,6 +47,8 @@ import subprocess
 import sys
 import time
 
+from lingvo_gpipe.tools import common
+
 DEFAULT_CONFIGS = (
   'transformer:L=16:K=2:M=2,transformer:L=16:K=2:M=8,'
   'transformer:L=16:K=2:M=32,transformer:L=64:K=2:M=8,'
@@ -66,15 +68,11 @@ COLUMNS = (
 )
 
 
-class UsageError(ValueError):
-  """Bad flags: the message says which and what is valid."""
-
-
 def ParseConfig(text):
   """'model:L=16:K=2:M=8[:jit][:shared|:inline][:loop][:B=..]' -> dict."""
   parts = text.strip().split(':')
   if parts[0] not in MODELS:
-    raise UsageError(
+    raise common.UserError(
       f'Unknown model {parts[0]!r} in --configs item {text!r}; use one of '
       f'{", ".join(MODELS)}.'
     )
@@ -87,7 +85,7 @@ def ParseConfig(text):
       continue
     m = re.fullmatch(r'([LKMB])=(\d+)', part)
     if not m or int(m.group(2)) < 1:
-      raise UsageError(
+      raise common.UserError(
         f'Bad part {part!r} of --configs item {text!r}; write e.g. '
         'transformer:L=16:K=2:M=8 (positive L, K, M, B), and :jit, '
         ':shared or :inline, :loop if wanted.'
@@ -95,7 +93,7 @@ def ParseConfig(text):
     config[m.group(1)] = int(m.group(2))
   for need in 'LKM':
     if need not in config:
-      raise UsageError(
+      raise common.UserError(
         f'--configs item {text!r} has no {need}=..; write e.g. '
         'transformer:L=16:K=2:M=8.'
       )
@@ -310,19 +308,18 @@ def RunOne(config, mode, steps):
 
 
 def Table(records):
-  rows = [COLUMNS] + [
-    tuple(
-      str(r.get(c))
-      if r.get('error') is None or c in ('config', 'mode')
-      else 'failed'
-      for c in COLUMNS
-    )
-    for r in records
-  ]
-  widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-  lines = ['  '.join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-  lines.insert(1, '  '.join('-' * w for w in widths))
-  return '\n'.join(lines)
+  return common.FormatTable(
+    COLUMNS,
+    [
+      [
+        str(r.get(c))
+        if r.get('error') is None or c in ('config', 'mode')
+        else 'failed'
+        for c in COLUMNS
+      ]
+      for r in records
+    ],
+  )
 
 
 def _RunChild(config, mode, steps, timeout_s):
@@ -348,7 +345,7 @@ def _RunChild(config, mode, steps, timeout_s):
   return dict(config=Name(config), mode=mode, error=tail[:300])
 
 
-def main(argv=None):
+def _Run(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--configs', default=DEFAULT_CONFIGS)
   parser.add_argument(
@@ -366,11 +363,7 @@ def main(argv=None):
     record = RunOne(json.loads(args.one), args.mode, args.steps)
     print('RESULT ' + json.dumps(record), flush=True)
     return 0
-  try:
-    configs = [ParseConfig(c) for c in args.configs.split(',') if c.strip()]
-  except UsageError as e:
-    print(f'ERROR: {e}', file=sys.stderr)
-    return 2
+  configs = [ParseConfig(c) for c in args.configs.split(',') if c.strip()]
   records = []
   for config in configs:
     print(f'[{Name(config)}, {args.mode}] ...', file=sys.stderr, flush=True)
@@ -383,6 +376,10 @@ def main(argv=None):
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump(dict(records=records, argv=sys.argv[1:]), f, indent=1)
   return 1 if any(r.get('error') for r in records) else 0
+
+
+def main(argv=None):
+  return common.Main('build_cost', _Run, argv)
 
 
 if __name__ == '__main__':

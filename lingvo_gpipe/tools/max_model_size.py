@@ -1,8 +1,5 @@
 r"""The largest model whose full training step fits a memory budget per device.
 
-Over 500 lines: one command-line tool: the families, the search, the trial
-child process and the records share one flag set.
-
 The GPipe paper's Table 1, measured on this host:
 
   python tools/max_model_size.py --family=transformer --budget_mb=256 \
@@ -59,39 +56,18 @@ import tempfile
 import time
 
 from lingvo_gpipe.core import quiet_start
+from lingvo_gpipe.tools import capacity_trial
+from lingvo_gpipe.tools import common
 
 MIB = 2**20
+# The families the search grows (capacity_trial.py builds and trains them).
+FAMILIES = capacity_trial.FAMILIES
+FixedSettings = capacity_trial.FixedSettings
+NumCells = capacity_trial.NumCells
 
-FAMILIES = {
-  'transformer': dict(
-    knob='num_layers',
-    min_size=1,
-    step=1,
-    start=2,
-    fixed=dict(
-      model_dim=64,
-      hidden_dim=256,
-      num_heads=1,
-      vocab_size=1024,
-      seq_len=32,
-      batch_size=32,
-    ),
-  ),
-  'amoebanet': dict(
-    knob='num_filters',
-    min_size=8,
-    step=8,
-    start=32,
-    fixed=dict(image_size=16, batch_size=32, num_classes=10, base_cells=6),
-  ),
-}
 DEFAULT_BUDGET_MB = {'transformer': 40, 'amoebanet': 64}
 BALANCE_BY = ('memory', 'params', 'flops', 'uniform')
 DEFAULT_CONFIGS = 'naive-1,pipeline-1,pipeline-2,pipeline-4,pipeline-8'
-
-
-class UsageError(ValueError):
-  """Bad flags: the message says which and what is valid."""
 
 
 def ParseConfig(name):
@@ -118,314 +94,10 @@ def ParseConfig(name):
         recompute=True,
         pipeline=True,
       )
-  raise UsageError(
+  raise common.UserError(
     f'Unknown configuration {name!r}: valid ones are naive-1 and '
     'pipeline-K for K >= 1 (e.g. pipeline-1, pipeline-2, pipeline-8).'
   )
-
-
-def NumCells(family, num_stages):
-  base = FAMILIES['amoebanet']['fixed']['base_cells']
-  if family != 'amoebanet':
-    return None
-  return base * max(1, num_stages // 2)
-
-
-# ----------------------------------------------------------------------------
-# One measurement, in a fresh process (run with --trial=JSON).
-# ----------------------------------------------------------------------------
-
-
-def FixedSettings(family, overrides=''):
-  """The family's fixed settings with `overrides` ('name=int,...') applied."""
-  fixed = dict(FAMILIES[family]['fixed'])
-  for item in (x.strip() for x in overrides.split(',')):
-    if not item:
-      continue
-    name, _, value = item.partition('=')
-    name = name.strip()
-    if name not in fixed:
-      raise UsageError(
-        f'Unknown --fixed setting {name!r} for {family}: valid ones are '
-        f'{", ".join(sorted(fixed))}.'
-      )
-    try:
-      fixed[name] = int(value)
-    except ValueError:
-      raise UsageError(
-        f'--fixed {name}={value!r} is not an integer; write e.g. '
-        f'{name}={fixed[name]}.'
-      ) from None
-  return fixed
-
-
-def _BuildModel(family, size, config, devices, fixed=None):
-  """(layer, step fn building inputs on devices[0], num_params)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-
-  f = fixed or FAMILIES[family]['fixed']
-  k = config['num_stages']
-  if family == 'transformer':
-    from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
-
-    layer_params = transformer_lm.LayerParams(
-      num_layers=size,
-      model_dim=f['model_dim'],
-      hidden_dim=f['hidden_dim'],
-      num_heads=f['num_heads'],
-      vocab_size=f['vocab_size'],
-    )
-
-    def Inputs():
-      ids = tf.random.stateless_uniform(
-        [f['batch_size'], f['seq_len']],
-        [7, 11],
-        maxval=f['vocab_size'],
-        dtype=tf.int32,
-      )
-      return (ids, ids), None  # the copy task: labels are the inputs
-
-    ids_spec = tf.TensorSpec([f['batch_size'], f['seq_len']], tf.int32)
-    input_shapes = [ids_spec, ids_spec]
-  else:
-    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-    net = (
-      amoebanet.AmoebaNet.Params()
-      .Set(
-        num_cells=NumCells(family, k),
-        num_filters=size,
-        image_size=f['image_size'],
-        stem_type='cifar',
-        stem_filters=size,
-        num_classes=f['num_classes'],
-        head_logits=True,
-      )
-      .Instantiate()
-    )
-    layer_params = net.Layers()
-
-    def Inputs():
-      s = f['image_size']
-      images = tf.random.stateless_normal([f['batch_size'], s, s, 3], [7, 11])
-      labels = tf.random.stateless_uniform(
-        [f['batch_size']], [3, 5], maxval=f['num_classes'], dtype=tf.int32
-      )
-      return (images,), labels
-
-    s = f['image_size']
-    input_shapes = [[f['batch_size'], s, s, 3]]
-
-  if config['pipeline']:
-    layer = (
-      gpipe.PipeliningLayer.Params()
-      .Set(
-        name='model',
-        layers=layer_params,
-        num_stages=k,
-        num_micro_batches=config['num_micro_batches'],
-        devices=devices[:k],
-        recompute='always',
-        balance_by=config.get('balance_by', 'memory'),
-        input_shapes=input_shapes,
-        jit_compile=bool(config.get('jit_compile')),
-      )
-      .Instantiate()
-    )
-  else:
-    with tf.device(devices[0]):
-      layer = (
-        layers.SequentialLayer.Params()
-        .Set(name='model', sub=layer_params)
-        .Instantiate()
-      )
-  return layer, Inputs
-
-
-def _DeviceBytes(variables):
-  out = {}
-  for v in variables:
-    out[v.device] = out.get(v.device, 0) + v.shape.num_elements() * v.dtype.size
-  return out
-
-
-def RunTrial(spec):
-  """Measures one (family, config, size); returns a JSON-able dict."""
-  family, config, size = spec['family'], spec['config'], spec['size']
-  k = config['num_stages']
-  from lingvo_gpipe.runners import device_memory  # pylint: disable=g-import-not-at-top
-
-  device_memory.EnableCpuStats()  # this driver's own, to check it holds nothing
-  from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
-
-  limit = int(spec['budget_mb'] * spec.get('hard_limit_factor', 2.0)) + 64
-  on_gpu = spec.get('device', 'cpu') == 'gpu'
-  if on_gpu:
-    # K logical GPUs of one physical GPU, each capped at the limit; their
-    # allocators are separate, so get_memory_info is per device.
-    cluster.SplitGpu(k, memory_limit_mb=limit)
-    context = contextlib.nullcontext(None)
-  else:
-    context = cluster.LocalCluster(
-      k,
-      memory_stats=True,
-      memory_limit_mb=limit,
-      intra_op_threads=spec.get('intra_op_threads', 0),
-      inter_op_threads=spec.get('inter_op_threads', 2),
-    )
-  with context as c:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from lingvo_gpipe.core import optimizer  # pylint: disable=g-import-not-at-top
-    from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
-
-    # The workers run this process's functions with the thread pools its
-    # config asks for (the config travels with the connection).
-    tf.config.threading.set_inter_op_parallelism_threads(
-      spec.get('inter_op_threads', 2)
-    )
-    tf.config.threading.set_intra_op_parallelism_threads(
-      spec.get('intra_op_threads', 0)
-    )
-    if on_gpu:
-      devices = [
-        f'/job:localhost/replica:0/task:0/device:GPU:{i}' for i in range(k)
-      ]
-      status = {}
-    else:
-      cluster.Connect(c.cluster_spec)
-      devices = c.devices
-      status = device_memory.StatusMap(devices, c.status_addresses)
-    record = dict(
-      family=family,
-      config=config['name'],
-      balance_by=config.get('balance_by'),
-      jit_compile=bool(config.get('jit_compile')),
-      num_stages=k,
-      num_micro_batches=config['num_micro_batches'],
-      recompute=config['recompute'],
-      size=size,
-      knob=FAMILIES[family]['knob'],
-      fixed=dict(spec.get('fixed') or FAMILIES[family]['fixed']),
-      num_cells=NumCells(family, k),
-      budget_bytes=spec['budget_mb'] * MIB,
-      devices=devices,
-      inter_op_threads=spec.get('inter_op_threads', 2),
-      intra_op_threads=spec.get('intra_op_threads', 0),
-    )
-    try:
-      layer, inputs_fn = _BuildModel(
-        family, size, config, devices, record['fixed']
-      )
-      record['splits'] = getattr(layer, 'splits', None)
-      variables = layer.trainable_variables
-      record['num_params'] = int(sum(v.shape.num_elements() for v in variables))
-      record['param_bytes'] = int(
-        sum(v.shape.num_elements() * v.dtype.size for v in variables)
-      )
-      opt = optimizer.Adam.Params().Instantiate()
-      opt.CreateSlots(variables)
-      first, last = devices[0], devices[k - 1]
-      plain_scope = None if config['pipeline'] else first
-
-      @tf.function
-      def Step():
-        with tf.device(first):
-          args, labels = inputs_fn()
-        with py_utils.UpdateCollector() as updates:
-          with tf.GradientTape() as tape:
-            with tf.device(plain_scope):
-              out = layer(*args)
-            with tf.device(last):
-              if labels is None:
-                loss = tf.reduce_mean(out)
-              else:
-                loss = tf.reduce_mean(
-                  tf.nn.sparse_softmax_cross_entropy_with_logits(
-                    labels=labels, logits=out
-                  )
-                )
-          with tf.device(last):  # the loss gradient next to the loss
-            grads = tape.gradient(loss, variables)
-        with tf.device(last):
-          opt.Apply(
-            tf.constant(spec.get('learning_rate', 1e-3)),
-            list(zip(grads, variables)),
-          )
-        updates.Apply()
-        return loss
-
-      weights = _DeviceBytes(variables)
-      slots = _DeviceBytes(list(opt.slots().values()))
-      losses, peaks = [], []
-      start = time.time()
-      losses.append(float(Step().numpy()))  # traces; slots already exist
-      record['first_step_s'] = time.time() - start
-      before = device_memory.DeviceMemory(devices, status)
-      here = '/job:localhost/replica:0/task:0/device:CPU:0'
-      for _ in range(max(1, spec.get('steps', 1))):
-        device_memory.ResetPeaks(devices + [here], status)
-        t0 = time.time()
-        losses.append(float(Step().numpy()))
-        record['step_s'] = time.time() - t0
-        peaks.append(
-          [p for _, p in device_memory.DeviceMemory(devices, status).values()]
-        )
-      # What ran in this driving process instead of on a device (should be
-      # nothing but the step's scalars).
-      record['driver_peak_bytes'] = device_memory.DeviceMemory([here])[here][1]
-      details = device_memory.DeviceDetails(devices, status)
-      record['losses'] = losses
-      record['peak_bytes_per_step'] = peaks
-      record['peak_bytes_per_device'] = [
-        max(p[i] for p in peaks) for i in range(k)
-      ]
-      record['state_bytes_per_device'] = [before[d][0] for d in devices]
-      record['weight_bytes_per_device'] = [weights.get(d, 0) for d in devices]
-      record['slot_bytes_per_device'] = [slots.get(d, 0) for d in devices]
-      record['rss_peak_minus_baseline_per_device'] = [
-        details[d]['rss_peak'] - (details[d]['rss_baseline'] or 0)
-        for d in devices
-      ]
-      record['peak_activation_bytes'] = max(
-        p - s
-        for p, s in zip(
-          record['peak_bytes_per_device'], record['state_bytes_per_device']
-        )
-      )
-      record['fits'] = (
-        max(record['peak_bytes_per_device']) <= (record['budget_bytes'])
-      )
-      record['error'] = None
-    except (
-      tf.errors.ResourceExhaustedError,
-      tf.errors.UnavailableError,
-      tf.errors.InternalError,
-      tf.errors.AbortedError,
-      tf.errors.CancelledError,
-      device_memory.MemoryStatsUnavailable,
-    ) as e:
-      dead = [] if c is None else [i for i, a in enumerate(c.Alive()) if not a]
-      reason = (
-        f'worker(s) {dead} died'
-        if dead
-        else 'out of memory'
-        if isinstance(e, tf.errors.ResourceExhaustedError)
-        else type(e).__name__
-      )
-      record['fits'] = False
-      record['error'] = reason
-    return record
-
-
-def _TrialMain(spec_json):
-  spec = json.loads(spec_json)
-  record = RunTrial(spec)
-  with open(spec['out'], 'w') as f:
-    json.dump(record, f)
-  sys.stdout.flush()
-  os._exit(0)  # pylint: disable=protected-access  (skip TF's slow teardown)
 
 
 # ----------------------------------------------------------------------------
@@ -625,14 +297,7 @@ def Table(rows, family):
         ratio,
       ]
     )
-  widths = [
-    max(len(c), *(len(l[i]) for l in lines)) if lines else len(c)
-    for i, c in enumerate(cols)
-  ]
-  out = ['  '.join(c.rjust(w) for c, w in zip(cols, widths))]
-  out.append('-' * len(out[0]))
-  out += ['  '.join(v.rjust(w) for v, w in zip(l, widths)) for l in lines]
-  return '\n'.join(out)
+  return common.FormatTable(cols, lines)
 
 
 def Breakdown(r):
@@ -654,7 +319,7 @@ def Breakdown(r):
   return '\n'.join(lines)
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -751,48 +416,53 @@ def main(argv=None):
   parser.add_argument('--train_config', default='pipeline-1')
   parser.add_argument('--size', type=int, default=0)
   parser.add_argument('--trial', default='', help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def _CheckArgs(args):
+  """Raises a UserError for bad flags; returns the parsed --configs."""
+  if args.family not in FAMILIES:
+    raise common.UserError(
+      f'Unknown --family={args.family!r}: valid ones are {", ".join(FAMILIES)}.'
+    )
+  configs = [
+    ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
+  ]
+  if args.device not in ('cpu', 'gpu'):
+    raise common.UserError(
+      f'Unknown --device={args.device!r}: valid ones are cpu and gpu.'
+    )
+  if args.device == 'gpu' and not _HasGpu():
+    raise common.UserError(
+      '--device=gpu but TensorFlow finds no GPU on this host: run with '
+      '--device=cpu (worker processes), or on a host with a GPU.'
+    )
+  if args.balance_by not in BALANCE_BY:
+    raise common.UserError(
+      f'Unknown --balance_by={args.balance_by!r}: valid ones are '
+      f'{", ".join(BALANCE_BY)}.'
+    )
+  if not args.budget_mb:
+    args.budget_mb = DEFAULT_BUDGET_MB[args.family]
+  FixedSettings(args.family, args.fixed)  # validates --fixed
+  if args.budget_mb <= 0:
+    raise common.UserError(f'--budget_mb={args.budget_mb} must be > 0.')
+  if args.train_steps and args.size <= 0:
+    raise common.UserError(
+      '--train_steps needs --size=N (the knob: '
+      f'{FAMILIES[args.family]["knob"]}).'
+    )
+  return configs
+
+
+def _Run(argv):
+  args = _Parser().parse_args(argv)
   if args.trial:
     # A trial's process runs the model; the search's stays free of
     # TensorFlow (its checks answer at once).
     quiet_start.ImportTensorFlow(min_log_level='2')
-    return _TrialMain(args.trial)
-  try:
-    if args.family not in FAMILIES:
-      raise UsageError(
-        f'Unknown --family={args.family!r}: valid ones are '
-        f'{", ".join(FAMILIES)}.'
-      )
-    configs = [
-      ParseConfig(c.strip()) for c in args.configs.split(',') if c.strip()
-    ]
-    if args.device not in ('cpu', 'gpu'):
-      raise UsageError(
-        f'Unknown --device={args.device!r}: valid ones are cpu and gpu.'
-      )
-    if args.device == 'gpu' and not _HasGpu():
-      raise UsageError(
-        '--device=gpu but TensorFlow finds no GPU on this host: run with '
-        '--device=cpu (worker processes), or on a host with a GPU.'
-      )
-    if args.balance_by not in BALANCE_BY:
-      raise UsageError(
-        f'Unknown --balance_by={args.balance_by!r}: valid ones are '
-        f'{", ".join(BALANCE_BY)}.'
-      )
-    if not args.budget_mb:
-      args.budget_mb = DEFAULT_BUDGET_MB[args.family]
-    FixedSettings(args.family, args.fixed)  # validates --fixed
-    if args.budget_mb <= 0:
-      raise UsageError(f'--budget_mb={args.budget_mb} must be > 0.')
-    if args.train_steps and args.size <= 0:
-      raise UsageError(
-        '--train_steps needs --size=N (the knob: '
-        f'{FAMILIES[args.family]["knob"]}).'
-      )
-  except UsageError as e:
-    print(f'max_model_size: {e}', file=sys.stderr)
-    return 2
+    return capacity_trial.TrialMain(args.trial)
+  configs = _CheckArgs(args)
   searcher = Searcher(args)
   try:
     if args.train_steps:
@@ -803,6 +473,10 @@ def main(argv=None):
     return 130
   finally:
     searcher.Kill()
+
+
+def main(argv=None):
+  return common.Main('max_model_size', _Run, argv)
 
 
 def _Train(searcher, args):

@@ -1,8 +1,5 @@
 r"""Plans a GPipe pipeline: K, M, replicas, split and re-materialization.
 
-Over 500 lines: one command-line tool: planning, validation and the paper's
-tables share its models and its output.
-
   python tools/plan.py --model=bench.transformer --num_devices=2 --device=cpu
   python tools/plan.py --model=mt.multilingual.TransformerT24x8192x16 \
       --num_devices=8 --device=tpu_v3 --json=/tmp/plan.json
@@ -14,10 +11,10 @@ tables share its models and its output.
 
 --model is a registered model key (its first PipeliningLayer is planned,
 with the batch of its training input), or one of the built-in models:
-bench.<transformer|mlp|conv|amoebanet> (tools/benchmark_pipeline.py's models,
-sized by --num_blocks, --dim, --seq_len, --batch_size), paper.transformer48
-and paper.amoebanet_d18_256 (the paper's Table 2 models). The model is built
-abstractly: no weight is allocated.
+bench.<transformer|mlp|conv|amoebanet> (the benchmark's models in
+tools/common.py, sized by --num_blocks, --dim, --seq_len, --batch_size),
+paper.transformer48 and paper.amoebanet_d18_256 (the paper's Table 2
+models). The model is built abstractly: no weight is allocated.
 
 --device is a preset (tpu_v2, tpu_v3, v100, a100, h100, cpu) or `measure`:
 this host's per-layer times (one thread, like one benchmark worker) and the
@@ -25,7 +22,9 @@ link between two local TensorFlow server workers.
 
 --validate=BENCH_JSON predicts every configuration of a
 tools/benchmark_pipeline.py JSON and prints predicted and measured step
-time (and peak bytes per device where the JSON has them) with their ratio.
+time (and peak bytes per device where the JSON has them) with their ratio
+(plan_validation.py). --paper_table2 and --paper_table1 predict the paper's
+tables (plan_paper.py).
 """
 
 import argparse
@@ -38,86 +37,20 @@ from lingvo_gpipe.core import quiet_start  # pylint: disable=g-import-not-at-top
 quiet_start.ImportTensorFlow(min_log_level='2')
 
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.planning import cost_model  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.planning import device_presets  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.planning import planner  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.tools import benchmark_pipeline  # pylint: disable=g-import-not-at-top
-from lingvo_gpipe.tools import max_model_size  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools import common  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools import plan_paper  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools import plan_validation  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools.common import GetDevice  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools.common import OneThread  # pylint: disable=g-import-not-at-top
+from lingvo_gpipe.tools.common import ParseBytes  # pylint: disable=g-import-not-at-top
 
 GIB = 2**30
 
-# The paper's Table 2 (throughput normalized to K=2, M=1) and Table 1
-# (the largest Transformer per K: layers, with 16 GB per TPU core).
-PAPER_TABLE2 = {
-  'amoebanet_d18_256': {
-    (2, 1): 1.0,
-    (4, 1): 1.13,
-    (8, 1): 1.38,
-    (2, 4): 1.07,
-    (4, 4): 1.26,
-    (8, 4): 1.72,
-    (2, 32): 1.21,
-    (4, 32): 1.84,
-    (8, 32): 3.48,
-  },
-  'transformer48': {
-    (2, 1): 1.0,
-    (4, 1): 1.07,
-    (8, 1): 1.3,
-    (2, 4): 1.7,
-    (4, 4): 3.2,
-    (8, 4): 4.8,
-    (2, 32): 1.8,
-    (4, 32): 3.4,
-    (8, 32): 6.3,
-  },
-}
-PAPER_TABLE1_TRANSFORMER = {1: 13, 8: 103, 32: 415, 128: 1663}
-PAPER_TABLE1_NAIVE = 3
-# The paper's Table 1 Transformer: vocabulary 32k, 1024 tokens, batch 32,
-# model dim 2048, FFN 8192, 32 heads.
-PAPER_TRANSFORMER = dict(
-  model_dim=2048, hidden_dim=8192, num_heads=32, vocab_size=32000
-)
-PAPER_SEQ_LEN = 1024
-PAPER_BATCH = 32
-PAPER_AMOEBANET_BATCH = 128
 
-
-class UserError(Exception):
-  pass
-
-
-def _BenchArgs(args):
-  return argparse.Namespace(
-    num_blocks=args.num_blocks,
-    dim=args.dim,
-    seq_len=args.seq_len,
-    batch_size=args.batch_size,
-  )
-
-
-def PaperTransformer(num_layers=48, batch=PAPER_BATCH):
-  from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
-
-  layers = transformer_lm.LayerParams(
-    num_layers=num_layers, **PAPER_TRANSFORMER
-  )
-  return layers, [[batch, PAPER_SEQ_LEN], [batch, PAPER_SEQ_LEN]]
-
-
-def PaperAmoebaNet(batch=PAPER_AMOEBANET_BATCH):
-  from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-  net = (
-    amoebanet.AmoebaNet.Params()
-    .Set(num_cells=18, num_filters=256, image_size=224, num_classes=1000)
-    .Instantiate()
-  )
-  return net.Layers(), [net.InputShape(batch)]
+UserError = common.UserError
 
 
 def _Registered(key, batch_size):
@@ -253,18 +186,18 @@ def BuildModel(args, key=None):
     raise UserError('--model is required, e.g. --model=bench.transformer.')
   if key.startswith('bench.'):
     name = key.split('.', 1)[1]
-    if name not in benchmark_pipeline.MODELS:
+    if name not in common.MODELS:
       raise UserError(
         f'--model={key}: the benchmark models are '
-        f'{["bench." + m for m in benchmark_pipeline.MODELS]}.'
+        f'{["bench." + m for m in common.MODELS]}.'
       )
-    layers, shape = benchmark_pipeline.MODELS[name](_BenchArgs(args))
+    layers, shape = common.MODELS[name](args)
     return key, layers, [shape], 2
   if key == 'paper.transformer48':
-    layers, shapes = PaperTransformer(48)
+    layers, shapes = plan_paper.PaperTransformer(48)
     return key, layers, shapes, 2
   if key == 'paper.amoebanet_d18_256':
-    layers, shapes = PaperAmoebaNet()
+    layers, shapes = plan_paper.PaperAmoebaNet()
     return key, layers, shapes, 2
   layers, shapes, slots, _ = _Registered(key, args.batch_size_override)
   return key, layers, shapes, slots
@@ -327,68 +260,6 @@ def ApplyText(cand, model, pipe_key, device_name, stack_splits=None):
   override = '; '.join(f'{prefix}{k} : {v}' for k, v in fields)
   flags.append(f"--model_params_override='{override}'")
   return 'python -m lingvo_gpipe.trainer ' + ' '.join(flags)
-
-
-def ParseBytes(text):
-  """'16GiB', '512MiB', '8GB', '1e9' -> bytes."""
-  if text is None or text == '':
-    return None
-  t = str(text).strip()
-  units = {
-    'tib': 2**40,
-    'gib': 2**30,
-    'mib': 2**20,
-    'kib': 2**10,
-    'tb': 1e12,
-    'gb': 1e9,
-    'mb': 1e6,
-    'kb': 1e3,
-    'b': 1,
-  }
-  low = t.lower()
-  num, scale = low, 1
-  for unit, factor in units.items():
-    if low.endswith(unit):
-      num, scale = low[: -len(unit)].strip(), factor
-      break
-  try:
-    value = float(num) * scale
-  except ValueError as e:
-    raise UserError(
-      f'--memory_per_device={text!r} is not a size; use e.g. 16GiB, 512MiB '
-      'or a number of bytes.'
-    ) from e
-  if value <= 0:
-    raise UserError(f'--memory_per_device={text!r} must be positive.')
-  return int(value)
-
-
-def OneThread():
-  """Time layers with one thread, as one benchmark worker runs them (only
-  possible before TensorFlow starts; a process that already ran ops keeps
-  its pools)."""
-  try:
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-  except RuntimeError:
-    pass
-
-
-def GetDevice(args, profile=None, layers=None, link=None):
-  if args.device == 'measure':
-    if profile is not None:
-      planner.MeasureProfile(
-        profile, layers, time_budget_s=args.measure_budget_s
-      )
-    mem = (
-      ParseBytes(args.memory_per_device)
-      or device_presets.PRESETS['cpu'].memory_bytes
-    )
-    return planner.MeasuredDevice(mem, link=link)
-  try:
-    return device_presets.GetPreset(args.device)
-  except ValueError as e:
-    raise UserError(str(e)) from e
 
 
 def RunPlan(args):
@@ -480,462 +351,10 @@ def WriteTimeline(cand, path, name, device):
   return path
 
 
-# -----------------------------------------------------------------------------
-# --validate
-# -----------------------------------------------------------------------------
-
-
-def Validate(args):
-  """Rows of predicted vs measured for every record of a benchmark JSON."""
-
-  try:
-    with open(args.validate) as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
-    raise UserError(f'--validate={args.validate}: cannot read it: {e}') from e
-  if isinstance(data, dict) and 'trials' in data and 'records' not in data:
-    return ValidateCapacity(data, args)
-  if (
-    isinstance(data, list)
-    and data
-    and all(isinstance(r, dict) and 'peak_bytes_per_device' in r for r in data)
-  ):
-    # tools/max_model_size.py --train_steps writes its trials as a list.
-    return ValidateCapacity(dict(trials=data), args)
-  records = data.get('records') if isinstance(data, dict) else None
-  if not records:
-    raise UserError(
-      f'--validate={args.validate} has no "records"; give the JSON that '
-      'tools/benchmark_pipeline.py --json or tools/max_model_size.py --json '
-      'writes.'
-    )
-  bench_args = dict(
-    num_blocks=args.num_blocks,
-    dim=args.dim,
-    seq_len=args.seq_len,
-    batch_size=args.batch_size,
-  )
-  bench_args.update(
-    {k: v for k, v in (data.get('args') or {}).items() if k in bench_args}
-  )
-  link = None
-  t = data.get('transfer')
-  if t and t.get('bytes_per_s'):
-    link = (t['bytes_per_s'], 0.0)
-  rows = []
-  profiles = {}
-  calibrated = {}
-  device = None
-  for rec in records:
-    model = rec['model']
-    if model not in benchmark_pipeline.MODELS:
-      raise UserError(
-        f'--validate: record of model {model!r}; the benchmark models are '
-        f'{sorted(benchmark_pipeline.MODELS)}.'
-      )
-    if model not in profiles:
-      ns = argparse.Namespace(**bench_args)
-      if 'batch_size' not in (data.get('args') or {}):
-        # A record's batch_size is its input's first dimension: the batch,
-        # except for the mlp model (batch x sequence rows).
-        ns.batch_size = rec.get('batch_size') or ns.batch_size
-      layers, shape = benchmark_pipeline.MODELS[model](ns)
-      profile = planner.ProfileLayers(layers, [shape], name=model)
-      if args.device == 'measure':
-        planner.MeasureProfile(
-          profile, layers, time_budget_s=args.measure_budget_s
-        )
-      profiles[model] = profile
-    profile = profiles[model]
-    if args.calibrate:
-      # Each model calibrated on its own one-device record: a flop rate is
-      # a property of the model's ops on this host, not of the host alone.
-      if model not in calibrated:
-        calibrated[model] = CalibratedDevice(
-          [r for r in records if r['model'] == model], profile, link
-        )
-      device = calibrated[model]
-    if device is None:
-      if args.device == 'measure':
-        mem = ParseBytes(args.memory_per_device) or 4 * GIB
-        device = planner.MeasuredDevice(mem, link=link)
-      else:
-        device = GetDevice(args)
-    k = max(int(rec['num_stages']), 1)
-    m = int(rec['num_micro_batches'])
-    r = int(rec.get('replicas') or 1)
-    sched = rec.get('schedule') or 'gpipe'
-    if sched not in cost_model.SIMULATED_SCHEDULES:
-      print(f'Not predicted: {model} K={k} M={m} schedule {sched}.')
-      continue
-    # An interleaved record's K is its devices; its cells are num_cells.
-    cells = int(rec.get('num_cells') or k) if sched == 'interleaved' else k
-    cand = planner.Evaluate(
-      profile,
-      device,
-      cells,
-      m,
-      bool(rec['recompute']),
-      r,
-      split_by='time',
-      schedule=sched,
-      virtual_stages=max(1, cells // k),
-    )
-    measured = float(rec['step_time_s'])
-    row = dict(
-      model=model,
-      num_stages=int(rec['num_stages']),
-      num_micro_batches=m,
-      recompute=bool(rec['recompute']),
-      replicas=r,
-      schedule=sched,
-      predicted_step_s=cand.step_s,
-      measured_step_s=measured,
-      step_ratio=cand.step_s / measured,
-    )
-    peaks = rec.get('peak_bytes')
-    if isinstance(peaks, dict) and peaks:
-      measured_peaks = list(peaks.values())
-      row['predicted_peak_bytes'] = cand.peak_bytes
-      row['measured_peak_bytes'] = measured_peaks
-      row['peak_ratio'] = [
-        p / q if q else None for p, q in zip(cand.peak_bytes, measured_peaks)
-      ]
-    rows.append(row)
-  print(ValidationTable(rows, calibrated or {None: device}))
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(dict(device=device.name, rows=rows), f, indent=1)
-    print(f'Wrote {args.json}')
-  return rows
-
-
-def CapacityModel(trial):
-  """(layers, input shapes) of a tools/max_model_size.py trial."""
-  fixed = trial['fixed']
-  if trial['family'] == 'transformer':
-    from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
-
-    layers = transformer_lm.LayerParams(
-      num_layers=trial['size'],
-      model_dim=fixed['model_dim'],
-      hidden_dim=fixed['hidden_dim'],
-      num_heads=fixed['num_heads'],
-      vocab_size=fixed['vocab_size'],
-    )
-    shape = [fixed['batch_size'], fixed['seq_len']]
-    return layers, [shape, shape]
-  if trial['family'] == 'amoebanet':
-    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-    net = (
-      amoebanet.AmoebaNet.Params()
-      .Set(
-        num_cells=trial['num_cells'],
-        num_filters=trial['size'],
-        image_size=fixed['image_size'],
-        stem_type='cifar',
-        stem_filters=trial['size'],
-        num_classes=fixed['num_classes'],
-        head_logits=True,
-      )
-      .Instantiate()
-    )
-    return net.Layers(), [net.InputShape(fixed['batch_size'])]
-  raise UserError(
-    f'--validate: unknown family {trial["family"]!r} (transformer, amoebanet).'
-  )
-
-
-def ValidateCapacity(data, args):
-  """Predicted vs measured peak bytes per device of the models of a
-  tools/max_model_size.py JSON (Adam; the cells of the trial's `splits`,
-  else balanced by parameters as older records were)."""
-  from lingvo_gpipe.core import base_layer  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.planning import balance  # pylint: disable=g-import-not-at-top
-
-  device = device_presets.GetPreset('cpu')
-  rows = []
-  families = None
-  for trial in data['trials']:
-    if not trial.get('peak_bytes_per_device'):
-      continue
-    if 'fixed' not in trial:  # older records: the tool's default sizes
-      if families is None:
-        families = max_model_size.FAMILIES
-      trial = dict(trial, fixed=families[trial['family']]['fixed'])
-    layers, shapes = CapacityModel(trial)
-    profile = planner.ProfileLayers(layers, shapes, name=trial['family'])
-    k = int(trial['num_stages'])
-    splits = trial.get('splits')
-    if not splits:  # older records: the split by parameters they used
-      params = [float(base_layer.CountParams(p)) for p in layers]
-      splits = balance.BalancedSplits(params, k)
-    cand = planner.Evaluate(
-      profile,
-      device,
-      k,
-      int(trial['num_micro_batches']),
-      bool(trial['recompute']),
-      1,
-      splits=splits,
-      split_by='params',
-      memory_bytes=2**40,
-      compiled=bool(trial.get('jit_compile')),
-    )
-    measured = list(trial['peak_bytes_per_device'])
-    predicted = list(cand.peak_bytes)
-    if trial.get('peak_is_max_over_devices'):
-      predicted = [max(predicted)]
-    rows.append(
-      dict(
-        family=trial['family'],
-        config=trial['config'],
-        size=trial['size'],
-        num_micro_batches=int(trial['num_micro_batches']),
-        inter_op_threads=trial.get('inter_op_threads'),
-        predicted_peak_bytes=predicted,
-        measured_peak_bytes=measured,
-        peak_ratio=[p / q for p, q in zip(predicted, measured)],
-        predicted_memory=cand.memory,
-      )
-    )
-  lines = ['Peak bytes per device, predicted vs measured:']
-  lines.append(
-    f'{"family":>11} {"config":>11} {"size":>5} {"threads":>7}  '
-    'predicted / measured (ratio) per device'
-  )
-  for r in rows:
-    lines.append(
-      f'{r["family"]:>11} {r["config"]:>11} {r["size"]:>5} '
-      f'{str(r["inter_op_threads"] or "default"):>7}  '
-      + ', '.join(
-        f'{planner.FormatBytes(p)} / {planner.FormatBytes(q)} ({x:.2f})'
-        for p, q, x in zip(
-          r['predicted_peak_bytes'], r['measured_peak_bytes'], r['peak_ratio']
-        )
-      )
-    )
-  print('\n'.join(lines))
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(dict(rows=rows), f, indent=1)
-    print(f'Wrote {args.json}')
-  return rows
-
-
-def CalibratedDevice(records, profile, link):
-  """A device whose flop rate makes the one-device record (the plain
-  model, else K=1 M=1) take its measured time; the link from the JSON.
-  Every other configuration is then a prediction of the schedule, the
-  transfers, recompute and the split."""
-  base = [r for r in records if int(r['num_stages']) == 0] or [
-    r
-    for r in records
-    if int(r['num_stages']) == 1
-    and int(r['num_micro_batches']) == 1
-    and not r['recompute']
-  ]
-  if not base:
-    raise UserError(
-      '--calibrate needs a one-device record (num_stages 0, or 1 with one '
-      'micro-batch and no recompute) in the benchmark JSON.'
-    )
-  flops = 3 * sum(lp.flops for lp in profile.layers)
-  rate = flops / float(base[0]['step_time_s'])
-  bw = link[0] if link else 1e9
-  return device_presets.Device(
-    name='calibrated',
-    description=(
-      f'{rate / 1e9:.1f} GFLOP/s from the measured one-device step of '
-      f'{base[0]["step_time_s"]:.3f} s, link {bw / 2**20:.0f} MiB/s from the '
-      'JSON'
-    ),
-    peak_flops=rate,
-    memory_bytes=4 * GIB,
-    memory_bytes_per_s=float('inf'),
-    link_bytes_per_s=bw,
-    link_latency_s=0.0,
-    op_overhead_s=0.0,
-    flops_efficiency=1.0,
-  )
-
-
-def ValidationTable(rows, devices):
-  """The rows as a table; `devices`: {model or None: the device used}."""
-  lines = [
-    f'Device{f" for {model}" if model else ""}: {device.name} '
-    f'({device.description})'
-    for model, device in devices.items()
-  ]
-  lines += [
-    'Predicted vs measured:',
-    f'{"model":>12} {"K":>2} {"M":>3} {"rc":>3} {"R":>2} '
-    f'{"predicted":>10} {"measured":>10} {"ratio":>6}  peak/device '
-    'predicted / measured (ratio)',
-  ]
-  for r in rows:
-    line = (
-      f'{r["model"]:>12} {r["num_stages"]:>2} {r["num_micro_batches"]:>3} '
-      f'{"yes" if r["recompute"] else "no":>3} {r["replicas"]:>2} '
-      f'{r["predicted_step_s"]:>9.3f}s {r["measured_step_s"]:>9.3f}s '
-      f'{r["step_ratio"]:>6.2f}'
-    )
-    if 'peak_ratio' in r:
-      line += '  ' + ', '.join(
-        f'{planner.FormatBytes(p)} / {planner.FormatBytes(q)} ({x:.2f})'
-        for p, q, x in zip(
-          r['predicted_peak_bytes'], r['measured_peak_bytes'], r['peak_ratio']
-        )
-        if x is not None
-      )
-    if r.get('schedule', 'gpipe') != 'gpipe':
-      line += f'  [{r["schedule"]}]'
-    lines.append(line)
-  return '\n'.join(lines)
-
-
-# -----------------------------------------------------------------------------
-# The paper's tables.
-# -----------------------------------------------------------------------------
-
-
-def PaperTable2(args):
-  """Records of the paper's Table 2 predicted with the TPU preset."""
-  device = device_presets.GetPreset(args.paper_device)
-  records = []
-  for model, builder in (
-    ('transformer48', lambda: PaperTransformer(48)),
-    ('amoebanet_d18_256', PaperAmoebaNet),
-  ):
-    layers, shapes = builder()
-    profile = planner.ProfileLayers(layers, shapes, name=model)
-    preds = {}
-    for (k, m), _ in PAPER_TABLE2[model].items():
-      cand = planner.Evaluate(profile, device, k, m, True, 1, split_by='time')
-      preds[(k, m)] = cand
-    base = preds[(2, 1)].examples_per_s
-    for (k, m), paper in PAPER_TABLE2[model].items():
-      c = preds[(k, m)]
-      records.append(
-        dict(
-          model=model,
-          device=device.name,
-          num_stages=k,
-          num_micro_batches=m,
-          batch_size=profile.batch_size,
-          predicted_step_s=c.step_s,
-          bubble=c.bubble,
-          predicted_normalized=c.examples_per_s / base,
-          paper_normalized=paper,
-          ratio=c.examples_per_s / base / paper,
-          peak_bytes_per_device=c.max_peak_bytes,
-        )
-      )
-  lines = [
-    f"The paper's Table 2 predicted on {device.name} ({device.description}), "
-    'throughput normalized to K=2, M=1:',
-    f'{"model":>18} {"K":>2} {"M":>3} {"predicted":>9} {"paper":>6} '
-    f'{"ratio":>6} {"bubble":>6}',
-  ]
-  for r in records:
-    lines.append(
-      f'{r["model"]:>18} {r["num_stages"]:>2} {r["num_micro_batches"]:>3} '
-      f'{r["predicted_normalized"]:>9.2f} {r["paper_normalized"]:>6.2f} '
-      f'{r["ratio"]:>6.2f} {100 * r["bubble"]:>5.0f}%'
-    )
-  print('\n'.join(lines))
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(records, f, indent=1)
-    print(f'Wrote {args.json}')
-  return records
-
-
-def LargestTransformer(device, num_stages, memory_bytes, recompute=True):
-  """The most Transformer layers (the paper's Table 1 model) whose
-  predicted peak fits `memory_bytes` on every one of `num_stages` devices,
-  over M in the divisors of the batch; (layers, M, peak bytes)."""
-  layers, shapes = PaperTransformer(2)
-  profile = planner.ProfileLayers(layers, shapes, name='transformer')
-  first, block, last = profile.layers[0], profile.layers[1], profile.layers[-1]
-  ms = [1] if not recompute else [1, 2, 4, 8, 16, 32]
-
-  def Peak(num_blocks, m):
-    prof = planner.ModelProfile(
-      'transformer', [first] + [block] * num_blocks + [last], PAPER_BATCH
-    )
-    base, extra = divmod(num_blocks, num_stages)
-    splits, end = [], 1
-    for k in range(num_stages):
-      end += base + (1 if k < extra else 0)
-      splits.append(end)
-    splits[-1] += 1  # the loss layer joins the last cell
-    cells = planner.CellCosts(prof, splits, m, 1, device)
-    return max(cost_model.PeakMemoryBytes(c, m, recompute, 2) for c in cells)
-
-  best = (0, None, None)
-  for m in ms:
-    lo, hi = 0, num_stages
-    if Peak(max(hi, 1), m) > memory_bytes:
-      hi = 0
-    else:
-      while Peak(hi * 2, m) <= memory_bytes:
-        hi *= 2
-      lo, hi = hi, hi * 2
-      while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if Peak(mid, m) <= memory_bytes:
-          lo = mid
-        else:
-          hi = mid
-      hi = lo
-    if hi > best[0]:
-      best = (hi, m, Peak(hi, m))
-  return best
-
-
-def PaperTable1(args):
-  device = device_presets.GetPreset(args.paper_device)
-  memory = ParseBytes(args.memory_per_device) or 16 * GIB
-  records = []
-  rows = [('naive-1', 1, False, PAPER_TABLE1_NAIVE)] + [
-    (f'pipeline-{k}', k, True, n) for k, n in PAPER_TABLE1_TRANSFORMER.items()
-  ]
-  for label, k, rc, paper in rows:
-    n, m, peak = LargestTransformer(device, k, memory, recompute=rc)
-    records.append(
-      dict(
-        config=label,
-        num_stages=k,
-        num_micro_batches=m,
-        predicted_layers=n,
-        paper_layers=paper,
-        ratio=n / paper,
-        peak_bytes_per_device=peak,
-      )
-    )
-  print(
-    f"The paper's Table 1 (largest Transformer, {planner.FormatBytes(memory)}"
-    f' per {device.name}):'
-  )
-  print(f'{"config":>13} {"M":>3} {"predicted":>9} {"paper":>6} {"ratio":>6}')
-  for r in records:
-    print(
-      f'{r["config"]:>13} {r["num_micro_batches"] or "-":>3} '
-      f'{r["predicted_layers"]:>9} {r["paper_layers"]:>6} {r["ratio"]:>6.2f}'
-    )
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(records, f, indent=1)
-    print(f'Wrote {args.json}')
-  return records
-
-
 def ParseArgs(argv):
   # The help ends with the module docstring's examples and notes (all but
-  # its summary and the reason for its length).
-  notes = __doc__.split('\n\n', 2)[2]
+  # its summary).
+  notes = __doc__.split('\n\n', 1)[1]
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     epilog='examples:\n' + notes,
@@ -1011,11 +430,7 @@ def ParseArgs(argv):
     default=60.0,
     help='measure: bound on the per-layer timing.',
   )
-  # bench.* models (tools/benchmark_pipeline.py's flags and defaults).
-  parser.add_argument('--num_blocks', type=int, default=8)
-  parser.add_argument('--dim', type=int, default=256)
-  parser.add_argument('--seq_len', type=int, default=64)
-  parser.add_argument('--batch_size', type=int, default=64)
+  common.AddModelArgs(parser)  # bench.*: benchmark_pipeline's models
   parser.add_argument(
     '--batch_size_override',
     type=int,
@@ -1031,24 +446,23 @@ def ParseArgs(argv):
   return args
 
 
-def main(argv=None):
-  try:
-    args = ParseArgs(sys.argv[1:] if argv is None else argv)
-    if args.device == 'measure':
-      OneThread()
-    if args.paper_table2:
-      PaperTable2(args)
-      return 0
-    if args.paper_table1:
-      PaperTable1(args)
-      return 0
-    if args.validate:
-      Validate(args)
-      return 0
+def _Run(argv):
+  args = ParseArgs(argv)
+  if args.device == 'measure':
+    OneThread()
+  if args.paper_table2:
+    plan_paper.PaperTable2(args)
+  elif args.paper_table1:
+    plan_paper.PaperTable1(args)
+  elif args.validate:
+    plan_validation.Validate(args)
+  else:
     return RunPlan(args)
-  except UserError as e:
-    print(f'plan.py: {e}', file=sys.stderr)
-    return 2
+  return 0
+
+
+def main(argv=None):
+  return common.Main('plan', _Run, argv)
 
 
 if __name__ == '__main__':

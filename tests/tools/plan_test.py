@@ -10,6 +10,8 @@ import pytest
 
 from lingvo_gpipe.planning import planner
 from lingvo_gpipe.tools import plan
+from lingvo_gpipe.tools import plan_paper
+from lingvo_gpipe.tools import plan_validation
 
 _SMALL = ['--num_blocks=4', '--dim=32', '--seq_len=8', '--batch_size=16']
 
@@ -106,7 +108,7 @@ def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
   path = tmp_path / 'bench.json'
   path.write_text(json.dumps(bench))
   out_json = str(tmp_path / 'validation.json')
-  rows = plan.Validate(
+  rows = plan_validation.Validate(
     plan.ParseArgs([f'--validate={path}', '--device=cpu', f'--json={out_json}'])
   )
   assert len(rows) == 3
@@ -130,7 +132,9 @@ def testValidateOnASmallBenchmarkJson(tmp_path, capsys):
   inter = dict(bench['records'][2], schedule='interleaved', num_cells=4)
   bench['records'] += [one_f, inter]
   path.write_text(json.dumps(bench))
-  rows = plan.Validate(plan.ParseArgs([f'--validate={path}', '--device=cpu']))
+  rows = plan_validation.Validate(
+    plan.ParseArgs([f'--validate={path}', '--device=cpu'])
+  )
   assert [r['schedule'] for r in rows] == ['gpipe'] * 3 + [
     '1f1b',
     'interleaved',
@@ -171,7 +175,9 @@ def testCalibrateFitsEachModelOnItsOwnPlainRecord(tmp_path, capsys):
   )
   path = tmp_path / 'bench.json'
   path.write_text(json.dumps(bench))
-  rows = plan.Validate(plan.ParseArgs([f'--validate={path}', '--calibrate']))
+  rows = plan_validation.Validate(
+    plan.ParseArgs([f'--validate={path}', '--calibrate'])
+  )
   assert rows[0]['step_ratio'] == pytest.approx(1.0)
   assert rows[2]['step_ratio'] == pytest.approx(1.0)
   # K=2, M=4 of each model: the bubble and split of its own calibration,
@@ -187,7 +193,7 @@ def testCalibrateFitsEachModelOnItsOwnPlainRecord(tmp_path, capsys):
 @pytest.mark.slow
 def testPaperTable2TransformerRowsAtM32(tmp_path):
   path = str(tmp_path / 't2.json')
-  records = plan.PaperTable2(
+  records = plan_paper.PaperTable2(
     plan.ParseArgs(['--paper_table2', f'--json={path}'])
   )
   with open(path) as f:
@@ -212,10 +218,10 @@ def testPaperTable2TransformerRowsAtM32(tmp_path):
 
 def testPaperTable1LargestTransformerPerK():
   device = plan.device_presets.GetPreset('tpu_v3')
-  for k, paper in plan.PAPER_TABLE1_TRANSFORMER.items():
+  for k, paper in plan_paper.PAPER_TABLE1_TRANSFORMER.items():
     if k > 8:
       continue
-    n, m, peak = plan.LargestTransformer(device, k, 16 * 2**30)
+    n, m, peak = plan_paper.LargestTransformer(device, k, 16 * 2**30)
     assert abs(n / paper - 1) < 0.2, (k, n, paper)
     assert peak <= 16 * 2**30
 
@@ -245,7 +251,7 @@ def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
   default = dict(trial, size=2)
   del default['fixed']
   path.write_text(json.dumps(dict(largest=[], trials=[trial, default])))
-  rows = plan.Validate(plan.ParseArgs([f'--validate={path}']))
+  rows = plan_validation.Validate(plan.ParseArgs([f'--validate={path}']))
   assert len(rows) == 2
   assert rows[1]['predicted_peak_bytes'] != rows[0]['predicted_peak_bytes']
   row = rows[0]
@@ -258,7 +264,7 @@ def testValidateCapacityJsonComparesPeakBytesPerDevice(tmp_path, capsys):
   # The list that tools/max_model_size.py --train_steps writes.
   path.write_text(json.dumps([trial]))
   assert (
-    plan.Validate(plan.ParseArgs([f'--validate={path}']))[0][
+    plan_validation.Validate(plan.ParseArgs([f'--validate={path}']))[0][
       'predicted_peak_bytes'
     ]
     == (row['predicted_peak_bytes'])

@@ -1,8 +1,5 @@
 """Layers of the pipelined multilingual Transformer (GPipe paper, section 5).
 
-Over 500 lines: one flat layer sequence; each layer is short, and the cells'
-cut points need them together.
-
 The model is a FLAT sequence of layers, so that `PipeliningLayer.layers` can
 cut it into cells anywhere (`TransformerMTLayers` builds the list):
 
