@@ -226,15 +226,17 @@ _OOM_SCRIPT = textwrap.dedent("""
       memory = worker_memory.WorkerMemory(c.spec)
       memory.Sample(step=1)
 
+      # Filled (every page written) from an argument, so that no value is
+      # folded into a constant or shared between chunks: fast to write.
       @tf.function
-      def MoreThanTheHostHolds():
+      def MoreThanTheHostHolds(x):
         with tf.device('/job:worker/replica:0/task:1/device:CPU:0'):
-          xs = [tf.random.uniform([chunk // 4], seed=i)
+          xs = [tf.fill([chunk // 4], x + float(i))
                 for i in range(total // chunk + 4)]
           return tf.reduce_sum(tf.concat(xs, 0))
 
       try:
-        MoreThanTheHostHolds()
+        MoreThanTheHostHolds(tf.constant(1.0))
       except tf.errors.OpError as e:
         print('STEP_FAILED', type(e).__name__)
       lost = c.UnreachableWorkers()
