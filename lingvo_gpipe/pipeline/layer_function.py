@@ -73,13 +73,6 @@ def _Sublayers(layer, prefix=()):
   return out
 
 
-def _Find(layer, path):
-  for name, i in path:
-    child = layer.__dict__['_private_children'][name]
-    layer = child if i is None else child[i]
-  return layer
-
-
 def _KindKey(layer):
   """Layers of one kind: one class, the same Params but for the name."""
   p = layer.params.Copy()
