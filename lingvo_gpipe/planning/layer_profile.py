@@ -33,6 +33,9 @@ __all__ = [
   'MeasuredDevice',
   'FormatBytes',
   'InputDuplicateBytes',
+  'LayerSteps',
+  'RandomInputs',
+  'TimeSamples',
 ]
 
 # Op types whose outputs alias their inputs or hold no activation.
@@ -576,17 +579,66 @@ def _Fetch(outputs):
       t.numpy()
 
 
+def TimeSamples(fn, repeats):
+  """Seconds of `repeats` calls of `fn` (after one call that traces and
+  warms up), each waiting for every output."""
+  _Fetch(fn())
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    _Fetch(fn())
+    samples.append(time.perf_counter() - t0)
+  return samples
+
+
 def _TimeFns(fns, repeats):
-  out = []
-  for fn in fns:
-    _Fetch(fn())  # trace, warm up
-    samples = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      _Fetch(fn())
-      samples.append(time.perf_counter() - t0)
-    out.append(statistics.median(samples))
-  return out
+  return [statistics.median(TimeSamples(fn, repeats)) for fn in fns]
+
+
+def RandomInputs(specs):
+  """Random floats (zeros for other dtypes; None stays None) of `specs`."""
+  return tf.nest.map_structure(
+    lambda s: (
+      None
+      if s is None
+      else tf.random.normal(s.shape, dtype=s.dtype)
+      if s.dtype.is_floating
+      else tf.zeros(s.shape, s.dtype)
+    ),
+    specs,
+  )
+
+
+def LayerSteps(layer, xs):
+  """(forward, forward+backward) of `layer` on inputs `xs`, as functions of
+  no arguments: what this module and balancing by measured time
+  (`partition.MeasureLayerTimes`) time. The backward computes the
+  gradients of the weights and of the float inputs, as a cell's does."""
+
+  @tf.function
+  def Fwd():
+    return py_utils.AsTuple(layer.FProp(layer.theta, *xs))
+
+  @tf.function
+  def Step():
+    with tf.GradientTape() as tape:
+      floats = [
+        x for x in tf.nest.flatten(xs) if x is not None and x.dtype.is_floating
+      ]
+      tape.watch(floats)
+      ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
+      total = tf.add_n(
+        [
+          tf.reduce_sum(tf.cast(y, tf.float32))
+          for y in tf.nest.flatten(ys)
+          if y is not None and y.dtype.is_floating
+        ]
+        or [tf.constant(0.0)]
+      )
+    grads = tape.gradient(total, list(layer.trainable_variables) + floats)
+    return [g for g in grads if g is not None] or [total]
+
+  return Fwd, Step
 
 
 def _MeasureLayer(p, in_specs, batch_dim, batches, device, repeats):
@@ -595,44 +647,8 @@ def _MeasureLayer(p, in_specs, batch_dim, batches, device, repeats):
   with tf.device(device), base_layer.DetachedBuild():
     layer = p.Instantiate()
     for b in batches:
-      specs = _WithBatch(in_specs, batch_dim, b)
-      xs = tf.nest.map_structure(
-        lambda s: (
-          None
-          if s is None
-          else tf.random.normal(s.shape, dtype=s.dtype)
-          if s.dtype.is_floating
-          else tf.zeros(s.shape, s.dtype)
-        ),
-        specs,
-      )
-
-      @tf.function
-      def Fwd(xs=xs, layer=layer):
-        return py_utils.AsTuple(layer.FProp(layer.theta, *xs))
-
-      @tf.function
-      def Step(xs=xs, layer=layer):
-        with tf.GradientTape() as tape:
-          floats = [
-            x
-            for x in tf.nest.flatten(xs)
-            if x is not None and x.dtype.is_floating
-          ]
-          tape.watch(floats)
-          ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
-          total = tf.add_n(
-            [
-              tf.reduce_sum(tf.cast(y, tf.float32))
-              for y in tf.nest.flatten(ys)
-              if y is not None and y.dtype.is_floating
-            ]
-            or [tf.constant(0.0)]
-          )
-        grads = tape.gradient(total, list(layer.trainable_variables) + floats)
-        return [g for g in grads if g is not None] or [total]
-
-      result[b] = tuple(_TimeFns([Fwd, Step], repeats))
+      xs = RandomInputs(_WithBatch(in_specs, batch_dim, b))
+      result[b] = tuple(_TimeFns(LayerSteps(layer, xs), repeats))
   return result
 
 

@@ -19,7 +19,6 @@ Costs come from one of:
             the largest device's bytes, which is what limits capacity.
 """
 
-import time
 
 from absl import logging
 import numpy as np
@@ -30,6 +29,7 @@ from lingvo_gpipe.core import meta
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
 from lingvo_gpipe.planning import balance
+from lingvo_gpipe.planning import layer_profile
 
 __all__ = [
   'LayerMetas',
@@ -72,9 +72,10 @@ def MeasureLayerTimes(
 ):
   """Median forward+backward seconds of each layer on `device`.
 
-  Each layer is built, run `repeats` times on random inputs under a
-  `tf.function` and freed before the next one is built, so only one layer's
-  weights exist at a time.
+  Each layer is built, its forward and backward (`layer_profile.LayerSteps`,
+  the planner's measurement) run `repeats` times on random inputs and freed
+  before the next one is built, so only one layer's weights exist at a
+  time. A layer's inputs have the shapes of the previous layer's outputs.
   """
   specs = tuple(meta.ToSpec(s, dtype) for s in input_shapes)
   times = []
@@ -82,43 +83,15 @@ def MeasureLayerTimes(
     p = _Named(p, i)
     with tf.device(device), base_layer.DetachedBuild():
       layer = p.Instantiate()
-      inputs = tf.nest.map_structure(
-        lambda s: (
-          tf.random.normal(s.shape, dtype=s.dtype)
-          if s.dtype.is_floating
-          else tf.zeros(s.shape, s.dtype)
-        ),
-        specs,
+      fwd, step = layer_profile.LayerSteps(
+        layer, layer_profile.RandomInputs(specs)
       )
-
-      @tf.function
-      def Step(xs, layer=layer):
-        with tf.GradientTape() as tape:
-          tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
-          ys = py_utils.AsTuple(layer.FProp(layer.theta, *xs))
-          total = tf.add_n(
-            [
-              tf.reduce_sum(tf.cast(y, tf.float32))
-              for y in tf.nest.flatten(ys)
-              if y.dtype.is_floating
-            ]
-            or [tf.constant(0.0)]
-          )
-        grads = tape.gradient(total, layer.trainable_variables)
-        return ys, [g for g in grads if g is not None]
-
-      ys, _ = Step(inputs)  # trace and warm up
-      samples = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        out = Step(inputs)
-        tf.nest.map_structure(lambda t: t.numpy(), out)
-        samples.append(time.perf_counter() - start)
-    times.append(samples)
+      ys = fwd()
+      times.append(layer_profile.TimeSamples(step, repeats))
     specs = tuple(
       tf.nest.map_structure(lambda y: tf.TensorSpec(y.shape, y.dtype), ys)
     )
-    del layer, Step
+    del layer, fwd, step
   return balance.CostsFromMeasurements(times)
 
 

@@ -30,6 +30,20 @@ def testLayerCostsByParamsAndUniform():
   assert partition.LayerCosts(_LAYERS, 'uniform') == [1.0] * 4
 
 
+def testLayerCostsByMeasuredTimeChainTheShapes():
+  """balance_by='time' runs each layer's forward and backward here, on the
+  previous layer's output shapes: the wide layers cost the most, and the
+  split puts them apart."""
+  wide = [_Proj(256, 1024), _Proj(1024, 256), _Proj(256, 4), _Proj(4, 4)]
+  costs = partition.LayerCosts(wide, 'time', [[256, 256]], '/device:CPU:0')
+  assert len(costs) == 4 and all(c > 0 for c in costs)
+  assert min(costs[:2]) > max(costs[2:])
+  splits = partition.ComputeSplits(
+    wide, 2, balance_by='time', input_shapes=[[256, 256]]
+  )
+  assert splits[-1] == 4 and 1 <= splits[0] <= 2
+
+
 def testLayerCostsByFlopsFollowTheShapes():
   small = partition.LayerCosts(_LAYERS, 'flops', [[2, 4]])
   big = partition.LayerCosts(_LAYERS, 'flops', [[8, 4]])
