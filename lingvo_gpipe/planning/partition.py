@@ -19,7 +19,6 @@ Costs come from one of:
             the largest device's bytes, which is what limits capacity.
 """
 
-
 from absl import logging
 import numpy as np
 import tensorflow as tf
