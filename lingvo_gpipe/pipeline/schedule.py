@@ -208,7 +208,7 @@ def Times(sequences, num_cells, duration, transfer=None):
   return out
 
 
-def _Simulate(num_cells, num_devices, sequences):
+def _Clocks(num_cells, sequences):
   """[WorkItem] with clocks, from per-device [(kind, cell, micro_batch)]
   orders: `Times` with each pass one clock, sorted by clock (then device)."""
   seqs = [[WorkItem(0, k, m, kind) for kind, k, m in s] for s in sequences]
@@ -236,7 +236,7 @@ def OneFOneB(num_cells, num_micro_batches):
       for m in range(num_micro_batches - warm, num_micro_batches)
     ]
     seqs.append(seq)
-  return _Simulate(num_cells, num_cells, seqs)
+  return _Clocks(num_cells, seqs)
 
 
 def _CheckInterleaved(num_cells, num_devices):
@@ -267,7 +267,7 @@ def Interleaved(num_cells, num_micro_batches, num_devices):
       group = range(g, min(g + d_count, num_micro_batches))
       seq += [(FORWARD, k, m) for k in cells for m in group]
     seqs.append(seq)
-  fwd = _Simulate(num_cells, d_count, seqs)
+  fwd = _Clocks(num_cells, seqs)
   n = fwd[-1].clock + 1
   bwd = sorted(
     (

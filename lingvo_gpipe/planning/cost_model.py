@@ -233,7 +233,8 @@ def _DeviceBreakdown(cells, held, recompute, m, optimizer_slots, compiled):
   cell holds through the step adds up (weights, gradients, slots, stored
   inputs, and without re-materialization its activations); what one cell's
   pass holds at a time (a recomputed cell's activations, the backward's
-  temporaries, the update's) is the largest of the cells'."""
+  temporaries, a compiled cell's gradients, the update's) is the largest of
+  the cells'."""
   parts = [
     MemoryBreakdown(c, m, r, optimizer_slots, compiled, held=h)
     for c, h, r in zip(cells, held, recompute)
@@ -241,9 +242,11 @@ def _DeviceBreakdown(cells, held, recompute, m, optimizer_slots, compiled):
   out = {}
   for key in parts[0].keys() | {k for p in parts for k in p}:
     values = [p.get(key, 0) for p in parts]
-    one_at_a_time = key in ('backward_temporaries', 'update_temporaries') or (
-      key == 'activations' and all(recompute)
-    )
+    one_at_a_time = key in (
+      'backward_temporaries',
+      'compiled_gradients',
+      'update_temporaries',
+    ) or (key == 'activations' and all(recompute))
     out[key] = max(values) if one_at_a_time else sum(values)
   return out
 

@@ -8,11 +8,10 @@ number of ops, all read from the layer's abstractly traced `FProp` graph
 times of this host; `MeasureLink` the transfer bandwidth between two local
 TensorFlow server workers. For every candidate (R replicas, K cells, M
 micro-batches, GPipe's fill-drain, the 1F1B or the interleaved schedule (K
-cells on K/v devices, v = 2..4), recompute on or off,
-cells balanced by time or by memory), `Plan` groups the layers into
-`cost_model.CellCost`s and simulates the schedule (`cost_model.Simulate`):
-predicted step time, peak
-memory per device, bubble and bytes sent. Candidates are ranked by step
+cells on K/v devices, v = 2..4), recompute on or off, cells balanced by
+time or by memory), `Plan` groups the layers into `cost_model.CellCost`s
+and simulates the schedule (`cost_model.Simulate`): predicted step time,
+peak memory per device, bubble and bytes sent. Candidates are ranked by step
 time; the others are rejected with a reason: does not fit (and what
 dominates memory), bubble-bound or transfer-bound.
 
@@ -150,6 +149,7 @@ class Candidate:
     d = dataclasses.asdict(self)
     d.pop('events')
     d['max_peak_bytes'] = self.max_peak_bytes
+    d['num_devices'] = self.num_devices
     d['dominant_memory'] = self.Dominant()[0]
     return d
 
