@@ -703,3 +703,25 @@ def testRestoreNamesAWorkerLostWhileReading(tmp_path):
   cluster.looks = 5
   with pytest.raises(trainer.UserError, match='during the restore of the'):
     trainer_errors.Restore(_LostOnRestore(), str(tmp_path), cluster)
+
+
+def testTrainerRunsAreForkedFromAWarmTrainer(tmp_path):
+  """The tests' trainer runs fork from one warm trainer process (the same
+  binary and flags, its own pid and exit status, without importing
+  TensorFlow again), unless LINGVO_GPIPE_TEST_FORK=0."""
+  if os.environ.get('LINGVO_GPIPE_TEST_FORK', '1') == '0':
+    pytest.skip('LINGVO_GPIPE_TEST_FORK=0: runs start fresh processes.')
+  proc = trainer_process.Proc(
+    tmp_path / 'log.txt', f'--logdir={tmp_path / "logdir"}', '--max_steps=1'
+  )
+  try:
+    with open(f'/proc/{proc.proc.pid}/stat') as f:
+      parent = int(f.read().rsplit(')', 1)[1].split()[1])
+    assert parent == trainer_process._Server._proc.pid  # pylint: disable=protected-access
+    assert proc.proc.wait(timeout=60) == 0, proc.Log()[-3000:]
+  finally:
+    proc.Close()
+  res = trainer_process.Run('--mode=inspect_params', model='image.nope')
+  assert res.returncode == 1 and "No model registered under 'image.nope'" in (
+    res.stderr
+  )

@@ -2,12 +2,28 @@
 
 Each run is bounded by a timeout; `Proc` runs one in the background and is
 always killed on `Close()`.
+
+A run is forked from a warm trainer (`trainer_forkserver.py`, one per test
+process, started at the first run) instead of starting Python and
+TensorFlow anew: the same binary, arguments, environment and working
+directory, its own process, pid, signals and exit status, in a fraction of
+the time. Runs that need TensorFlow's native warnings (read when TensorFlow
+is imported), or any run when LINGVO_GPIPE_TEST_FORK=0, start a fresh
+process.
 """
 
+import atexit
+import json
 import os
 import pathlib
+import select
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from lingvo_gpipe.runners import checkpointer
@@ -43,15 +59,136 @@ def Env(native_warnings=False):
   return env
 
 
+class _Server:
+  """The test process's fork server (started once; None if it cannot)."""
+
+  _lock = threading.Lock()
+  _path = None
+  _proc = None
+
+  @classmethod
+  def Path(cls):
+    if os.environ.get('LINGVO_GPIPE_TEST_FORK', '1') == '0':
+      return None
+    with cls._lock:
+      if cls._proc is None:
+        tmp = tempfile.mkdtemp(prefix='trainer_fork_')
+        cls._path = os.path.join(tmp, 'socket')
+        cls._proc = subprocess.Popen(
+          [sys.executable, '-m', 'tests.testing.trainer_forkserver', cls._path],
+          cwd=REPO,
+          env=Env(),
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.DEVNULL,
+        )
+        atexit.register(cls._proc.kill)
+        atexit.register(shutil.rmtree, tmp, True)
+        deadline = time.time() + TIMEOUT
+        while not os.path.exists(cls._path):
+          if cls._proc.poll() is not None or time.time() > deadline:
+            cls._proc.kill()
+            cls._path = None
+            break
+          time.sleep(0.05)
+      return cls._path
+
+
+class _Forked:
+  """The `subprocess.Popen` surface the tests use, for a forked run."""
+
+  def __init__(self, argv, stdout_fd, stderr_fd, path):
+    self.args = argv
+    self.returncode = None
+    self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    self._conn.connect(path)
+    request = dict(argv=argv[3:], env=Env(), cwd=str(REPO))
+    socket.send_fds(
+      self._conn, [json.dumps(request).encode()], [stdout_fd, stderr_fd]
+    )
+    self._pending = b''
+    self.pid = int(self._Line(TIMEOUT))
+
+  def _Line(self, timeout):
+    deadline = None if timeout is None else time.time() + timeout
+    while b'\n' not in self._pending:
+      left = None if deadline is None else max(0.0, deadline - time.time())
+      if not select.select([self._conn], [], [], left)[0]:
+        raise subprocess.TimeoutExpired(self.args, timeout)
+      chunk = self._conn.recv(64)
+      if not chunk:
+        raise RuntimeError('The trainer fork server is gone.')
+      self._pending += chunk
+    line, self._pending = self._pending.split(b'\n', 1)
+    return line.decode()
+
+  def poll(self):
+    if self.returncode is None:
+      try:
+        self.returncode = int(self._Line(0))
+        self._conn.close()
+      except subprocess.TimeoutExpired:
+        pass
+    return self.returncode
+
+  def wait(self, timeout=None):
+    if self.returncode is None:
+      self.returncode = int(self._Line(timeout))
+      self._conn.close()
+    return self.returncode
+
+  def send_signal(self, sig):
+    if self.poll() is None:
+      os.kill(self.pid, sig)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+
+  def terminate(self):
+    self.send_signal(signal.SIGTERM)
+
+
+def _Start(argv, stdout_fd, stderr_fd, native_warnings=False):
+  """A forked run when the fork server serves, else None."""
+  path = None if native_warnings else _Server.Path()
+  if path is None:
+    return None
+  return _Forked(argv, stdout_fd, stderr_fd, path)
+
+
+def _Read(fd, out, key):
+  with os.fdopen(fd, 'rb') as f:
+    out[key] = f.read().decode(errors='replace')
+
+
 def Run(*args, model=MODEL, timeout=TIMEOUT):
-  return subprocess.run(
-    Cmd(*args, model=model),
-    cwd=REPO,
-    env=Env(),
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
+  argv = Cmd(*args, model=model)
+  if _Server.Path() is None:
+    return subprocess.run(
+      argv, cwd=REPO, env=Env(), capture_output=True, text=True, timeout=timeout
+    )
+  (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+  try:
+    proc = _Start(argv, out_w, err_w)
+  finally:
+    os.close(out_w)
+    os.close(err_w)
+  got = {}
+  readers = [
+    threading.Thread(target=_Read, args=(out_r, got, 'out')),
+    threading.Thread(target=_Read, args=(err_r, got, 'err')),
+  ]
+  for r in readers:
+    r.start()
+  try:
+    code = proc.wait(timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait(30)
+    raise
+  finally:
+    for r in readers:
+      r.join()
+  return subprocess.CompletedProcess(argv, code, got['out'], got['err'])
 
 
 class Proc:
@@ -60,8 +197,10 @@ class Proc:
   def __init__(self, log_path, *args, native_warnings=False):
     self.log_path = log_path
     self._log = open(log_path, 'w')
-    self.proc = subprocess.Popen(
-      Cmd(*args),
+    argv = Cmd(*args)
+    fd = self._log.fileno()
+    self.proc = _Start(argv, fd, fd, native_warnings) or subprocess.Popen(
+      argv,
       cwd=REPO,
       env=Env(native_warnings),
       stdout=self._log,
