@@ -164,7 +164,8 @@ def Times(sequences, num_cells, duration, transfer=None):
       cell's input gradient for a backward); None: 0.
 
   Returns:
-    [(device, item, start, end)] in the order they were computed.
+    [(device, item, start, end, arrive)] in the order they were computed;
+    `arrive`: when the last of the item's inputs was there (0 for none).
 
   Raises:
     ValueError: if the orders deadlock (an item waits on one that its own
@@ -189,14 +190,15 @@ def Times(sequences, num_cells, duration, transfer=None):
             needs.append((BACKWARD, k + 1, m))
         if not all(n in ends for n in needs):
           break
-        start = free[d]
+        arrive = 0.0
         for n in needs:  # An input from another cell arrives over a link.
-          arrive = ends[n] + (transfer(w) if transfer and n[1] != k else 0)
-          start = max(start, arrive)
+          link = transfer(w) if transfer and n[1] != k else 0
+          arrive = max(arrive, ends[n] + link)
+        start = max(free[d], arrive)
         end = start + duration(w)
         free[d] = end
         ends[(w.kind, k, m)] = end
-        out.append((d, w, start, end))
+        out.append((d, w, start, end, arrive))
         pos[d] += 1
         progressed = True
     if not progressed:
@@ -215,7 +217,7 @@ def _Clocks(num_cells, sequences):
   timed = Times(seqs, num_cells, lambda w: 1)
   return [
     w._replace(clock=int(start))
-    for _, w, start, _ in sorted(timed, key=lambda x: (x[2], x[0]))
+    for _, w, start, _, _ in sorted(timed, key=lambda x: (x[2], x[0]))
   ]
 
 

@@ -155,12 +155,19 @@ def MemoryBreakdown(
     out['received_gradients'] = int(received_bytes)
   if cell.max_var_bytes:
     out['update_temporaries'] = cell.max_var_bytes * (optimizer_slots + 1)
-  if allocator_overhead and recompute and m > 1:
-    held = out['weights'] + out['optimizer_slots']
-    out['allocator_rounding'] = int(
-      allocator_overhead * (PeakOfBreakdown(out) - held)
-    )
+  if recompute and m > 1:
+    _AddRounding(out, allocator_overhead)
   return out
+
+
+def _AddRounding(parts, allocator_overhead):
+  """Adds 'allocator_rounding' to `parts` (see `MemoryBreakdown`): the
+  overhead's share of the peak but the weights and slots."""
+  if allocator_overhead:
+    kept = parts['weights'] + parts['optimizer_slots']
+    parts['allocator_rounding'] = int(
+      allocator_overhead * (PeakOfBreakdown(parts) - kept)
+    )
 
 
 _HELD = ('weights', 'gradients', 'optimizer_slots')
@@ -240,7 +247,7 @@ def _DeviceBreakdown(cells, held, recompute, m, optimizer_slots, compiled):
     for c, h, r in zip(cells, held, recompute)
   ]
   out = {}
-  for key in parts[0].keys() | {k for p in parts for k in p}:
+  for key in dict.fromkeys(k for p in parts for k in p):  # in a fixed order
     values = [p.get(key, 0) for p in parts]
     one_at_a_time = key in (
       'backward_temporaries',
@@ -339,7 +346,6 @@ def Simulate(
   )
   order = {(w.kind, w.cell, w.micro_batch): i for i, w in enumerate(work)}
   timed.sort(key=lambda x: order[(x[1].kind, x[1].cell, x[1].micro_batch)])
-  ends = {(w.kind, w.cell, w.micro_batch): e + start_s for _, w, _, e in timed}
   busy = [0.0] * d_count
   sent = [0] * d_count
   last = [float(start_s)] * d_count
@@ -350,8 +356,8 @@ def Simulate(
   started = [{} for _ in range(d_count)]
   ended = [{} for _ in range(d_count)]
   sizes = [{} for _ in range(d_count)]
-  for d, w, start, end in timed:
-    start, end = start + start_s, end + start_s
+  for d, w, start, end, arrive in timed:
+    start, end, arrive = start + start_s, end + start_s, arrive + start_s
     busy[d] += end - start
     last[d] = max(last[d], end)
     events.append((w.kind, w.cell, w.micro_batch, start, end))
@@ -364,8 +370,9 @@ def Simulate(
     started[d][key] = start
     ended[d][key] = end
     if w.cell < k_cells - 1:
-      upstream = ends[(schedule.BACKWARD, w.cell + 1, w.micro_batch)]
-      arrived[d][key] = upstream + Transfer(w)
+      # Its last input: the next cell's gradient (its own forward ended
+      # before that cell's forward began).
+      arrived[d][key] = arrive
       sizes[d][key] = cells[w.cell].out_bytes
   step = max(last) + end_s
   memory = []
@@ -399,11 +406,8 @@ def Simulate(
       )
       if received:
         parts['received_gradients'] = int(received)
-      if spec.allocator_overhead and all(per_cell[k] for k in mine) and m > 1:
-        kept = parts['weights'] + parts['optimizer_slots']
-        parts['allocator_rounding'] = int(
-          spec.allocator_overhead * (PeakOfBreakdown(parts) - kept)
-        )
+      if all(per_cell[k] for k in mine) and m > 1:
+        _AddRounding(parts, spec.allocator_overhead)
     memory.append(parts)
   return SimResult(
     step_s=step,
