@@ -16,8 +16,7 @@ import sys
 import time
 
 from lingvo_gpipe.tools import common
-
-MIB = 2**20
+from lingvo_gpipe.tools.common import MIB
 
 FAMILIES = {
   'transformer': dict(

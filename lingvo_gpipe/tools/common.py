@@ -13,7 +13,12 @@ driver that runs its measurements in child processes stays small.
 
 import sys
 
+MIB = 2**20
+GIB = 2**30
+
 __all__ = [
+  'GIB',
+  'MIB',
   'UserError',
   'Main',
   'FormatTable',

@@ -58,8 +58,8 @@ import time
 from lingvo_gpipe.core import quiet_start
 from lingvo_gpipe.tools import capacity_trial
 from lingvo_gpipe.tools import common
+from lingvo_gpipe.tools.common import MIB
 
-MIB = 2**20
 # The families the search grows (capacity_trial.py builds and trains them).
 FAMILIES = capacity_trial.FAMILIES
 FixedSettings = capacity_trial.FixedSettings

@@ -47,8 +47,6 @@ from lingvo_gpipe.tools.common import GetDevice  # pylint: disable=g-import-not-
 from lingvo_gpipe.tools.common import OneThread  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.tools.common import ParseBytes  # pylint: disable=g-import-not-at-top
 
-GIB = 2**30
-
 
 UserError = common.UserError
 

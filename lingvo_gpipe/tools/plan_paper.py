@@ -9,9 +9,8 @@ import json
 from lingvo_gpipe.planning import cost_model
 from lingvo_gpipe.planning import device_presets
 from lingvo_gpipe.planning import planner
+from lingvo_gpipe.tools.common import GIB
 from lingvo_gpipe.tools.common import ParseBytes
-
-GIB = 2**30
 
 # The paper's Table 2 (throughput normalized to K=2, M=1) and Table 1
 # (the largest Transformer per K: layers, with 16 GB per TPU core).

@@ -13,11 +13,10 @@ from lingvo_gpipe.planning import device_presets
 from lingvo_gpipe.planning import planner
 from lingvo_gpipe.tools import common
 from lingvo_gpipe.tools import max_model_size
+from lingvo_gpipe.tools.common import GIB
 from lingvo_gpipe.tools.common import GetDevice
 from lingvo_gpipe.tools.common import ParseBytes
 from lingvo_gpipe.tools.common import UserError
-
-GIB = 2**30
 
 
 def Validate(args):
