@@ -11,8 +11,8 @@ import json
 from lingvo_gpipe.planning import cost_model
 from lingvo_gpipe.planning import device_presets
 from lingvo_gpipe.planning import planner
+from lingvo_gpipe.tools import capacity_trial
 from lingvo_gpipe.tools import common
-from lingvo_gpipe.tools import max_model_size
 from lingvo_gpipe.tools.common import GIB
 from lingvo_gpipe.tools.common import GetDevice
 from lingvo_gpipe.tools.common import ParseBytes
@@ -196,7 +196,7 @@ def ValidateCapacity(data, args):
       continue
     if 'fixed' not in trial:  # older records: the tool's default sizes
       if families is None:
-        families = max_model_size.FAMILIES
+        families = capacity_trial.FAMILIES
       trial = dict(trial, fixed=families[trial['family']]['fixed'])
     layers, shapes = CapacityModel(trial)
     profile = planner.ProfileLayers(layers, shapes, name=trial['family'])
