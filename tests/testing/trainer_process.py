@@ -162,13 +162,14 @@ def _Read(fd, out, key):
 
 def Run(*args, model=MODEL, timeout=TIMEOUT):
   argv = Cmd(*args, model=model)
-  if _Server.Path() is None:
+  path = _Server.Path()
+  if path is None:
     return subprocess.run(
       argv, cwd=REPO, env=Env(), capture_output=True, text=True, timeout=timeout
     )
   (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
   try:
-    proc = _Start(argv, out_w, err_w)
+    proc = _Forked(argv, out_w, err_w, path)
   finally:
     os.close(out_w)
     os.close(err_w)
