@@ -95,6 +95,22 @@ def _CallOp(f, tensors):
   return _tf_internal.CallFunction(_Concrete(f, tensors), tensors)
 
 
+def _CallTensors(layout, weights):
+  """What a call of a cell's function takes: the layout's tensors, the
+  cell's weights as their lists where they are packed."""
+  if weights is None:
+    return list(layout.tensors)
+  return list(weights.lists) + list(layout.tensors[weights.count :])
+
+
+def _Unpacked(weights, tensors):
+  """Inside a function: the layout's tensors from the call's."""
+  if weights is None:
+    return list(tensors)
+  n = len(weights.lists)
+  return weights.Unpack(tensors[:n]) + list(tensors[n:])
+
+
 class _Function:
   """One traced function and what its trace recorded."""
 
@@ -154,6 +170,11 @@ class CellFunctions:
       return True
     return _tf_internal.InXlaContext()
 
+  def PacksWeights(self):
+    """Whether calls take weights packed (`cell_layout.PackedWeights`)
+    where they come so: not compiled cells (XLA takes no lists)."""
+    return not self._jit
+
   # -- What the engine calls ---------------------------------------------------
 
   def Forward(self, k, theta_k, args, seed, loss=None, after=None, taped=False):
@@ -168,7 +189,7 @@ class CellFunctions:
       updates, e.g. batch-norm statistics).
     """
     is_eval = py_utils.IsEval()
-    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
     if self.Inline():
       collector = py_utils.UpdateCollector()
@@ -179,9 +200,11 @@ class CellFunctions:
     # A call that a tape records is differentiated through its body, where
     # the layers then run inline.
     taped = taped or _tf_internal.ShouldRecordBackprop(layout.tensors)
-    f = self._Forward(k, layout, is_eval, loss_fn, taped)
+    if taped:
+      weights = None
+    f = self._Forward(k, layout, is_eval, loss_fn, taped, weights)
     self._Check(k, f, layout.tensors, ('forward', k, is_eval))
-    flat = list(self._Call(f, layout.tensors, after))
+    flat = list(self._Call(f, _CallTensors(layout, weights), after))
     if self._jit:
       flat = _Anchored(flat)
     # None outputs (Lingvo's layers pass some on) are not returned by calls.
@@ -206,12 +229,12 @@ class CellFunctions:
     """The `tf.TensorSpec`s of the flat results of cell k's forward call on
     these arguments (its outputs but None, the loss, the updates'
     statistics), from the function's trace (nothing runs)."""
-    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
     is_eval = py_utils.IsEval()
-    f = self._Forward(k, layout, is_eval, loss_fn, False)
+    f = self._Forward(k, layout, is_eval, loss_fn, False, weights)
     self._Check(k, f, layout.tensors, ('forward', k, is_eval))
-    concrete = _Concrete(f, layout.tensors)
+    concrete = _Concrete(f, _CallTensors(layout, weights))
     return [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
 
   def ForwardTemplate(self, k, theta_k, args, seed, loss=None):
@@ -219,9 +242,9 @@ class CellFunctions:
     k's traced forward on these arguments: the structures its flat results
     unflatten into (the leaves are the trace's tensors). After
     `ForwardSpecs`."""
-    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
-    f = self._Forward(k, layout, py_utils.IsEval(), loss_fn, False)
+    f = self._Forward(k, layout, py_utils.IsEval(), loss_fn, False, weights)
     return f.meta['out'], loss is not None, list(f.meta['updates'])
 
   def Backward(
@@ -247,7 +270,7 @@ class CellFunctions:
       inputs' gradients, flat like args), None where there is none.
     """
     is_eval = py_utils.IsEval()
-    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
     present = tuple(dy is not None and cell_layout.IsFloat(dy) for dy in dys)
     sources = layout.Sources(input_grad)
@@ -259,7 +282,9 @@ class CellFunctions:
     elif not any(present):
       grads = [None] * len(sources)
     else:
-      f = self._Backward(k, layout, is_eval, present, input_grad, loss_fn)
+      f = self._Backward(
+        k, layout, is_eval, present, input_grad, loss_fn, weights=weights
+      )
       # The device's first backward adds to zeros: one function for every
       # micro-batch (0 + g is g). The zeros are made once the output
       # gradient is there: made at the start of the step, they would hold a
@@ -271,7 +296,7 @@ class CellFunctions:
           else cell_layout.Dense(sums[i])
           for i, p in layout.theta_floats
         ]
-      call_inputs = layout.tensors + given + running
+      call_inputs = _CallTensors(layout, weights) + given + running
       self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
       got = list(self._Call(f, call_inputs, after))
       if self._jit:
@@ -292,14 +317,21 @@ class CellFunctions:
       where there is none; [whether each float weight had a gradient]).
     """
     is_eval = py_utils.IsEval()
-    layout = cell_layout.Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
     present = tuple(dy is not None and cell_layout.IsFloat(dy) for dy in dys)
     given = [dy for dy, p in zip(dys, present) if p]
     f = self._Backward(
-      k, layout, is_eval, present, input_grad, loss_fn, packed=True
+      k,
+      layout,
+      is_eval,
+      present,
+      input_grad,
+      loss_fn,
+      packed=True,
+      weights=weights,
     )
-    call_inputs = layout.tensors + given + list(packed)
+    call_inputs = _CallTensors(layout, weights) + given + list(packed)
     self._Check(k, f, call_inputs, ('backward',) + f.meta['key'])
     got = list(self._Call(f, call_inputs, after))
     if self._jit:
@@ -336,6 +368,17 @@ class CellFunctions:
     for i, t in zip(pairs, added):
       out[i] = t
     return out
+
+  def _Layout(self, theta_k, args, seed, loss):
+    """(the `cell_layout.Layout`, the `PackedWeights` the calls pass or
+    None): weights come packed from the clock loops; they are passed
+    flat where cells run inline or are compiled (XLA takes no lists)."""
+    weights = None
+    if isinstance(theta_k, cell_layout.PackedWeights):
+      weights, theta_k = theta_k, theta_k.theta
+      if not self.PacksWeights() or self.Inline() or tf.executing_eagerly():
+        weights = None
+    return cell_layout.Layout(theta_k, args, seed, loss), weights
 
   def _Call(self, f, tensors, after):
     deps = [t for t in tf.nest.flatten(after) if py_utils.IsTensor(t)]
@@ -487,8 +530,9 @@ class CellFunctions:
     f.fn = self._Wrap(Sum)
     return f
 
-  def _Forward(self, k, layout, is_eval, loss_fn, taped):
+  def _Forward(self, k, layout, is_eval, loss_fn, taped, weights=None):
     key = ('forward', k, is_eval, layout.key, loss_fn, taped)
+    key += (None if weights is None else weights.key,)
 
     def Make():
       f = _Function()
@@ -496,6 +540,7 @@ class CellFunctions:
 
       def Forward(*tensors):
         self._traces.Count(f, k, 'forward', key, tensors)
+        tensors = _Unpacked(weights, tensors)
         collector = py_utils.UpdateCollector()
         out, loss = self._Run(
           k,
@@ -529,6 +574,7 @@ class CellFunctions:
     f.meta['present'] = [g is not None for g in theta_g]
     f.meta['present_x'] = [g is not None for g in x_g]
     sums = []
+    flat = tf.constant([-1])  # One shape for every reshape, not one each.
     for (_, js), s in zip(layout.Groups(), running):
       parts = []
       for j in js:
@@ -538,13 +584,21 @@ class CellFunctions:
           # would be folded into a constant held as long as the function.
           w = inputs[layout.theta_floats[j][1]]
           g = tf.math.multiply_no_nan(w, tf.zeros([], w.dtype))
-        parts.append(tf.reshape(g, [-1]))
+        parts.append(tf.reshape(g, flat))
       # Element by element the same sums as one add per weight.
       sums.append(s + (parts[0] if len(parts) == 1 else tf.concat(parts, 0)))
     return sums + [g for g in x_g if g is not None]
 
   def _Backward(
-    self, k, layout, is_eval, present, input_grad, loss_fn, packed=False
+    self,
+    k,
+    layout,
+    is_eval,
+    present,
+    input_grad,
+    loss_fn,
+    packed=False,
+    weights=None,
   ):
     """The recompute-and-backward of cell k: takes the inputs, the output
     gradients marked in `present` and the running sum of each float
@@ -553,18 +607,20 @@ class CellFunctions:
 
     `packed`: the running sums are one flat tensor per dtype of the weights
     (`Layout.Groups`), and so are the new sums (zeros added for a weight
-    without a gradient)."""
+    without a gradient). `weights`: the call passes the cell's weights as
+    these `cell_layout.PackedWeights`' lists."""
     key = (k, is_eval, layout.key, present, input_grad, loss_fn, packed)
+    key += (None if weights is None else weights.key,)
 
     def Make():
       f = _Function()
       f.meta['key'] = key
       sources = layout.Sources(input_grad)
-      n_in, n_dy = len(layout.tensors), sum(present)
+      n_in, n_dy = len(_CallTensors(layout, weights)), sum(present)
 
       def Backward(*tensors):
         self._traces.Count(f, k, 'backward', ('backward',) + key, tensors)
-        inputs = list(tensors[:n_in])
+        inputs = _Unpacked(weights, tensors[:n_in])
         grads = self._Differentiate(
           k,
           layout,

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import py_utils
 
-__all__ = ['Loss', 'Layout', 'IsFloat', 'Dense']
+__all__ = ['Loss', 'Layout', 'PackedWeights', 'IsFloat', 'Dense']
 
 
 def IsFloat(t):
@@ -92,3 +92,72 @@ class Layout:
     after the other) and, with `input_grad`, the float inputs (index into
     the flattened inputs)."""
     return self.theta_floats + (self.arg_floats if input_grad else [])
+
+
+class PackedWeights:
+  """A cell's weights as one TensorList per dtype, to pass a loop of calls.
+
+  A `tf.while_loop` and a `tf.cond` pass each tensor they take on through
+  a few ops of their own (lowered: Enter, Merge, Switch, NextIteration,
+  Exit, and an Identity per inlined branch argument), so a cell of
+  hundreds of weights called inside the clock loops cost the step's graph
+  about 25 ops per weight, and TensorFlow's graph passes walk them all
+  before the first step. Packed, the weights cross the loops and the
+  conds as one tensor per dtype, and the cell's function unpacks them.
+  A list holds its tensors, not copies of them.
+
+  Attributes:
+    theta: the weights (the structure the layout is built from).
+    lists: [one DT_VARIANT list per dtype], made where this is built.
+    key: what a function that unpacks them is traced for.
+  """
+
+  def __init__(self, theta_k):
+    self.theta = theta_k
+    flat = [t for t in tf.nest.flatten(theta_k) if py_utils.IsTensor(t)]
+    self.count = len(flat)
+    groups = {}
+    for i, t in enumerate(flat):
+      groups.setdefault(t.dtype.base_dtype, []).append(i)
+    self._groups = list(groups.items())
+    self._shapes = [t.shape for t in flat]
+    self.key = tuple(
+      (dtype.name, tuple(tuple(self._shapes[i].as_list()) for i in idx))
+      for dtype, idx in self._groups
+    )
+    self.lists = []
+    for dtype, idx in self._groups:
+      packed = tf.raw_ops.EmptyTensorList(
+        element_shape=tf.constant(-1),
+        max_num_elements=len(idx),
+        element_dtype=dtype,
+      )
+      for i in idx:
+        packed = tf.raw_ops.TensorListPushBack(
+          input_handle=packed, tensor=tf.convert_to_tensor(flat[i])
+        )
+      self.lists.append(packed)
+
+  def Unpack(self, lists):
+    """The weights' tensors, flat, from `lists` (inside a function)."""
+    flat = [None] * self.count
+    # Two ops for all the indices and one constant per distinct shape: a
+    # constant of each per weight would be 2 more ops per weight to build.
+    # (The shapes must be known to the graph optimizer, whose rewrites,
+    # e.g. fusing a matmul with its bias, depend on them.)
+    shapes = {}
+    for (dtype, idx), packed in zip(self._groups, lists):
+      positions = tf.unstack(tf.range(len(idx)), num=len(idx))
+      for j, i in enumerate(idx):
+        dims = tuple(self._shapes[i].as_list())
+        if dims not in shapes:
+          shapes[dims] = tf.constant(dims, tf.int32, shape=[len(dims)])
+        t = tf.raw_ops.TensorListGetItem(
+          input_handle=packed,
+          index=positions[j],
+          element_shape=shapes[dims],
+          element_dtype=dtype,
+        )
+        t.set_shape(self._shapes[i])
+        flat[i] = t
+    return flat

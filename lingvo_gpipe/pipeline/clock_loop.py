@@ -130,6 +130,54 @@ class Stacked:
     )
 
 
+class _PackedStats:
+  """A cell's statistics (batch norm's, one set per micro-batch) as the
+  forward loop carries them: one flat tensor per dtype.
+
+  Each tensor a loop carries costs it a list, a loop variable and a cond
+  output, each a few ops per tick; AmoebaNet's cells hold hundreds of
+  statistics. Packing and unpacking only move the values (the same bits).
+
+  Args:
+    specs: the `tf.TensorSpec`s of the statistics, flat.
+  """
+
+  def __init__(self, specs):
+    self._shapes = [s.shape for s in specs]
+    groups = {}
+    for i, spec in enumerate(specs):
+      groups.setdefault(spec.dtype, []).append(i)
+    self._groups = list(groups.items())
+    self._sizes = [s.num_elements() for s in self._shapes]
+    # The packed tensors' specs: what the loop carries.
+    self.specs = [
+      tf.TensorSpec([sum(self._sizes[i] for i in idx)], dtype)
+      for dtype, idx in self._groups
+    ]
+
+  def Pack(self, flat):
+    """[one flat tensor per dtype] of the statistics `flat`."""
+    if not self._groups:
+      return []
+    shape = tf.constant([-1])
+    packed = []
+    for _, idx in self._groups:
+      parts = [tf.reshape(flat[i], shape) for i in idx]
+      packed.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
+    return packed
+
+  def Unpack(self, stacked, num_mb):
+    """[statistic] of shape [M] + its shape, from `stacked`: [packed tensor
+    of shape [M, size]], one per dtype."""
+    flat = [None] * len(self._shapes)
+    for (_, idx), t in zip(self._groups, stacked):
+      sizes = [self._sizes[i] for i in idx]
+      parts = tf.split(t, sizes, axis=1) if len(idx) > 1 else [t]
+      for i, part in zip(idx, parts):
+        flat[i] = tf.reshape(part, [num_mb] + self._shapes[i].as_list())
+    return flat
+
+
 class _Run:
   """What the forward loop leaves for the backward loop and the caller.
 
@@ -142,7 +190,11 @@ class _Run:
     lists: {(r, k): [TensorList] of cell k's flat results, one per tick}.
     templates: {(r, k): (outputs, has loss, [(layer, stats)])}: how a flat
       result of cell k unflattens.
+    stats: {(r, k): the `_PackedStats` of cell k's statistics}: a flat
+      result is the outputs, the loss, then the packed statistics.
     seeds: {(r, k): [M] seeds of cell k's micro-batches, on its device}.
+    weights: {(r, k): cell k's weights as its calls take them (packed
+      into lists, `_Pack`)}.
     outs: the last cell's outputs for the whole mini-batch.
     raws: [micro-batch j] the last cell's outputs (with a loss).
     losses: [micro-batch j] the losses, or None.
@@ -247,28 +299,38 @@ class ClockLoops:
         )
         run.loss_inputs = [Stacked(p, num_mb, self._batch_dim) for p in parts]
     run.seeds = self._Seeds(seed, num_r, num_mb)
+    run.weights = {}
+    for r in range(num_r):
+      for k in range(num_k):
+        with self._Device(k, r):
+          run.weights[(r, k)] = self._Pack(thetas[r][k])
 
     # The first tick's arguments: from them each cell's function is traced
     # (the shapes of its results) and the loop's state starts as zeros.
     order = [(r, k) for k in range(num_k) for r in range(num_r)]
-    init, run.templates = {}, {}
+    init, run.templates, run.stats = {}, {}, {}
     zero = tf.constant(0)
     for r, k in order:
       with self._Device(k, r):
         if k == 0:
           x = run.inputs[r].At(zero)
         else:
-          x = self._Unflatten(run, r, k - 1, init[(r, k - 1)])[0]
+          x = self._Outputs(run, r, k - 1, init[(r, k - 1)])
         loss = self._Loss(run, r, k, zero)
         seed_m = run.seeds[(r, k)][0]
-        specs = self._cells.ForwardSpecs(k, thetas[r][k], x, seed_m, loss)
+        specs = self._cells.ForwardSpecs(
+          k, run.weights[(r, k)], x, seed_m, loss
+        )
         if not all(s.shape.is_fully_defined() for s in specs):
           return None  # The loop's state needs static shapes.
+        run.templates[(r, k)] = self._cells.ForwardTemplate(
+          k, run.weights[(r, k)], x, seed_m, loss
+        )
+        n = self._NumHead(run, r, k)
+        run.stats[(r, k)] = _PackedStats(specs[n:])
+        specs = specs[:n] + run.stats[(r, k)].specs
         zero_k = _RuntimeZero((thetas[r][k], x))
         init[(r, k)] = [_Zeros(s, zero_k) for s in specs]
-        run.templates[(r, k)] = self._cells.ForwardTemplate(
-          k, thetas[r][k], x, seed_m, loss
-        )
     waits = self._Order(order)
     num_ticks = num_mb + num_k - 1
 
@@ -282,7 +344,7 @@ class ClockLoops:
           if k == 0:
             x = run.inputs[r].At(mc)
           else:
-            x = self._Unflatten(run, r, k - 1, state[(r, k - 1)])[0]
+            x = self._Outputs(run, r, k - 1, state[(r, k - 1)])
           wait, this_tick = waits[(r, k)]
           after = (new if this_tick else state)[wait] if self._strict else None
           loss = self._Loss(run, r, k, mc)
@@ -290,9 +352,11 @@ class ClockLoops:
 
           def On(r=r, k=k, x=x, seed_m=seed_m, loss=loss, after=after):
             out, loss_value, upd = self._cells.Forward(
-              k, thetas[r][k], x, seed_m, loss, after=after
+              k, run.weights[(r, k)], x, seed_m, loss, after=after
             )
-            return self._Flatten(out, loss_value, upd)
+            flat = self._Flatten(out, loss_value, upd)
+            n = self._NumHead(run, r, k)
+            return flat[:n] + run.stats[(r, k)].Pack(flat[n:])
 
           def Off(r=r, k=k):
             return list(state[(r, k)])
@@ -319,6 +383,14 @@ class ClockLoops:
     run.lists = lists
     self._Results(run, num_r, num_k)
     return run
+
+  def _Pack(self, theta_k):
+    """The weights of a cell as the loops pass them: packed into lists
+    (`cell_layout.PackedWeights`: a loop or cond passes each tensor it
+    takes through ops of its own), unless the cells are compiled."""
+    if not self._cells.PacksWeights():
+      return theta_k
+    return cell_layout.PackedWeights(theta_k)
 
   def _Seeds(self, seed, num_r, num_mb):
     """{(r, k): [M] the step seeds of cell k's micro-batches}: micro-batch
@@ -355,55 +427,54 @@ class ClockLoops:
     return flat + tf.nest.flatten([s for _, s in updates])
 
   @staticmethod
-  def _Unflatten(run, r, k, flat):
-    """(outputs tuple, loss or None, [(layer, stats)]) of a flat result."""
+  def _NumHead(run, r, k):
+    """How many of cell k's flat results come before the statistics: its
+    outputs but None, and the loss on the last cell of a loss."""
+    out_t, has_loss, _ = run.templates[(r, k)]
+    return len(_NonNone(out_t)) + int(has_loss)
+
+  def _Outputs(self, run, r, k, flat):
+    """Cell k's outputs (a tuple) from its flat results."""
+    out_t = run.templates[(r, k)][0]
+    return _Pack(out_t, flat[: len(_NonNone(out_t))])
+
+  def _Read(self, run, r, k, tick, stats, outputs=True):
+    """(outputs or None, loss or None, [(layer, stats)]) of cell k at
+    `tick`: the outputs and loss read from the forward loop's lists (unless
+    not `outputs`), the statistics from `stats` (see `_StatsOf`)."""
     out_t, has_loss, upd_t = run.templates[(r, k)]
-    n = len(_NonNone(out_t))
-    out = _Pack(out_t, flat[:n])
-    rest = flat[n:]
+    n = self._NumHead(run, r, k)
+    with self._Device(k, r):
+      flat = [
+        ta.read(tick) if outputs else None for ta in run.lists[(r, k)][:n]
+      ]
+    flat += [stat[tick - k] for stat in stats]
+    out = _Pack(out_t, flat[: len(_NonNone(out_t))])
+    rest = flat[len(_NonNone(out_t)) :]
     loss = None
     if has_loss:
       loss, rest = rest[0], rest[1:]
     updates = []
-    for layer, stats in upd_t:
-      n = len(tf.nest.flatten(stats))
-      updates.append((layer, tf.nest.pack_sequence_as(stats, rest[:n])))
+    for layer, stat in upd_t:
+      n = len(tf.nest.flatten(stat))
+      updates.append((layer, tf.nest.pack_sequence_as(stat, rest[:n])))
       rest = rest[n:]
     return out, loss, updates
 
-  def _Read(self, run, r, k, tick, outputs=True, stats=None):
-    """(outputs or None, loss or None, updates) of cell k at `tick`, read
-    from the forward loop's lists (the updates only, unless `outputs`);
-    `stats`: {list index: [micro-batch] tensors}, the statistics of the
-    updates already read (see `_StatsOf`)."""
-    out_t, has_loss, upd_t = run.templates[(r, k)]
-    n = len(_NonNone(out_t)) + int(has_loss)
-    lists = run.lists[(r, k)]
-    with self._Device(k, r):
-      flat = []
-      for i, ta in enumerate(lists):
-        if i >= n and stats is not None:
-          flat.append(stats[i][tick - k])
-        elif outputs or i >= n:
-          flat.append(ta.read(tick))
-        else:
-          flat.append(None)
-    return self._Unflatten(run, r, k, flat)
-
   def _StatsOf(self, run, r, k):
-    """{list index: [micro-batch m] cell k's statistic of micro-batch m}:
-    each statistic's list read whole (the ticks k .. k + M - 1) and
-    unstacked, two ops per statistic instead of one read per micro-batch
-    (a batch-normalized model has many statistics per cell)."""
-    out_t, has_loss, _ = run.templates[(r, k)]
-    n = len(_NonNone(out_t)) + int(has_loss)
-    lists = run.lists[(r, k)]
+    """[statistic][micro-batch m] cell k's statistics (flat) of every
+    micro-batch: each packed list read whole (the ticks k .. k + M - 1),
+    split into the statistics and unstacked, a few ops per statistic
+    instead of a read per micro-batch (a batch-normalized model has many
+    statistics per cell)."""
+    n = self._NumHead(run, r, k)
+    lists = run.lists[(r, k)][n:]
     ticks = tf.range(k, k + run.num_mb)
     with self._Device(k, r):
-      return {
-        i: tf.unstack(lists[i].gather(ticks), num=run.num_mb)
-        for i in range(n, len(lists))
-      }
+      stacked = run.stats[(r, k)].Unpack(
+        [ta.gather(ticks) for ta in lists], run.num_mb
+      )
+      return [tf.unstack(t, num=run.num_mb) for t in stacked]
 
   def _Results(self, run, num_r, num_k):
     """The outputs, losses and updates of every micro-batch, read from the
@@ -417,9 +488,7 @@ class ClockLoops:
           continue
         if (r, k) not in stats:
           stats[(r, k)] = self._StatsOf(run, r, k)
-        got = self._Read(
-          run, r, k, m + k, outputs=k == last, stats=stats[(r, k)]
-        )
+        got = self._Read(run, r, k, m + k, stats[(r, k)], outputs=k == last)
         run.updates.extend(got[2])
         if k == last:
           finals[r * num_mb + m] = got
@@ -550,7 +619,7 @@ class ClockLoops:
           ):
             sums, dx, present[(r, k)] = self._cells.BackwardPacked(
               k,
-              thetas[r][k],
+              run.weights[(r, k)],
               x,
               seed_m,
               dy,

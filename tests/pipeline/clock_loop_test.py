@@ -163,6 +163,43 @@ def testGraphDoesNotGrowWithMicroBatches(with_loss):
   assert ops16 - ops2 <= 12 * 14, sizes
 
 
+def _LoopInputs(num_layers, jit_compile=False):
+  """[number of inputs of each while loop] of a loop step whose cells
+  hold `num_layers` dense layers in all."""
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=pipeline_layers.DenseLayers(num_layers),
+      num_stages=2,
+      num_micro_batches=4,
+      devices=DEVICES[:2],
+      recompute='always',
+      micro_batch_loop=True,
+      jit_compile=jit_compile,
+    )
+    .Instantiate()
+  )
+  step, x = _Step(pipe, with_loss=False)
+  graph = step.get_concrete_function(x).graph
+  return [
+    len(op.inputs)
+    for op in graph.get_operations()
+    if op.type in ('While', 'StatelessWhile')
+  ]
+
+
+def testLoopsTakeEachCellsWeightsAsOneList():
+  """A loop (and each tick's cond) passes every tensor it takes through
+  ops of its own: the cells' weights cross them packed, one list per dtype
+  per cell, so the loops take as many tensors for 12 layers as for 4."""
+  four, twelve = _LoopInputs(4), _LoopInputs(12)
+  assert len(four) == 2 and four == twelve, (four, twelve)
+  # Compiled cells take their weights one by one (XLA takes no lists).
+  four, twelve = _LoopInputs(4, True), _LoopInputs(12, True)
+  assert [b - a for a, b in zip(four, twelve)] == [16, 16], (four, twelve)
+
+
 @pytest.mark.parametrize(
   'settings',
   [
