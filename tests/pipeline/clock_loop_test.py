@@ -163,14 +163,20 @@ def testGraphDoesNotGrowWithMicroBatches(with_loss):
   assert ops16 - ops2 <= 12 * 14, sizes
 
 
-def _LoopInputs(num_layers, jit_compile=False):
+def _LoopInputs(num_layers, jit_compile=False, batch_norms=0):
   """[number of inputs of each while loop] of a loop step whose cells
-  hold `num_layers` dense layers in all."""
+  hold `num_layers` dense layers in all (and `batch_norms` batch norms
+  after the first)."""
+  layers = pipeline_layers.DenseLayers(num_layers)
+  for i in range(batch_norms):
+    layers.insert(
+      1, normalizations.BatchNormLayer.Params().Set(name=f'bn{i}', dim=6)
+    )
   pipe = (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
       name='pipe',
-      layers=pipeline_layers.DenseLayers(num_layers),
+      layers=layers,
       num_stages=2,
       num_micro_batches=4,
       devices=DEVICES[:2],
@@ -195,6 +201,10 @@ def testLoopsTakeEachCellsWeightsAsOneList():
   per cell, so the loops take as many tensors for 12 layers as for 4."""
   four, twelve = _LoopInputs(4), _LoopInputs(12)
   assert len(four) == 2 and four == twelve, (four, twelve)
+  # The forward loop carries a cell's batch-norm statistics packed too:
+  # one tensor per dtype, however many layers make them.
+  one, three = _LoopInputs(4, batch_norms=1), _LoopInputs(4, batch_norms=3)
+  assert one == three, (one, three)
   # Compiled cells take their weights one by one (XLA takes no lists).
   four, twelve = _LoopInputs(4, True), _LoopInputs(12, True)
   assert [b - a for a, b in zip(four, twelve)] == [16, 16], (four, twelve)
