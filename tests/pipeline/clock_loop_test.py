@@ -163,10 +163,9 @@ def testGraphDoesNotGrowWithMicroBatches(with_loss):
   assert ops16 - ops2 <= 12 * 14, sizes
 
 
-def _LoopInputs(num_layers, jit_compile=False, batch_norms=0):
-  """[number of inputs of each while loop] of a loop step whose cells
-  hold `num_layers` dense layers in all (and `batch_norms` batch norms
-  after the first)."""
+def _StepGraph(num_layers, loop=True, jit_compile=False, batch_norms=0):
+  """The graph of a train step whose cells hold `num_layers` dense layers
+  in all (and `batch_norms` batch norms after the first)."""
   layers = pipeline_layers.DenseLayers(num_layers)
   for i in range(batch_norms):
     layers.insert(
@@ -181,13 +180,18 @@ def _LoopInputs(num_layers, jit_compile=False, batch_norms=0):
       num_micro_batches=4,
       devices=DEVICES[:2],
       recompute='always',
-      micro_batch_loop=True,
+      micro_batch_loop=loop,
       jit_compile=jit_compile,
     )
     .Instantiate()
   )
   step, x = _Step(pipe, with_loss=False)
-  graph = step.get_concrete_function(x).graph
+  return step.get_concrete_function(x).graph
+
+
+def _LoopInputs(num_layers, jit_compile=False, batch_norms=0):
+  """[number of inputs of each while loop] of a loop step."""
+  graph = _StepGraph(num_layers, True, jit_compile, batch_norms)
   return [
     len(op.inputs)
     for op in graph.get_operations()
