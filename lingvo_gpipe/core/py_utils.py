@@ -42,6 +42,7 @@ __all__ = [
   'OutOfLineFunction',
   'Unwrap',
   'IsTensor',
+  'Stack',
   'GetOrCreateGlobalStep',
   'GetOrCreateGlobalStepVar',
 ]
@@ -438,6 +439,27 @@ def AsTuple(x):
 def Unwrap(xs):
   """The inverse of `AsTuple` for FProp results: one output is returned bare."""
   return xs[0] if len(xs) == 1 else xs
+
+
+def Stack(tensors):
+  """tf.stack(tensors) along a new first axis; where `tensors` are all the
+  outputs, in order, of one unstack along the first axis (a pipeline hands
+  its micro-batches' statistics over that way), the tensor they came from:
+  the same values, without a copy or an op per statistic."""
+  first = tensors[0] if tensors else None
+  if isinstance(first, tf.Tensor) and not tf.executing_eagerly():
+    op = first.op
+    if (
+      op.type == 'Unpack'
+      and op.get_attr('axis') == 0
+      and len(op.outputs) == len(tensors)
+      and all(
+        isinstance(t, tf.Tensor) and t.op is op and t.value_index == i
+        for i, t in enumerate(tensors)
+      )
+    ):
+      return op.inputs[0]
+  return tf.stack(tensors)
 
 
 def IsTensor(x):

@@ -51,11 +51,11 @@ def MergeMoments(stats_list):
     # The chunks stacked, so that merging M micro-batches' statistics is a
     # few ops whatever M is (the pipeline's step graph must not grow with
     # M); the sums run over the chunks in order, as an add_n would.
-    counts = tf.stack(
+    counts = py_utils.Stack(
       [tf.cast(tf.convert_to_tensor(s.count), dtype) for s in stats_list]
     )
-    means = tf.stack([s.mean for s in stats_list])
-    variances = tf.stack([s.variance for s in stats_list])
+    means = py_utils.Stack([s.mean for s in stats_list])
+    variances = py_utils.Stack([s.variance for s in stats_list])
     n = counts
     if counts.shape.rank == 1:  # One count per chunk: broadcast it.
       n = tf.reshape(counts, [-1] + [1] * (means.shape.rank - 1))

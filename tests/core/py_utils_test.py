@@ -363,3 +363,28 @@ def testNestAliases():
   assert py_utils.Transform(lambda x, y: x + y, m, m) == py_utils.NestedMap(
     b=2, a=[4, 6]
   )
+
+
+def testStackOfAnUnstackIsTheTensorItCameFrom():
+  """Statistics a pipeline hands over unstacked are merged from the tensor
+  they came from (no op per statistic); anything else is stacked."""
+
+  @tf.function
+  def Stacks(x):
+    parts = tf.unstack(x)
+    whole = py_utils.Stack(parts)
+    reordered = py_utils.Stack(parts[::-1])
+    fewer = py_utils.Stack(parts[:2])
+    return whole, reordered, fewer
+
+  x = tf.reshape(tf.range(12.0), [3, 4])
+  graph = Stacks.get_concrete_function(x).graph
+  packs = [op for op in graph.get_operations() if op.type == 'Pack']
+  assert len(packs) == 2, [op.name for op in packs]
+  whole, reordered, fewer = Stacks(x)
+  np.testing.assert_array_equal(whole, x.numpy())
+  np.testing.assert_array_equal(reordered, x.numpy()[::-1])
+  np.testing.assert_array_equal(fewer, x.numpy()[:2])
+  np.testing.assert_array_equal(
+    py_utils.Stack([tf.constant(1.0), tf.constant(2.0)]), [1.0, 2.0]
+  )
