@@ -194,7 +194,7 @@ class _Run:
       result is the outputs, the loss, then the packed statistics.
     seeds: {(r, k): [M] seeds of cell k's micro-batches, on its device}.
     weights: {(r, k): cell k's weights as its calls take them (packed
-      into lists, `_Pack`)}.
+      into lists, `_PackWeights`)}.
     outs: the last cell's outputs for the whole mini-batch.
     raws: [micro-batch j] the last cell's outputs (with a loss).
     losses: [micro-batch j] the losses, or None.
@@ -303,7 +303,7 @@ class ClockLoops:
     for r in range(num_r):
       for k in range(num_k):
         with self._Device(k, r):
-          run.weights[(r, k)] = self._Pack(thetas[r][k])
+          run.weights[(r, k)] = self._PackWeights(thetas[r][k])
 
     # The first tick's arguments: from them each cell's function is traced
     # (the shapes of its results) and the loop's state starts as zeros.
@@ -384,7 +384,7 @@ class ClockLoops:
     self._Results(run, num_r, num_k)
     return run
 
-  def _Pack(self, theta_k):
+  def _PackWeights(self, theta_k):
     """The weights of a cell as the loops pass them: packed into lists
     (`cell_layout.PackedWeights`: a loop or cond passes each tensor it
     takes through ops of its own), unless the cells are compiled."""

@@ -145,6 +145,10 @@ def _BuildModel(family, size, config, devices, fixed=None):
         balance_by=config.get('balance_by', 'memory'),
         input_shapes=input_shapes,
         jit_compile=bool(config.get('jit_compile')),
+        micro_batch_loop=bool(config.get('micro_batch_loop')),
+        share_layer_functions=(
+          'auto' if config.get('share_layer_functions') else False
+        ),
       )
       .Instantiate()
     )
@@ -216,6 +220,8 @@ def RunTrial(spec):
       config=config['name'],
       balance_by=config.get('balance_by'),
       jit_compile=bool(config.get('jit_compile')),
+      micro_batch_loop=bool(config.get('micro_batch_loop')),
+      share_layer_functions=bool(config.get('share_layer_functions')),
       num_stages=k,
       num_micro_batches=config['num_micro_batches'],
       recompute=config['recompute'],

@@ -120,6 +120,10 @@ class Searcher:
         config,
         balance_by=self.args.balance_by,
         jit_compile=bool(getattr(self.args, 'jit_compile', False)),
+        micro_batch_loop=bool(getattr(self.args, 'micro_batch_loop', False)),
+        share_layer_functions=bool(
+          getattr(self.args, 'share_layer_functions', False)
+        ),
       )
       spec = dict(
         family=family,
@@ -393,6 +397,21 @@ def _Parser():
     'instead of every op of every layer for every micro-batch: about 6x '
     'fewer ops, which is what lets 100+ layers at M=32 fit in the '
     "driver's host memory.",
+  )
+  parser.add_argument(
+    '--micro_batch_loop',
+    action='store_true',
+    help='pipeline-K: build the fill-drain step as two loops over its '
+    'clock ticks (PipeliningLayer micro_batch_loop): a deep pipeline '
+    'reaches its first step sooner, so a trial takes less time '
+    '(docs/benchmarks.md, "Weights and statistics packed through the '
+    'loops").',
+  )
+  parser.add_argument(
+    '--share_layer_functions',
+    action='store_true',
+    help='pipeline-K: identical layers as calls of one function '
+    "(PipeliningLayer share_layer_functions='auto').",
   )
   parser.add_argument(
     '--inter_op_threads',

@@ -219,3 +219,44 @@ def testRealTrialRecordsWhatTheSearchReports(tmp_path):
   # Each device holds its own cell: both report memory of their own.
   assert min(r['peak_bytes_per_device']) > 0
   assert 'vs naive-1' in out.stdout
+
+
+def testLoopAndSharedFunctionFlagsReachTheTrialsLayer(monkeypatch):
+  """--micro_batch_loop and --share_layer_functions travel in the trial's
+  spec to the PipeliningLayer it builds."""
+  from lingvo_gpipe.tools import capacity_trial  # pylint: disable=g-import-not-at-top
+
+  specs = []
+
+  class FakeChild:
+    returncode = 1
+
+    def __init__(self, cmd, **unused):
+      specs.append(json.loads(cmd[-1][len('--trial=') :]))
+
+    def communicate(self, timeout=None):
+      del timeout
+      return '', 'not run'
+
+  monkeypatch.setattr(max_model_size.subprocess, 'Popen', FakeChild)
+  monkeypatch.setattr(max_model_size.Searcher, 'Kill', lambda self: None)
+  args = max_model_size._Parser().parse_args(  # pylint: disable=protected-access
+    ['--family=transformer', '--micro_batch_loop', '--share_layer_functions']
+  )
+  searcher = max_model_size.Searcher(args)
+  config = dict(
+    name='pipeline-2',
+    pipeline=True,
+    num_stages=2,
+    num_micro_batches=2,
+    recompute='always',
+  )
+  searcher.Trial('transformer', config, 2)
+  (spec,) = specs
+  built = spec['config']
+  assert built['micro_batch_loop'] and built['share_layer_functions']
+  layer, _ = capacity_trial._BuildModel(  # pylint: disable=protected-access
+    'transformer', 2, built, ['/device:CPU:0'] * 2
+  )
+  assert layer.params.micro_batch_loop
+  assert layer.params.share_layer_functions == 'auto'
