@@ -1,10 +1,13 @@
-"""How a pipeline cell's arguments cross a function boundary as flat tensors.
+"""How a pipeline cell's values cross a function or loop boundary.
 
 A cell's function takes its weights, inputs, step seed, and (on the last
 cell of `FPropWithLoss`) the loss's inputs and weights, as one flat list of
 tensors; `Layout` records how that list maps back to the structures, which
 of its tensors are differentiated, and a key naming the structure, so that a
-function is traced once per structure.
+function is traced once per structure. Where many tensors would cross a
+loop, they cross packed, one tensor per dtype: a cell's weights as lists
+(`PackedWeights`), its batch-norm statistics as flat tensors
+(`PackedStats`).
 """
 
 import collections
@@ -13,11 +16,28 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import py_utils
 
-__all__ = ['Loss', 'Layout', 'PackedWeights', 'IsFloat', 'Dense']
+__all__ = [
+  'Loss',
+  'Layout',
+  'PackedWeights',
+  'PackedStats',
+  'ByDtype',
+  'IsFloat',
+  'Dense',
+]
 
 
 def IsFloat(t):
   return py_utils.IsTensor(t) and t.dtype.is_floating
+
+
+def ByDtype(dtypes):
+  """[(dtype, [index])]: the indices of `dtypes` grouped by dtype, each
+  group and each group's indices in first-seen order."""
+  groups = {}
+  for i, dtype in enumerate(dtypes):
+    groups.setdefault(dtype, []).append(i)
+  return list(groups.items())
 
 
 def Dense(t):
@@ -81,10 +101,7 @@ class Layout:
   def Groups(self):
     """[(dtype, [j])]: the float weights (`theta_floats[j]`) grouped by
     dtype, in order, for running sums packed into one tensor per dtype."""
-    groups = {}
-    for j, (_, p) in enumerate(self.theta_floats):
-      groups.setdefault(self.tensors[p].dtype, []).append(j)
-    return list(groups.items())
+    return ByDtype([self.tensors[p].dtype for _, p in self.theta_floats])
 
   def Sources(self, input_grad):
     """[(index, position in `tensors`)] of what is differentiated: the float
@@ -116,10 +133,7 @@ class PackedWeights:
     self.theta = theta_k
     flat = [t for t in tf.nest.flatten(theta_k) if py_utils.IsTensor(t)]
     self.count = len(flat)
-    groups = {}
-    for i, t in enumerate(flat):
-      groups.setdefault(t.dtype.base_dtype, []).append(i)
-    self._groups = list(groups.items())
+    self._groups = ByDtype([t.dtype.base_dtype for t in flat])
     self._shapes = [t.shape for t in flat]
     self.key = tuple(
       (dtype.name, tuple(tuple(self._shapes[i].as_list()) for i in idx))
@@ -160,4 +174,49 @@ class PackedWeights:
         )
         t.set_shape(self._shapes[i])
         flat[i] = t
+    return flat
+
+
+class PackedStats:
+  """A cell's statistics (batch norm's, one set per micro-batch) as the
+  forward loop carries them: one flat tensor per dtype.
+
+  Each tensor a loop carries costs it a list, a loop variable and a cond
+  output, each a few ops per tick; AmoebaNet's cells hold hundreds of
+  statistics. Packing and unpacking only move the values (the same bits).
+
+  Args:
+    specs: the `tf.TensorSpec`s of the statistics, flat.
+  """
+
+  def __init__(self, specs):
+    self._shapes = [s.shape for s in specs]
+    self._groups = ByDtype([spec.dtype for spec in specs])
+    self._sizes = [s.num_elements() for s in self._shapes]
+    # The packed tensors' specs: what the loop carries.
+    self.specs = [
+      tf.TensorSpec([sum(self._sizes[i] for i in idx)], dtype)
+      for dtype, idx in self._groups
+    ]
+
+  def Pack(self, flat):
+    """[one flat tensor per dtype] of the statistics `flat`."""
+    if not self._groups:
+      return []
+    shape = tf.constant([-1])
+    packed = []
+    for _, idx in self._groups:
+      parts = [tf.reshape(flat[i], shape) for i in idx]
+      packed.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
+    return packed
+
+  def Unpack(self, stacked, num_mb):
+    """[statistic] of shape [M] + its shape, from `stacked`: [packed tensor
+    of shape [M, size]], one per dtype."""
+    flat = [None] * len(self._shapes)
+    for (_, idx), t in zip(self._groups, stacked):
+      sizes = [self._sizes[i] for i in idx]
+      parts = tf.split(t, sizes, axis=1) if len(idx) > 1 else [t]
+      for i, part in zip(idx, parts):
+        flat[i] = tf.reshape(part, [num_mb] + self._shapes[i].as_list())
     return flat

@@ -130,54 +130,6 @@ class Stacked:
     )
 
 
-class _PackedStats:
-  """A cell's statistics (batch norm's, one set per micro-batch) as the
-  forward loop carries them: one flat tensor per dtype.
-
-  Each tensor a loop carries costs it a list, a loop variable and a cond
-  output, each a few ops per tick; AmoebaNet's cells hold hundreds of
-  statistics. Packing and unpacking only move the values (the same bits).
-
-  Args:
-    specs: the `tf.TensorSpec`s of the statistics, flat.
-  """
-
-  def __init__(self, specs):
-    self._shapes = [s.shape for s in specs]
-    groups = {}
-    for i, spec in enumerate(specs):
-      groups.setdefault(spec.dtype, []).append(i)
-    self._groups = list(groups.items())
-    self._sizes = [s.num_elements() for s in self._shapes]
-    # The packed tensors' specs: what the loop carries.
-    self.specs = [
-      tf.TensorSpec([sum(self._sizes[i] for i in idx)], dtype)
-      for dtype, idx in self._groups
-    ]
-
-  def Pack(self, flat):
-    """[one flat tensor per dtype] of the statistics `flat`."""
-    if not self._groups:
-      return []
-    shape = tf.constant([-1])
-    packed = []
-    for _, idx in self._groups:
-      parts = [tf.reshape(flat[i], shape) for i in idx]
-      packed.append(parts[0] if len(parts) == 1 else tf.concat(parts, 0))
-    return packed
-
-  def Unpack(self, stacked, num_mb):
-    """[statistic] of shape [M] + its shape, from `stacked`: [packed tensor
-    of shape [M, size]], one per dtype."""
-    flat = [None] * len(self._shapes)
-    for (_, idx), t in zip(self._groups, stacked):
-      sizes = [self._sizes[i] for i in idx]
-      parts = tf.split(t, sizes, axis=1) if len(idx) > 1 else [t]
-      for i, part in zip(idx, parts):
-        flat[i] = tf.reshape(part, [num_mb] + self._shapes[i].as_list())
-    return flat
-
-
 class _Run:
   """What the forward loop leaves for the backward loop and the caller.
 
@@ -190,8 +142,9 @@ class _Run:
     lists: {(r, k): [TensorList] of cell k's flat results, one per tick}.
     templates: {(r, k): (outputs, has loss, [(layer, stats)])}: how a flat
       result of cell k unflattens.
-    stats: {(r, k): the `_PackedStats` of cell k's statistics}: a flat
-      result is the outputs, the loss, then the packed statistics.
+    stats: {(r, k): the `cell_layout.PackedStats` of cell k's
+      statistics}: a flat result is the outputs, the loss, then the packed
+      statistics.
     seeds: {(r, k): [M] seeds of cell k's micro-batches, on its device}.
     weights: {(r, k): cell k's weights as its calls take them (packed
       into lists, `_PackWeights`)}.
@@ -327,7 +280,7 @@ class ClockLoops:
           k, run.weights[(r, k)], x, seed_m, loss
         )
         n = self._NumHead(run, r, k)
-        run.stats[(r, k)] = _PackedStats(specs[n:])
+        run.stats[(r, k)] = cell_layout.PackedStats(specs[n:])
         specs = specs[:n] + run.stats[(r, k)].specs
         zero_k = _RuntimeZero((thetas[r][k], x))
         init[(r, k)] = [_Zeros(s, zero_k) for s in specs]

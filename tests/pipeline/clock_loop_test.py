@@ -33,14 +33,14 @@ def _Layers(kind):
   return layers
 
 
-def _Pipe(loop, kind='dense', num_mb=4, replicas=1, **kwargs):
+def _Pipe(loop, kind='dense', num_mb=4, replicas=1, layers=None, **kwargs):
   devices = DEVICES[:2] if replicas == 1 else None
   kwargs.setdefault('recompute', 'always')
   return (
     pipelining_layer.PipeliningLayer.Params()
     .Set(
       name='pipe',
-      layers=_Layers(kind),
+      layers=layers or _Layers(kind),
       num_stages=2,
       num_micro_batches=num_mb,
       devices=devices,
@@ -171,20 +171,7 @@ def _StepGraph(num_layers, loop=True, jit_compile=False, batch_norms=0):
     layers.insert(
       1, normalizations.BatchNormLayer.Params().Set(name=f'bn{i}', dim=6)
     )
-  pipe = (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layers,
-      num_stages=2,
-      num_micro_batches=4,
-      devices=DEVICES[:2],
-      recompute='always',
-      micro_batch_loop=loop,
-      jit_compile=jit_compile,
-    )
-    .Instantiate()
-  )
+  pipe = _Pipe(loop, layers=layers, jit_compile=jit_compile)
   step, x = _Step(pipe, with_loss=False)
   return step.get_concrete_function(x).graph
 
