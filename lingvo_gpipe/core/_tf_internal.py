@@ -42,6 +42,11 @@ from tensorflow.python.ops import (
   control_flow_v2_func_graphs as _cf_graphs,
 )
 
+# The kernels registered for each op, XLA's among them (device types
+# XLA_CPU_JIT, XLA_GPU_JIT): an XLA-compiled cell is checked op by op against
+# them when it is first traced, without converting it to HLO.
+from tensorflow.python.framework import kernels as _kernels
+
 # Silences the deprecation notice that TensorFlow's own flop statistics
 # print (they call a TF1 shape helper) every time a new graph is counted.
 from tensorflow.python.util import deprecation as _deprecation
@@ -60,7 +65,11 @@ __all__ = [
   'CallFunction',
   'OutermostOfControlFlow',
   'StopRecording',
+  'XlaKernelConstraints',
 ]
+
+# Device types whose XLA kernels are registered in this process.
+_xla_registered = set()
 
 
 def CouldPossiblyRecord():
@@ -222,3 +231,33 @@ def OutermostOfControlFlow(graph):
   while isinstance(graph, _CONTROL_FLOW_GRAPHS):
     graph = graph.outer_graph
   return graph
+
+
+def XlaKernelConstraints(op_type, device_type):
+  """[{type attribute: allowed dtypes}], one per XLA kernel of `op_type` for
+  devices of `device_type` ('CPU', 'GPU'); [] where XLA has none. None
+  where XLA's kernels for that device type are not known here (no such
+  device in this process).
+
+  TensorFlow registers XLA's kernels the first time it compiles for a
+  device type: a trivial function converted to HLO does that."""
+  jit = f'XLA_{device_type}_JIT'
+  if device_type not in _xla_registered:
+    try:
+      with tf.init_scope():
+        f = tf.function(
+          lambda: tf.constant(0.0), jit_compile=True, autograph=False
+        )
+        f.experimental_get_compiler_ir()(stage='hlo', platform_name=device_type)
+    except Exception:  # pylint: disable=broad-except
+      return None
+    _xla_registered.add(device_type)
+  return [
+    {
+      c.name: {tf.as_dtype(t) for t in c.allowed_values.list.type}
+      for c in k.constraint
+      if c.allowed_values.list.type
+    }
+    for k in _kernels.get_registered_kernels_for_op(op_type).kernel
+    if k.device_type == jit
+  ]

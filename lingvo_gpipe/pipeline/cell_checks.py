@@ -1,15 +1,16 @@
 """Checks on a pipeline's traced cell functions (`cell_function.py`).
 
 `TraceCounter` tells when a cell is traced more often than the step needs;
-`XlaCheck` finds, when an XLA-compiled cell is first traced, a layer whose
-ops XLA cannot compile, and names it.
+`XlaCheck` finds, when an XLA-compiled cell is first traced, a layer with
+an op that XLA has no kernel for, and names it.
 """
 
 import collections
-import re
 
 from absl import logging
 import tensorflow as tf
+
+from lingvo_gpipe.core import _tf_internal
 
 __all__ = ['TraceCounter', 'XlaCheck']
 
@@ -68,9 +69,46 @@ class TraceCounter:
       )
 
 
+# Ops that XLA compiles without a kernel of their own: a function's inputs,
+# function calls and functional control flow (whose bodies are checked op
+# by op as functions of the library).
+_STRUCTURAL = frozenset(
+  {
+    'Placeholder',
+    'NoOp',
+    'PartitionedCall',
+    'StatefulPartitionedCall',
+    'While',
+    'StatelessWhile',
+    'If',
+    'StatelessIf',
+    'Case',
+    'StatelessCase',
+  }
+)
+
+
+def _DeviceType(tensors):
+  """The device type ('CPU', 'GPU') that a call on `tensors` runs on."""
+  for t in tensors:
+    if t.device:
+      return tf.DeviceSpec.from_string(t.device).device_type or 'CPU'
+  return 'GPU' if tf.config.list_logical_devices('GPU') else 'CPU'
+
+
 class XlaCheck:
-  """Converts an XLA-compiled cell to HLO once per input signature: an op
-  that XLA cannot compile is reported naming the layer that made it.
+  """Checks an XLA-compiled cell once per input signature, when it is first
+  traced: an op that XLA has no kernel for is reported naming the layer
+  that made it.
+
+  The check reads the call's own trace, op by op (those of the functions it
+  calls too), against the XLA kernels registered for the cell's device type
+  and each kernel's dtypes: it needs no device of the cell's (a cell on
+  another process is checked in this one) and costs a fraction of
+  converting the cell to HLO. Only where it finds an op is the cell traced
+  once more with its layers inline, to find the layer of the op. What an op
+  with a kernel may still refuse at compile time (e.g. a shape computed
+  from data) is XLA's own error at the first step.
 
   Args:
     cell_layers: fn(k) -> the layers of cell k.
@@ -81,42 +119,94 @@ class XlaCheck:
     self._cell_layers = cell_layers
     self._name = name
     self._checked = set()
+    self._supported = {}  # {(device type, op, dtype attrs): bool}
+    self._warned = False
 
   def Check(self, k, f, tensors, key):
-    """Converts the cell to HLO once per input signature: an op that XLA
-    cannot compile is reported naming the layer that made it."""
+    """Checks cell k's function `f` on `tensors` once per input signature;
+    raises a ValueError naming the layer of an op XLA cannot compile."""
     key = key + (tuple((tuple(t.shape), t.dtype) for t in tensors),)
     if key in self._checked:
       return
     self._checked.add(key)
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
+    device_type = _DeviceType(tensors)
+    with tf.init_scope():
+      graph_def = f.fn.get_concrete_function(*specs).graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for fn in graph_def.library.function:
+      nodes += fn.node_def
+    bad = []
+    for node in nodes:
+      ok = self._Supported(device_type, node)
+      if ok is None:
+        return
+      if not ok and node.op not in bad:
+        bad.append(node.op)
+    if bad:
+      self._RaiseUnsupported(k, bad, self._Marks(f, specs))
+
+  def _Supported(self, device_type, node):
+    """Whether XLA has a kernel for `node` (None: unknown here)."""
+    if node.op in _STRUCTURAL:
+      return True
+    attrs = tuple(
+      sorted(
+        (name, v.type if v.HasField('type') else tuple(v.list.type))
+        for name, v in node.attr.items()
+        if v.HasField('type') or v.list.type
+      )
+    )
+    memo = (device_type, node.op, attrs)
+    if memo not in self._supported:
+      kernels = _tf_internal.XlaKernelConstraints(node.op, device_type)
+      if kernels is None:
+        if not self._warned:
+          self._warned = True
+          logging.warning(
+            'Pipeline %r: could not check that XLA compiles its cells (no '
+            'XLA kernels known for %s devices in this process).',
+            self._name,
+            device_type,
+          )
+        return None
+      given = dict(attrs)
+      self._supported[memo] = any(
+        all(
+          name not in given
+          or all(
+            tf.as_dtype(t) in allowed
+            for t in (
+              given[name] if isinstance(given[name], tuple) else (given[name],)
+            )
+          )
+          for name, allowed in kernel.items()
+        )
+        for kernel in kernels
+      )
+    return self._supported[memo]
+
+  @staticmethod
+  def _Marks(f, specs):
+    """[(layer, number of ops before it, graph)] of a trace of f's body
+    with its layers inline, each marked where it starts."""
     marks = []
 
     def Mark(layer):
       graph = tf.compat.v1.get_default_graph()
       marks.append((layer, len(graph.get_operations()), graph))
 
-    specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
     f.meta['mark'] = Mark
     try:
       with tf.init_scope():
-        f.fn.experimental_get_compiler_ir(*specs)(stage='hlo')
-    except Exception as e:  # pylint: disable=broad-except
-      text = str(e)
-      if 'unsupported operations' not in text and 'No registered' not in text:
-        logging.warning(
-          'Pipeline %r cell %d: could not check that XLA compiles it (%s).',
-          self._name,
-          k,
-          text.splitlines()[0][:300] if text else type(e).__name__,
-        )
-        return
-      self._RaiseUnsupported(k, text, marks)
+        tf.function(f.body, autograph=False).get_concrete_function(*specs)
+    except Exception:  # pylint: disable=broad-except
+      pass  # The layer is then not named; the op still is.
     finally:
       f.meta.pop('mark', None)
+    return marks
 
-  def _RaiseUnsupported(self, k, text, marks):
-    ops = re.findall(r"No registered '([A-Za-z0-9_]+)' OpKernel", text)
-    ops = list(dict.fromkeys(ops))
+  def _RaiseUnsupported(self, k, ops, marks):
     culprit = None
     if marks:
       graph = marks[0][2]

@@ -31,10 +31,15 @@ functions, with the micro-batch's loss inputs as arguments.
 
 With `jit_compile` the same functions are compiled by XLA: one XLA
 computation per cell and pass (per input shape), not per micro-batch. A
-layer with an op XLA cannot compile is found when the cell is first traced
-(its graph is converted to HLO, without compiling) and reported as a
-ValueError naming the pipeline, the cell, the layer and the op, with the
-fix: set jit_compile=False.
+layer with an op XLA has no kernel for is found when the cell is first
+traced (`cell_checks.XlaCheck`) and reported as a ValueError naming the
+pipeline, the cell, the layer and the op, with the fix: set
+jit_compile=False.
+
+Cells of one kind (`cell_kind`: layers of the same classes and Params, in
+order) share their functions where a function traced from one cell's
+layers computes exactly what another's would (`_Serves`): a deep stack of
+identical cells is traced and optimized once.
 
 Inside an XLA context (the whole step compiled) or a TPU replica, cells run
 inline: XLA then builds one computation of the whole step itself.
@@ -111,11 +116,37 @@ def _Unpacked(weights, tensors):
   return weights.Unpack(tensors[:n]) + list(tensors[n:])
 
 
+def _Serves(f):
+  """Whether function `f`, traced from one cell's layers, computes exactly
+  what another cell of the same kind (layers of the same classes and
+  Params, in order) computes when called with that cell's tensors: its
+  traces capture nothing (a layer that reads its variables directly would
+  read the first cell's), hand on no deferred updates (they name the first
+  cell's layers) and hold no random op (its seeds come from the first
+  cell's layer names). Known once `f` is traced."""
+  concretes = list(f.concrete.values())
+  if not concretes:  # Not traced yet (or only for a tape): not known.
+    return False
+  if 'serves' not in f.meta:
+    ok = not f.meta.get('updates')
+    for concrete in concretes:
+      if not ok:
+        break
+      graph_def = concrete.graph.as_graph_def()
+      ops = {n.op for n in graph_def.node}
+      for fn in graph_def.library.function:
+        ops.update(n.op for n in fn.node_def)
+      ok = not concrete.captured_inputs and not any('Random' in o for o in ops)
+    f.meta['serves'] = ok
+  return f.meta['serves']
+
+
 class _Function:
   """One traced function and what its trace recorded."""
 
   def __init__(self):
     self.fn = None
+    self.body = None  # The Python function that `fn` traces.
     self.meta = {}
     self.traces = collections.Counter()
     self.concrete = {}  # {input signature: concrete function}
@@ -136,7 +167,13 @@ class CellFunctions:
       context they always do.
     shared: a `layer_function.SharedLayers`: inside the cells' functions,
       its layers of a shared kind run as calls of their kind's function
-      (not with `jit_compile`: XLA compiles the cell as one computation).
+      (not with `jit_compile`: XLA compiled such cells slower, and took
+      longer to, than cells of their layers inline; docs/benchmarks.md).
+    cell_kind: fn(k) -> a hashable naming what cell k computes (the same for
+      cells whose layers have the same classes and Params, in order), or
+      None: cells of one kind share their functions where `_Serves` allows,
+      so a deep stack of identical cells is traced and optimized as one
+      cell (with XLA, each device still compiles its own).
   """
 
   def __init__(
@@ -147,8 +184,11 @@ class CellFunctions:
     jit_compile=False,
     inline=None,
     shared=None,
+    cell_kind=None,
   ):
     self._shared = None if jit_compile else shared
+    self._cell_kind = cell_kind
+    self._kinds = {}  # {k: cell_kind(k)}
     self._inline = inline
     self._cell_fprop = cell_fprop
     self._cell_layers = cell_layers
@@ -203,7 +243,7 @@ class CellFunctions:
     if taped:
       weights = None
     f = self._Forward(k, layout, is_eval, loss_fn, taped, weights)
-    self._Check(k, f, layout.tensors, ('forward', k, is_eval))
+    self._Check(k, f, layout.tensors, ('forward', f.meta['cell'], is_eval))
     flat = list(self._Call(f, _CallTensors(layout, weights), after))
     if self._jit:
       flat = _Anchored(flat)
@@ -233,7 +273,7 @@ class CellFunctions:
     loss_fn = None if loss is None else loss.fn
     is_eval = py_utils.IsEval()
     f = self._Forward(k, layout, is_eval, loss_fn, False, weights)
-    self._Check(k, f, layout.tensors, ('forward', k, is_eval))
+    self._Check(k, f, layout.tensors, ('forward', f.meta['cell'], is_eval))
     concrete = _Concrete(f, _CallTensors(layout, weights))
     return [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
 
@@ -515,6 +555,19 @@ class CellFunctions:
       fns[key] = make()
     return fns[key]
 
+  def _OfCell(self, k, key, make):
+    """The function `make(k)` makes for cell k under `key(k)`; or, where
+    an earlier cell of the same kind (`cell_kind`) has one that can serve
+    cell k (`_Serves`), that one: each distinct cell is traced once."""
+    if self._cell_kind is not None and k not in self._kinds:
+      self._kinds[k] = self._cell_kind(k)
+    kind = self._kinds.get(k)
+    if kind is not None:
+      f = self._Get(key(('kind', kind)), lambda: make(k))
+      if f.meta['cell'] == k or _Serves(f):
+        return f
+    return self._Get(key(k), lambda: make(k))
+
   def _Wrap(self, body):
     if self._jit:
       return tf.function(body, jit_compile=True, autograph=False)
@@ -531,15 +584,18 @@ class CellFunctions:
     return f
 
   def _Forward(self, k, layout, is_eval, loss_fn, taped, weights=None):
-    key = ('forward', k, is_eval, layout.key, loss_fn, taped)
-    key += (None if weights is None else weights.key,)
+    wkey = None if weights is None else weights.key
 
-    def Make():
+    def Key(cell):
+      return ('forward', cell, is_eval, layout.key, loss_fn, taped, wkey)
+
+    def Make(k):
       f = _Function()
+      f.meta['cell'] = k
       f.meta['taped'] = taped
 
       def Forward(*tensors):
-        self._traces.Count(f, k, 'forward', key, tensors)
+        self._traces.Count(f, k, 'forward', Key(k), tensors)
         tensors = _Unpacked(weights, tensors)
         collector = py_utils.UpdateCollector()
         out, loss = self._Run(
@@ -559,10 +615,10 @@ class CellFunctions:
           flat = flat + [loss]
         return flat + tf.nest.flatten([s for _, s in collector.updates])
 
-      f.fn = self._Wrap(Forward)
+      f.body, f.fn = Forward, self._Wrap(Forward)
       return f
 
-    return self._Get(key, Make)
+    return self._OfCell(k, Key, Make)
 
   @staticmethod
   def _AddPacked(f, layout, inputs, grads, running):
@@ -609,17 +665,29 @@ class CellFunctions:
     (`Layout.Groups`), and so are the new sums (zeros added for a weight
     without a gradient). `weights`: the call passes the cell's weights as
     these `cell_layout.PackedWeights`' lists."""
-    key = (k, is_eval, layout.key, present, input_grad, loss_fn, packed)
-    key += (None if weights is None else weights.key,)
+    wkey = None if weights is None else weights.key
 
-    def Make():
+    def Key(cell):
+      return (
+        cell,
+        is_eval,
+        layout.key,
+        present,
+        input_grad,
+        loss_fn,
+        packed,
+        wkey,
+      )
+
+    def Make(k):
       f = _Function()
-      f.meta['key'] = key
+      f.meta['cell'] = k
+      f.meta['key'] = Key(k)
       sources = layout.Sources(input_grad)
       n_in, n_dy = len(_CallTensors(layout, weights)), sum(present)
 
       def Backward(*tensors):
-        self._traces.Count(f, k, 'backward', ('backward',) + key, tensors)
+        self._traces.Count(f, k, 'backward', ('backward',) + Key(k), tensors)
         inputs = _Unpacked(weights, tensors[:n_in])
         grads = self._Differentiate(
           k,
@@ -645,7 +713,7 @@ class CellFunctions:
         f.meta['present'] = [g is not None for g in grads]
         return [g for g in grads if g is not None]
 
-      f.fn = self._Wrap(Backward)
+      f.body, f.fn = Backward, self._Wrap(Backward)
       return f
 
-    return self._Get(key, Make)
+    return self._OfCell(k, Key, Make)

@@ -42,7 +42,7 @@ from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import graph_ops
 
-__all__ = ['SharedLayers']
+__all__ = ['KindKey', 'SharedLayers']
 
 # A kind is shared only where at least this many layers have it.
 _MIN_LAYERS = 2
@@ -73,8 +73,9 @@ def _Sublayers(layer, prefix=()):
   return out
 
 
-def _KindKey(layer):
-  """Layers of one kind: one class, the same Params but for the name."""
+def KindKey(layer):
+  """What a layer computes: layers of one kind have one class and the same
+  Params but for the name."""
   p = layer.params.Copy()
   p.name = ''
   return (type(layer), p.ToText())
@@ -106,9 +107,9 @@ class SharedLayers:
 
   def __init__(self, layers, min_ops=0):
     self._min_ops = min_ops
-    counts = collections.Counter(_KindKey(l) for l in layers)
+    counts = collections.Counter(KindKey(l) for l in layers)
     self._kinds = {
-      id(l): _KindKey(l) for l in layers if counts[_KindKey(l)] >= _MIN_LAYERS
+      id(l): KindKey(l) for l in layers if counts[KindKey(l)] >= _MIN_LAYERS
     }
     # {graph: {key: _Kind}}: the functions of each step graph.
     self._graphs = weakref.WeakKeyDictionary()

@@ -381,6 +381,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         if self._ranges is not None and p.share_layer_functions
         else None
       ),
+      cell_kind=self._CellKind,
     )
     self._input_checked = False
 
@@ -617,6 +618,20 @@ class PipeliningLayer(base_layer.BaseLayer):
     return sequential.ChainFPropMeta(list(p.before_tpl or []) + layers, *args)
 
   # -- Computation -------------------------------------------------------------
+
+  def _CellKind(self, k):
+    """What cell k computes, for its functions to be shared with cells of
+    the same kind (`cell_function.CellFunctions`): the kinds of its layers
+    in order, and whether it is the last cell (whose outputs differ)."""
+    if self._ranges is None:
+      layers = [self.cells[k]]
+    else:
+      a, b = self._ranges[k]
+      layers = list(self.body[a:b])
+    return (
+      k == self.num_stages - 1,
+      tuple(layer_function.KindKey(layer) for layer in layers),
+    )
 
   def _CellTheta(self, theta, k):
     if self._ranges is None:

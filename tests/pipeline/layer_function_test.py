@@ -227,6 +227,6 @@ def testKindKeyIgnoresOnlyTheName():
     pipeline_layers.Dense.Params().Set(name=n, input_dim=DIM, output_dim=d)
     for n, d in (('a', DIM), ('b', DIM), ('c', DIM + 1))
   )
-  key = layer_function._KindKey
+  key = layer_function.KindKey
   assert key(a.Instantiate()) == key(b.Instantiate())
   assert key(a.Instantiate()) != key(c.Instantiate())
