@@ -57,7 +57,17 @@ from lingvo_gpipe.pipeline import graph_ops
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 
-__all__ = ['ClockLoops', 'Stacked']
+__all__ = ['ClockLoops', 'PARALLEL_TICKS', 'Stacked']
+
+# Ticks of a loop that may run at once. Each tick runs every cell once, so
+# the pipeline's cells run concurrently within one tick; more ticks at once
+# let a device run ahead of the schedule. Over worker processes each worker
+# runs its own part of a loop, and with every tick allowed at once a
+# pipeline-8 AmoebaNet-D (D=40, 24 cells, M=32) peaked at 108-191 MiB on
+# one device, run to run, against 26 MiB with 2 ticks (23 MiB with 1),
+# for a steady step 4-7% slower than with every tick (9-13% with 1;
+# docs/benchmarks.md). The values are the same whatever the number.
+PARALLEL_TICKS = 2
 
 
 def _NonNone(structure):
@@ -331,7 +341,7 @@ class ClockLoops:
       lambda t, *_: t < num_ticks,
       Body,
       (tf.constant(0), init, lists0),
-      parallel_iterations=num_ticks,
+      parallel_iterations=min(PARALLEL_TICKS, num_ticks),
     )
     run.lists = lists
     self._Results(run, num_r, num_k)
@@ -609,7 +619,7 @@ class ClockLoops:
       lambda s, *_: s < num_ticks,
       Body,
       (tf.constant(0), init, lists0),
-      parallel_iterations=num_ticks,
+      parallel_iterations=min(PARALLEL_TICKS, num_ticks),
     )
     in_grads = {}
     for r in range(num_r):

@@ -13,6 +13,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.pipeline import clock_loop
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import graphs
 from tests.testing import pipeline_layers
@@ -199,6 +200,18 @@ def testLoopsTakeEachCellsWeightsAsOneList():
   # Compiled cells take their weights one by one (XLA takes no lists).
   four, twelve = _LoopInputs(4, True), _LoopInputs(12, True)
   assert [b - a for a, b in zip(four, twelve)] == [16, 16], (four, twelve)
+
+
+def testLoopsRunAtMostTwoTicksAtOnce():
+  """Every tick allowed at once let a worker process run ahead of the
+  schedule: 4-7x the memory on a device (clock_loop.PARALLEL_TICKS)."""
+  graph = _StepGraph(4)
+  loops = [
+    op.get_attr('parallel_iterations')
+    for op in graph.get_operations()
+    if op.type in ('While', 'StatelessWhile')
+  ]
+  assert loops == [clock_loop.PARALLEL_TICKS] * 2 == [2, 2], loops
 
 
 @pytest.mark.parametrize(
