@@ -8,10 +8,8 @@ import tensorflow as tf
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
-from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import pipeline_layers
 
-DEVICES = pipeline_layers.DEVICES
 DIM = 6
 
 
@@ -22,18 +20,12 @@ def _Dense(i):
 
 
 def _Pipe(layers, num_stages=4, loop=False, jit=False):
-  return (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layers,
-      num_stages=num_stages,
-      num_micro_batches=2,
-      devices=DEVICES[:num_stages],
-      micro_batch_loop=loop,
-      jit_compile=jit,
-    )
-    .Instantiate()
+  return pipeline_layers.Pipe(
+    layers,
+    num_stages,
+    num_micro_batches=2,
+    micro_batch_loop=loop,
+    jit_compile=jit,
   )
 
 

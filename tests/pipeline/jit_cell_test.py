@@ -24,18 +24,13 @@ DEVICES = plt.DEVICES
 
 
 def _Pipe(layers, k, m, policy='always', jit=True, devices=None):
-  return (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layers,
-      num_stages=k,
-      num_micro_batches=m,
-      devices=devices or DEVICES[:k],
-      recompute=policy,
-      jit_compile=jit,
-    )
-    .Instantiate()
+  return plt.Pipe(
+    layers,
+    k,
+    num_micro_batches=m,
+    devices=devices or DEVICES[:k],
+    recompute=policy,
+    jit_compile=jit,
   )
 
 

@@ -10,11 +10,9 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
 from lingvo_gpipe.pipeline import layer_function
-from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import graphs
 from tests.testing import pipeline_layers
 
-DEVICES = pipeline_layers.DEVICES
 DIM = 6
 
 
@@ -42,19 +40,13 @@ def _Layers(num_blocks, random_scale=False):
 
 
 def _Pipe(layers, share, num_stages=2, num_mb=2, recompute='always', loop=True):
-  return (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layers,
-      num_stages=num_stages,
-      num_micro_batches=num_mb,
-      devices=DEVICES[:num_stages],
-      recompute=recompute,
-      share_layer_functions=share,
-      micro_batch_loop=loop,
-    )
-    .Instantiate()
+  return pipeline_layers.Pipe(
+    layers,
+    num_stages,
+    num_micro_batches=num_mb,
+    recompute=recompute,
+    share_layer_functions=share,
+    micro_batch_loop=loop,
   )
 
 

@@ -39,17 +39,12 @@ def _Step(pipe, weights, jit_compile):
 
 
 def _AssertSameStep(layer_params, inputs, weights, num_stages, policy):
-  pipe = (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layer_params,
-      num_stages=num_stages,
-      num_micro_batches=2,
-      devices=[DEVICE] * num_stages,
-      recompute=policy,
-    )
-    .Instantiate()
+  pipe = pipeline_layers.Pipe(
+    layer_params,
+    num_stages,
+    num_micro_batches=2,
+    devices=[DEVICE] * num_stages,
+    recompute=policy,
   )
   expected = _Step(pipe, weights, False)(inputs)
   actual = _Step(pipe, weights, True)(inputs)

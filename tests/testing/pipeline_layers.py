@@ -16,6 +16,18 @@ DEVICES = [f'/device:CPU:{i}' for i in range(4)]
 SCHEDULES = pipelining_layer.SCHEDULES
 
 
+def Pipe(layers, num_stages=2, **params):
+  """A `PipeliningLayer` named 'pipe' of `layers` in `num_stages` cells, on
+  the first `num_stages` of DEVICES unless `devices` is given; `params` set
+  the rest of its Params."""
+  params.setdefault('devices', DEVICES[:num_stages])
+  return (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(name='pipe', layers=layers, num_stages=num_stages, **params)
+    .Instantiate()
+  )
+
+
 def Devices(schedule, num_cells):
   """The devices of a pipeline of `num_cells`: 'interleaved' puts two cells
   on each device (cell k on device k mod D)."""
