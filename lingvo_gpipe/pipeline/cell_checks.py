@@ -11,6 +11,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
+from lingvo_gpipe.pipeline import graph_ops
 
 __all__ = ['TraceCounter', 'XlaCheck']
 
@@ -132,12 +133,9 @@ class XlaCheck:
     specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
     device_type = _DeviceType(tensors)
     with tf.init_scope():
-      graph_def = f.fn.get_concrete_function(*specs).graph.as_graph_def()
-    nodes = list(graph_def.node)
-    for fn in graph_def.library.function:
-      nodes += fn.node_def
+      graph = f.fn.get_concrete_function(*specs).graph
     bad = []
-    for node in nodes:
+    for node in graph_ops.NodeDefs(graph):
       ok = self._Supported(device_type, node)
       if ok is None:
         return

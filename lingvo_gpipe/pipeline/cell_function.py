@@ -132,10 +132,7 @@ def _Serves(f):
     for concrete in concretes:
       if not ok:
         break
-      graph_def = concrete.graph.as_graph_def()
-      ops = {n.op for n in graph_def.node}
-      for fn in graph_def.library.function:
-        ops.update(n.op for n in fn.node_def)
+      ops = {n.op for n in graph_ops.NodeDefs(concrete.graph)}
       ok = not concrete.captured_inputs and not any('Random' in o for o in ops)
     f.meta['serves'] = ok
   return f.meta['serves']

@@ -3,7 +3,7 @@
 Ordering (`After`), copies the graph optimizer cannot merge (`FreshCopies`),
 timestamps that do not serialize the cells (`Stamp`), and the gradient sum
 that adds each micro-batch's gradient as soon as it is ready
-(`SumGradients`).
+(`SumGradients`), and every node of a traced graph (`NodeDefs`).
 """
 
 import contextlib
@@ -21,6 +21,7 @@ __all__ = [
   'FreshCopies',
   'Stamp',
   'Opaque',
+  'NodeDefs',
 ]
 
 
@@ -128,3 +129,13 @@ def Opaque(structure):
     return tf.raw_ops.PlaceholderWithDefault(input=t, shape=t.shape)
 
   return tf.nest.map_structure(Wrap, structure)
+
+
+def NodeDefs(graph):
+  """Every NodeDef of `graph` and of the functions it calls (those of its
+  function library), as one list."""
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for fn in graph_def.library.function:
+    nodes += fn.node_def
+  return nodes
