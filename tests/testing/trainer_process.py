@@ -3,8 +3,8 @@
 Each run is bounded by a timeout; `Proc` runs one in the background and is
 always killed on `Close()`.
 
-A run is forked from a warm trainer (`trainer_forkserver.py`, one per test
-process, started at the first run) instead of starting Python and
+A run is forked from a warm trainer (`lingvo_gpipe.core.fork_server`, one
+per test process, started at the first run) instead of starting Python and
 TensorFlow anew: the same binary, arguments, environment and working
 directory, its own process, pid, signals and exit status, in a fraction of
 the time. Runs that need TensorFlow's native warnings (read when TensorFlow
@@ -12,20 +12,14 @@ is imported), or any run when LINGVO_GPIPE_TEST_FORK=0, start a fresh
 process.
 """
 
-import atexit
-import json
 import os
 import pathlib
-import select
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
+from lingvo_gpipe.core import fork_server
 from lingvo_gpipe.runners import checkpointer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -59,100 +53,24 @@ def Env(native_warnings=False):
   return env
 
 
-class _Server:
-  """The test process's fork server (started once; None if it cannot)."""
-
-  _lock = threading.Lock()
-  _path = None
-  _proc = None
-
-  @classmethod
-  def Path(cls):
-    if os.environ.get('LINGVO_GPIPE_TEST_FORK', '1') == '0':
-      return None
-    with cls._lock:
-      if cls._proc is None:
-        tmp = tempfile.mkdtemp(prefix='trainer_fork_')
-        cls._path = os.path.join(tmp, 'socket')
-        cls._proc = subprocess.Popen(
-          [sys.executable, '-m', 'tests.testing.trainer_forkserver', cls._path],
-          cwd=REPO,
-          env=Env(),
-          stdin=subprocess.DEVNULL,
-          stdout=subprocess.DEVNULL,
-        )
-        atexit.register(cls._proc.kill)
-        atexit.register(shutil.rmtree, tmp, True)
-        deadline = time.time() + TIMEOUT
-        while not os.path.exists(cls._path):
-          if cls._proc.poll() is not None or time.time() > deadline:
-            cls._proc.kill()
-            cls._path = None
-            break
-          time.sleep(0.05)
-      return cls._path
+# What the warm trainer has imported before it forks a run.
+_WARM = ('lingvo_gpipe.trainer', 'params')
 
 
-class _Forked:
-  """The `subprocess.Popen` surface the tests use, for a forked run."""
-
-  def __init__(self, argv, stdout_fd, stderr_fd, path):
-    self.args = argv
-    self.returncode = None
-    self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    self._conn.connect(path)
-    request = dict(argv=argv[3:], env=Env(), cwd=str(REPO))
-    socket.send_fds(
-      self._conn, [json.dumps(request).encode()], [stdout_fd, stderr_fd]
-    )
-    self._pending = b''
-    self.pid = int(self._Line(TIMEOUT))
-
-  def _Line(self, timeout):
-    deadline = None if timeout is None else time.time() + timeout
-    while b'\n' not in self._pending:
-      left = None if deadline is None else max(0.0, deadline - time.time())
-      if not select.select([self._conn], [], [], left)[0]:
-        raise subprocess.TimeoutExpired(self.args, timeout)
-      chunk = self._conn.recv(64)
-      if not chunk:
-        raise RuntimeError('The trainer fork server is gone.')
-      self._pending += chunk
-    line, self._pending = self._pending.split(b'\n', 1)
-    return line.decode()
-
-  def poll(self):
-    if self.returncode is None:
-      try:
-        self.returncode = int(self._Line(0))
-        self._conn.close()
-      except subprocess.TimeoutExpired:
-        pass
-    return self.returncode
-
-  def wait(self, timeout=None):
-    if self.returncode is None:
-      self.returncode = int(self._Line(timeout))
-      self._conn.close()
-    return self.returncode
-
-  def send_signal(self, sig):
-    if self.poll() is None:
-      os.kill(self.pid, sig)
-
-  def kill(self):
-    self.send_signal(signal.SIGKILL)
-
-  def terminate(self):
-    self.send_signal(signal.SIGTERM)
+def _Server():
+  """The test process's warm trainer (lingvo_gpipe.core.fork_server; None
+  when runs start fresh)."""
+  if os.environ.get('LINGVO_GPIPE_TEST_FORK', '1') == '0':
+    return None
+  return fork_server.Shared(_WARM, env=Env())
 
 
 def _Start(argv, stdout_fd, stderr_fd, native_warnings=False):
   """A forked run when the fork server serves, else None."""
-  path = None if native_warnings else _Server.Path()
-  if path is None:
+  server = None if native_warnings else _Server()
+  if server is None:
     return None
-  return _Forked(argv, stdout_fd, stderr_fd, path)
+  return server.Start(argv[2], argv[3:], Env(), str(REPO), stdout_fd, stderr_fd)
 
 
 def _Read(fd, out, key):
@@ -162,14 +80,13 @@ def _Read(fd, out, key):
 
 def Run(*args, model=MODEL, timeout=TIMEOUT):
   argv = Cmd(*args, model=model)
-  path = _Server.Path()
-  if path is None:
+  if _Server() is None:
     return subprocess.run(
       argv, cwd=REPO, env=Env(), capture_output=True, text=True, timeout=timeout
     )
   (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
   try:
-    proc = _Forked(argv, out_w, err_w, path)
+    proc = _Start(argv, out_w, err_w)
   finally:
     os.close(out_w)
     os.close(err_w)
