@@ -4,7 +4,6 @@ worker that dies during training.
 
 import os
 import signal
-import subprocess
 import time
 
 import numpy as np
@@ -186,14 +185,7 @@ def testRemoteWorkersAndAWorkerDyingMidTraining(tmp_path):
     assert _HeldBytes(local, 0) - idle < _LEFT_PER_RUN, _HeldBytes(local, 0)
     # Restart the worker; the trainer resumes from the checkpoint.
     local.Restart(1)
-    res = subprocess.run(
-      trainer_process.Cmd(*args, f'--max_steps={saved + 3}'),
-      cwd=trainer_process.REPO,
-      env=trainer_process.Env(),
-      capture_output=True,
-      text=True,
-      timeout=trainer_process.TIMEOUT,
-    )
+    res = trainer_process.Run(*args, f'--max_steps={saved + 3}')
     assert res.returncode == 0, res.stderr[-3000:]
     assert f'Restored {last}.' in res.stderr, res.stderr[-3000:]
     assert trainer_process.Latest(train_dir) == saved + 3

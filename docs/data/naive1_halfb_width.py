@@ -2,7 +2,8 @@
 
 The same LM in one cell, one micro-batch, recompute='never', on one device;
 3 training steps; prints the parameters and the allocator's peak. Run from
-the repository root: python docs/data/naive1_halfb_width.py LAYERS
+the repository root: python docs/data/naive1_halfb_width.py LAYERS [HIDDEN]
+(HIDDEN: the feed-forward's hidden width, 8192 by default; d stays 2048).
 """
 
 import json
@@ -19,10 +20,12 @@ from lingvo_gpipe import model_registry  # noqa: E402
 from params.lm import one_billion_wds  # noqa: E402
 
 LAYERS = int(sys.argv[1])
+HIDDEN = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 
 
 class Naive(one_billion_wds.OneBWdsGPipeTransformerHalfB):
   NUM_LAYERS = LAYERS
+  HIDDEN_DIM = HIDDEN
   SPLITS = [LAYERS]
   NUM_MICRO_BATCHES = 1
 
@@ -50,6 +53,7 @@ def main():
     json.dumps(
       dict(
         layers=LAYERS,
+        hidden=HIDDEN,
         params=params,
         peak_gib=peak / 2**30,
         s=time.time() - start,
