@@ -343,11 +343,13 @@ class LocalCluster:
         proc = server.Start(
           _WORKER_MODULE, self.Command(task)[3:], env, None, null, write
         )
+        proc.stderr = os.fdopen(read, 'rb')
+        return proc
+      except OSError:  # The server is gone: start this worker afresh.
+        os.close(read)
       finally:
         os.close(write)
         os.close(null)
-      proc.stderr = os.fdopen(read, 'rb')
-      return proc
     return subprocess.Popen(
       self.Command(task),
       env=env,
