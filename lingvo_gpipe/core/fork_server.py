@@ -9,9 +9,10 @@ is one process that imports the modules it will run, runs no TensorFlow op
 Each child becomes `python -m MODULE ARGS` would: its own pid, arguments,
 environment, working directory, standard streams, signals and exit status.
 
-    server = fork_server.Shared(('lingvo_gpipe.runners.tf_server',))
-    proc = server.Start('lingvo_gpipe.runners.tf_server', ['--task_index=0'],
-                        env=os.environ, stdout=fd, stderr=fd)
+    worker = 'lingvo_gpipe.runners.tf_server'
+    server = fork_server.Shared(('tensorflow', worker))
+    proc = server.Start(worker, ['--task_index=0'], env=os.environ,
+                        stdout=fd, stderr=fd)
     proc.poll(); proc.wait(timeout); proc.kill(); proc.pid
 
 `proc` has the surface of `subprocess.Popen` that a caller of a worker
