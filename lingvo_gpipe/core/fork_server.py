@@ -44,15 +44,21 @@ import threading
 import time
 import traceback
 
-__all__ = ['Forked', 'Server', 'Shared']
+__all__ = ['DieWithParent', 'Forked', 'Server', 'Shared']
 
 # Seconds a server may take to import its modules and listen.
 START_TIMEOUT_S = 120
 
 
-def _DieWithParent():
-  """SIGKILL this process when its parent exits (Linux; the parent here is
-  the single-threaded server, so its thread is the process)."""
+def DieWithParent():
+  """SIGKILL this process when its parent exits (Linux; a no-op elsewhere).
+
+  For a child: a local worker outliving the process that started it
+  (killed, or crashed before it stopped the worker) would hold its memory and
+  ports forever. The kernel ties this to the parent's thread that started
+  the child: start children from a thread that lives as long as they do
+  (the main thread, or this module's single-threaded server).
+  """
   try:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -66,7 +72,7 @@ def _Child(request, fds, close):
   try:
     for fd in close:
       os.close(fd)
-    _DieWithParent()
+    DieWithParent()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -172,7 +178,7 @@ class Forked:
         raise subprocess.TimeoutExpired(self.args, timeout)
       chunk = self._conn.recv(64)
       if not chunk:
-        # The server is gone, and its children with it (_DieWithParent).
+        # The server is gone, and its children with it (DieWithParent).
         return str(-signal.SIGKILL)
       self._pending += chunk
     line, self._pending = self._pending.split(b'\n', 1)

@@ -15,7 +15,6 @@ same class.
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -207,24 +206,6 @@ _WARM_MODULES = (
 )
 
 
-def _DieWithParent():
-  """In a child before exec: SIGKILL it when the parent dies (Linux).
-
-  A local worker outliving the process that started it (killed, or crashed
-  before `Stop`) would hold its memory and ports forever. (The kernel ties
-  this to the starting thread: start a LocalCluster from a thread that lives
-  as long as the cluster, e.g. the main thread.)
-  """
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-  except (OSError, AttributeError):
-    pass
-
-
 class LocalCluster:
   """n TensorFlow server processes on 127.0.0.1.
 
@@ -355,7 +336,7 @@ class LocalCluster:
       env=env,
       stdout=subprocess.DEVNULL,
       stderr=subprocess.PIPE,
-      preexec_fn=_DieWithParent,
+      preexec_fn=fork_server.DieWithParent,
     )
 
   def _WaitReady(self, task):
