@@ -121,6 +121,7 @@ def testNothingOutlivesTheProcessThatStartedTheServer(server):
 def testSharedIsOneServerPerModulesStartedAgainIfItDiedAndCanBeTurnedOff(
   monkeypatch,
 ):
+  monkeypatch.delenv('LINGVO_GPIPE_FORK_SERVER', raising=False)
   first = fork_server.Shared(('json',))
   assert first is fork_server.Shared(('json',)) and first.Alive()
   first.Close()
