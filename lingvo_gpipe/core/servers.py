@@ -291,10 +291,11 @@ class LocalCluster:
 
   def Command(self, task):
     """The command line of worker `task` (what tools/local_cluster prints)."""
+    return [sys.executable, '-m', _WORKER_MODULE, *self._Args(task)]
+
+  def _Args(self, task):
+    """Worker `task`'s arguments to `_WORKER_MODULE`."""
     cmd = [
-      sys.executable,
-      '-m',
-      _WORKER_MODULE,
       f'--cluster_spec={json.dumps(self.cluster_spec)}',
       f'--job_name={self.job}',
       f'--task_index={task}',
@@ -322,7 +323,7 @@ class LocalCluster:
       null = os.open(os.devnull, os.O_WRONLY)
       try:
         proc = server.Start(
-          _WORKER_MODULE, self.Command(task)[3:], env, None, null, write
+          _WORKER_MODULE, self._Args(task), env, None, null, write
         )
         proc.stderr = os.fdopen(read, 'rb')
         return proc
