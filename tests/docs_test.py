@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.testing import warm_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = '<!-- runnable -->'
 _RUNNABLE = re.compile(re.escape(MARKER) + r'\n```python\n(.*?)```', re.S)
@@ -81,11 +83,9 @@ def testSeveralGuidesHaveRunnableBlocks():
 @pytest.mark.parametrize('code', _AllRunnable())
 def testRunnableBlockRuns(code, tmp_path):
   (tmp_path / 'block.py').write_text(code)
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, 'block.py'],
     cwd=tmp_path,
-    capture_output=True,
-    text=True,
     timeout=300,
     env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
   )

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.testing import warm_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,11 +26,9 @@ def testExampleRuns(tmp_path, index):
   assert len(blocks) == 2, 'README has not the custom-layer and Keras examples'
   script = tmp_path / 'example.py'
   script.write_text(blocks[index])
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, str(script)],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=300,
     env=dict(os.environ, PYTHONPATH=ROOT),
   )

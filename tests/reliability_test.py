@@ -21,6 +21,7 @@ import tensorflow as tf
 from lingvo_gpipe.input import imagenet
 from lingvo_gpipe.runners import checkpointer
 from tests.testing import trainer_process
+from tests.testing import warm_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL = 'image.imagenet.MlpImageNetTiny'
@@ -87,12 +88,10 @@ def _Cmd(logdir, files, *args):
 
 
 def _Train(logdir, files, *args, timeout=TIMEOUT):
-  return subprocess.run(
+  return warm_python.Run(
     _Cmd(logdir, files, *args),
     cwd=REPO,
     env=_Env(),
-    capture_output=True,
-    text=True,
     timeout=timeout,
   )
 

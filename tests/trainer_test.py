@@ -717,7 +717,7 @@ def testTrainerRunsAreForkedFromAWarmTrainer(tmp_path):
   try:
     with open(f'/proc/{proc.proc.pid}/stat') as f:
       parent = int(f.read().rsplit(')', 1)[1].split()[1])
-    assert parent == trainer_process._Server()._proc.pid  # pylint: disable=protected-access
+    assert parent == trainer_process.Server()._proc.pid  # pylint: disable=protected-access
     assert proc.proc.wait(timeout=60) == 0, proc.Log()[-3000:]
   finally:
     proc.Close()

@@ -90,6 +90,8 @@ def _Child(request, fds, close):
       code = status if isinstance(status, int) else 0
     except SystemExit as e:
       code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+      if not isinstance(e.code, (int, type(None))):
+        print(e.code, file=sys.stderr)  # As Python does: exit('message').
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()
   finally:

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import cluster
+from tests.testing import warm_python
 
 ROOT = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,13 +87,11 @@ def testSplitGpuWithoutGpuNamesTheFix():
 
 
 def _RunScript(script, timeout):
-  """Runs `script` in a fresh Python (connecting to a cluster changes the
-  process's TensorFlow context); its CompletedProcess, text captured."""
-  return subprocess.run(
+  """Runs `script` in a process of its own (connecting to a cluster changes
+  the process's TensorFlow context); its CompletedProcess, text captured."""
+  return warm_python.Run(
     [sys.executable, '-c', script],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=timeout,
     env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
   )
@@ -167,9 +166,7 @@ def testLocalWorkersDieWithTheProcessThatStartedThem():
     'print(c.pids[0], flush=True)\n'
     'os._exit(0)  # no Stop(): as if killed\n'
   )
-  out = subprocess.run(
-    [sys.executable, '-c', code], capture_output=True, text=True, timeout=120
-  )
+  out = warm_python.Run([sys.executable, '-c', code], timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   pid = int(out.stdout.split()[-1])
   deadline = time.time() + 20

@@ -24,6 +24,8 @@ _MODULE = textwrap.dedent("""\
       time.sleep(60)
     if sys.argv[1] == 'raise':
       raise ValueError('bad run')
+    if sys.argv[1] == 'exit':
+      sys.exit('exit message')
     return int(sys.argv[1])
   """)
 
@@ -68,6 +70,12 @@ def testAnExceptionIsStatusOneWithItsTraceback(server, tmp_path):
   proc, out = _Run(server, ['raise'], tmp_path)
   assert proc.wait(timeout=30) == 1
   assert 'ValueError: bad run' in _ReadAll(out)
+
+
+def testSystemExitWithAMessageWritesItAndIsStatusOne(server, tmp_path):
+  proc, out = _Run(server, ['exit'], tmp_path)
+  assert proc.wait(timeout=30) == 1
+  assert 'to stderr\nexit message\n' in _ReadAll(out)
 
 
 def testASignalIsANegativeStatusAndPollWaits(server, tmp_path):

@@ -9,7 +9,6 @@ here), restoring the network and not the softmax, whose classes differ.
 
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.runners import checkpointer
+from tests.testing import warm_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT = 240
@@ -39,9 +39,7 @@ def _Run(model, *args):
     '--mode=sync',
     *args,
   ]
-  return subprocess.run(
-    cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT
-  )
+  return warm_python.Run(cmd, cwd=REPO, env=env, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope='module')

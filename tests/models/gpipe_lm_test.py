@@ -4,7 +4,6 @@ and the tiny one trained by the trainer on the offline demo corpus."""
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ from lingvo_gpipe.core import optimizer
 from lingvo_gpipe.core.nested_map import NestedMap
 from lingvo_gpipe.models import gpipe_lm
 from lingvo_gpipe.tools import inspect_model
+from tests.testing import warm_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WPM = 'lm.one_billion_wds.OneBWdsGPipeTransformerWPM'
@@ -188,7 +188,7 @@ def testTinyTrainsThroughTheTrainerAndPerplexityFalls(tmp_path):
   )
 
   def Run(logdir, steps):
-    res = subprocess.run(
+    res = warm_python.Run(
       [
         sys.executable,
         '-m',
@@ -202,8 +202,6 @@ def testTinyTrainsThroughTheTrainerAndPerplexityFalls(tmp_path):
       ],
       cwd=REPO,
       env=env,
-      capture_output=True,
-      text=True,
       timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]

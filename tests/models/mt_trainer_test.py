@@ -9,12 +9,12 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 
 from lingvo_gpipe.runners import checkpointer
+from tests.testing import warm_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = 'mt.multilingual.TransformerTiny'
@@ -33,7 +33,7 @@ def _Env(cache):
 def testTinyTransformerTrainsAndIsScored(tmp_path):
   logdir = tmp_path / 'logdir'
   env = _Env(tmp_path / 'cache')
-  res = subprocess.run(
+  res = warm_python.Run(
     [
       sys.executable,
       '-m',
@@ -48,8 +48,6 @@ def testTinyTransformerTrainsAndIsScored(tmp_path):
     ],
     cwd=REPO,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=180,
   )
   assert res.returncode == 0, res.stderr[-3000:]
@@ -62,7 +60,7 @@ def testTinyTransformerTrainsAndIsScored(tmp_path):
   )
   assert checkpointer.LatestCheckpoint(str(logdir / 'train')).endswith('ckpt-3')
   out = tmp_path / 'bleu.json'
-  res = subprocess.run(
+  res = warm_python.Run(
     [
       sys.executable,
       str(REPO / 'tools' / 'eval_bleu.py'),
@@ -76,8 +74,6 @@ def testTinyTransformerTrainsAndIsScored(tmp_path):
     ],
     cwd=REPO,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert res.returncode == 0, res.stderr[-3000:]
@@ -107,7 +103,7 @@ def testTinyTransformerTrainsWithOneFOneBLikeGPipe(tmp_path):
   gradient norms, step by step, as with the default 'gpipe'."""
   logs = {}
   for schedule in ('gpipe', '1f1b'):
-    res = subprocess.run(
+    res = warm_python.Run(
       [
         sys.executable,
         '-m',
@@ -123,8 +119,6 @@ def testTinyTransformerTrainsWithOneFOneBLikeGPipe(tmp_path):
       ],
       cwd=REPO,
       env=_Env(tmp_path / 'cache'),
-      capture_output=True,
-      text=True,
       timeout=240,
     )
     assert res.returncode == 0, res.stderr[-3000:]

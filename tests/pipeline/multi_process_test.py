@@ -6,9 +6,9 @@ TensorFlow context, which the other tests must not see.
 """
 
 import os
-import subprocess
 import sys
 import textwrap
+from tests.testing import warm_python
 
 ROOT = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,11 +60,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def testPipelineAcrossTwoWorkerProcessesMatchesOneProcess():
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, '-c', SCRIPT],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=240,
     env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL='2'),
   )
@@ -82,11 +80,9 @@ def testUnreachableWorkerFailsFastNamingTheAddress():
       except TimeoutError as e:
         print('TIMEOUT', round(time.time() - start), e)
   """)
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, '-c', script],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=120,
     env=dict(os.environ, PYTHONPATH=ROOT),
   )

@@ -258,21 +258,20 @@ print('OVERLAP', best)
 def testCellsOverlapInTrace():
   """Cell 0 runs micro-batch m+1 while cell 1 runs m: seen in a trace.
 
-  Runs in a fresh process with one intra-op and two inter-op threads, so two
-  virtual devices can run one op each at the same time.
+  Runs in a process of its own with one intra-op and two inter-op threads,
+  so two virtual devices can run one op each at the same time.
   """
   import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
+  from tests.testing import warm_python  # pylint: disable=g-import-not-at-top
 
   root = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   )
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, '-c', _OVERLAP_SCRIPT],
     cwd=root,
-    capture_output=True,
-    text=True,
     timeout=300,
     env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL='2'),
   )

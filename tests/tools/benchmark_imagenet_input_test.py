@@ -4,8 +4,8 @@ import json
 import os
 import pathlib
 import runpy
-import subprocess
 import sys
+from tests.testing import warm_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / 'tools' / 'benchmark_imagenet_input.py'
@@ -13,11 +13,9 @@ TOOL = ROOT / 'tools' / 'benchmark_imagenet_input.py'
 
 def _Run(*args):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
-  return subprocess.run(
+  return warm_python.Run(
     [sys.executable, str(TOOL), *args],
     env=env,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
 

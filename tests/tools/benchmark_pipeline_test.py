@@ -4,12 +4,12 @@
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from lingvo_gpipe.tools import benchmark_pipeline
+from tests.testing import warm_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def testJitCompileBothGivesRowsWithAndWithout(tmp_path):
   out_json = tmp_path / 'bench.json'
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
-  res = subprocess.run(
+  res = warm_python.Run(
     [
       sys.executable,
       str(ROOT / 'tools' / 'benchmark_pipeline.py'),
@@ -35,8 +35,6 @@ def testJitCompileBothGivesRowsWithAndWithout(tmp_path):
       f'--json={out_json}',
     ],
     env=env,
-    capture_output=True,
-    text=True,
     timeout=300,
   )
   assert res.returncode == 0, res.stderr[-3000:]

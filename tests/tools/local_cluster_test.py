@@ -13,6 +13,7 @@ import pytest
 
 from lingvo_gpipe.tools import benchmark_pipeline
 from tests.testing import trainer_process
+from tests.testing import warm_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -55,14 +56,12 @@ def testLauncherServesATrainerAndStops(tmp_path):
     env['TF_CONFIG'] = json.dumps(
       {'cluster': spec, 'task': {'type': 'chief', 'index': 0}}
     )
-    res = subprocess.run(
+    res = warm_python.Run(
       trainer_process.Cmd(
         f'--logdir={logdir}', '--worker_split_size=2', '--max_steps=5'
       ),
       cwd=ROOT,
       env=env,
-      capture_output=True,
-      text=True,
       timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -123,7 +122,7 @@ def testBenchmarkReportsBytesBetweenAndPeakBytesPerWorker(tmp_path):
   # bytes between workers and each worker's peak.
   out_json = tmp_path / 'bench.json'
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=str(ROOT))
-  res = subprocess.run(
+  res = warm_python.Run(
     [
       sys.executable,
       str(ROOT / 'tools' / 'benchmark_pipeline.py'),
@@ -140,8 +139,6 @@ def testBenchmarkReportsBytesBetweenAndPeakBytesPerWorker(tmp_path):
       f'--json={out_json}',
     ],
     env=env,
-    capture_output=True,
-    text=True,
     timeout=300,
   )
   assert res.returncode == 0, res.stderr[-3000:]
@@ -198,9 +195,7 @@ def testBenchmarkSchedulesRecordsAndTimelines(tmp_path, capsys):
     '--trace_micro_batches=4',
     f'--json={out_json}',
   ]
-  res = subprocess.run(
-    cmd, env=env, capture_output=True, text=True, timeout=300
-  )
+  res = warm_python.Run(cmd, env=env, timeout=300)
   assert res.returncode == 0, res.stderr[-3000:]
   result = json.loads(out_json.read_text())
   rows = {(r['schedule'], r['num_cells']): r for r in result['records']}

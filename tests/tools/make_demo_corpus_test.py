@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import runpy
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_demo
 from lingvo_gpipe.input import mt_vocab
+from tests.testing import warm_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _SMALL = dict(
@@ -112,12 +112,10 @@ def _InProcess(name, capsys, *args):
 
 def _Tool(name, *args):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run(
+  return warm_python.Run(
     [sys.executable, str(REPO / 'tools' / name), *args],
     cwd=REPO,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
 

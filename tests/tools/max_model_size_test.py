@@ -6,12 +6,12 @@ the search's logic runs on faked trials, and the flag errors in-process.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from lingvo_gpipe.tools import max_model_size
+from tests.testing import warm_python
 
 _TOOL = os.path.join(
   os.path.dirname(__file__), '..', '..', 'tools', 'max_model_size.py'
@@ -19,10 +19,8 @@ _TOOL = os.path.join(
 
 
 def _Run(*flags, timeout=600):
-  return subprocess.run(
+  return warm_python.Run(
     [sys.executable, _TOOL, *flags],
-    capture_output=True,
-    text=True,
     timeout=timeout,
   )
 

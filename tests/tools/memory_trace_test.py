@@ -3,9 +3,9 @@
 import json
 import os
 import runpy
-import subprocess
 import sys
 import textwrap
+from tests.testing import warm_python
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -42,10 +42,8 @@ _TRACE = textwrap.dedent("""
 
 def testPeakOfATracedWorker(tmp_path, capsys):
   trace = str(tmp_path / 'trace')
-  out = subprocess.run(
+  out = warm_python.Run(
     [sys.executable, '-c', _TRACE, trace],
-    capture_output=True,
-    text=True,
     timeout=300,
     cwd=_ROOT,
   )
