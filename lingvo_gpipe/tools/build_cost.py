@@ -17,6 +17,12 @@ It reports
   to_first_s    trace_s + first_s: from the call to the first step's end
   step_s        a steady step (median of --steps calls)
   rss_mb        the peak resident memory of this (driving) process
+  cpu_s         the CPU seconds of this process, from the trace to the end
+                of the first step (more than to_first_s where its threads
+                ran at once)
+  workers_cpu_s with --mode=multi_process: the CPU seconds of the K
+                workers together, from their start to the end of the
+                first step (their compiles of XLA-compiled cells included)
 
 A configuration is `model:L=..:K=..:M=..`, optionally `:jit` (XLA-compiled
 cells), `:shared` (share_layer_functions='auto': identical layers of 48 ops
@@ -65,6 +71,8 @@ COLUMNS = (
   'to_first_s',
   'step_s',
   'rss_mb',
+  'cpu_s',
+  'workers_cpu_s',
 )
 
 
@@ -208,6 +216,13 @@ def _Model(config, devices):
   return pipe, Inputs, opt
 
 
+def _CpuSeconds(pid='self'):
+  """User + system CPU seconds of process `pid` so far (Linux)."""
+  with open(f'/proc/{pid}/stat', encoding='ascii') as f:
+    fields = f.read().rsplit(')', 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
 def _PeakRssMb():
   with open('/proc/self/status', encoding='ascii') as f:
     for line in f:
@@ -269,7 +284,7 @@ def RunOne(config, mode, steps):
       updates.Apply()
       return loss, grads
 
-    t0 = time.time()
+    t0, cpu0 = time.time(), _CpuSeconds()
     concrete = Step.get_concrete_function()
     trace_s = time.time() - t0
     graph_def = concrete.graph.as_graph_def()
@@ -279,6 +294,10 @@ def RunOne(config, mode, steps):
     t0 = time.time()
     tf.nest.map_structure(lambda t: t.numpy(), Step())
     first_s = time.time() - t0
+    cpu_s = _CpuSeconds() - cpu0
+    workers_cpu_s = None
+    if local is not None:
+      workers_cpu_s = sum(_CpuSeconds(pid) for pid in local.pids)
     times = []
     for _ in range(steps):
       t0 = time.time()
@@ -296,6 +315,8 @@ def RunOne(config, mode, steps):
       to_first_s=round(trace_s + first_s, 2),
       step_s=round(statistics.median(times), 4),
       rss_mb=round(_PeakRssMb(), 0),
+      cpu_s=round(cpu_s, 1),
+      workers_cpu_s=workers_cpu_s and round(workers_cpu_s, 1),
     )
   finally:
     if local is not None:

@@ -39,6 +39,24 @@ def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
   for r in records:
     assert r['ops'] > 0 and r['fn_ops'] > 0 and r['rss_mb'] > 0
     assert r['to_first_s'] >= r['trace_s'] > 0
+    assert r['cpu_s'] > 0 and r['workers_cpu_s'] is None  # In one process.
   # Each cell's functions once, whatever M: the same function library.
   assert records[0]['fn_ops'] == records[1]['fn_ops']
   assert records[1]['ops'] - records[0]['ops'] < 6 * 2 * 2 * 6
+
+
+def testMultiProcessModeCountsTheWorkersCpu(tmp_path, capsys):
+  path = tmp_path / 'b.json'
+  rc = build_cost.main(
+    [
+      '--configs=fc:L=2:K=2:M=2',
+      '--mode=multi_process',
+      '--steps=1',
+      f'--json={path}',
+    ]
+  )
+  assert rc == 0, capsys.readouterr().out
+  (record,) = json.loads(path.read_text())['records']
+  assert record['mode'] == 'multi_process' and record['ops'] > 0
+  # The two workers ran the step: their CPU seconds are counted.
+  assert record['workers_cpu_s'] > 0 and record['cpu_s'] > 0
