@@ -209,7 +209,8 @@ class CellFunctions:
 
   def PacksWeights(self):
     """Whether calls take weights packed (`cell_layout.PackedWeights`)
-    where they come so: not compiled cells (XLA takes no lists)."""
+    where they come so: not compiled cells (XLA takes no lists; they are
+    unpacked before the call)."""
     return not self._jit
 
   # -- What the engine calls ---------------------------------------------------
@@ -266,7 +267,7 @@ class CellFunctions:
     """The `tf.TensorSpec`s of the flat results of cell k's forward call on
     these arguments (its outputs but None, the loss, the updates'
     statistics), from the function's trace (nothing runs)."""
-    layout, weights = self._Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss, unpack=False)
     loss_fn = None if loss is None else loss.fn
     is_eval = py_utils.IsEval()
     f = self._Forward(k, layout, is_eval, loss_fn, False, weights)
@@ -279,7 +280,7 @@ class CellFunctions:
     k's traced forward on these arguments: the structures its flat results
     unflatten into (the leaves are the trace's tensors). After
     `ForwardSpecs`."""
-    layout, weights = self._Layout(theta_k, args, seed, loss)
+    layout, weights = self._Layout(theta_k, args, seed, loss, unpack=False)
     loss_fn = None if loss is None else loss.fn
     f = self._Forward(k, layout, py_utils.IsEval(), loss_fn, False, weights)
     return f.meta['out'], loss is not None, list(f.meta['updates'])
@@ -406,14 +407,22 @@ class CellFunctions:
       out[i] = t
     return out
 
-  def _Layout(self, theta_k, args, seed, loss):
+  def _Layout(self, theta_k, args, seed, loss, unpack=True):
     """(the `cell_layout.Layout`, the `PackedWeights` the calls pass or
     None): weights come packed from the clock loops; they are passed
-    flat where cells run inline or are compiled (XLA takes no lists)."""
+    flat where cells run inline. Compiled cells take them one by one (XLA
+    takes no lists): they are unpacked here, next to the call, so that the
+    loops and their conds still pass one list per dtype, not each weight
+    (a few ops per weight and tick, run at every tick). `unpack=False`:
+    no call follows (a trace for shapes), so nothing is read."""
     weights = None
     if isinstance(theta_k, cell_layout.PackedWeights):
       weights, theta_k = theta_k, theta_k.theta
-      if not self.PacksWeights() or self.Inline() or tf.executing_eagerly():
+      if self.Inline() or tf.executing_eagerly():
+        weights = None
+      elif not self.PacksWeights():
+        if unpack:
+          theta_k = weights.Unpacked()
         weights = None
     return cell_layout.Layout(theta_k, args, seed, loss), weights
 

@@ -152,6 +152,14 @@ class PackedWeights:
         )
       self.lists.append(packed)
 
+  def Unpacked(self):
+    """The weights' structure, each tensor read from the lists where this
+    is called (in a loop's body the loop then passes only the lists)."""
+    flat = iter(self.Unpack(self.lists))
+    return tf.nest.map_structure(
+      lambda t: next(flat) if py_utils.IsTensor(t) else t, self.theta
+    )
+
   def Unpack(self, lists):
     """The weights' tensors, flat, from `lists` (inside a function)."""
     flat = [None] * self.count

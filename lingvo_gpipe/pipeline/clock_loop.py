@@ -350,9 +350,8 @@ class ClockLoops:
   def _PackWeights(self, theta_k):
     """The weights of a cell as the loops pass them: packed into lists
     (`cell_layout.PackedWeights`: a loop or cond passes each tensor it
-    takes through ops of its own), unless the cells are compiled."""
-    if not self._cells.PacksWeights():
-      return theta_k
+    takes through ops of its own); compiled cells unpack them before each
+    call."""
     return cell_layout.PackedWeights(theta_k)
 
   def _Seeds(self, seed, num_r, num_mb):

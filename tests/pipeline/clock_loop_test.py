@@ -197,9 +197,10 @@ def testLoopsTakeEachCellsWeightsAsOneList():
   # one tensor per dtype, however many layers make them.
   one, three = _LoopInputs(4, batch_norms=1), _LoopInputs(4, batch_norms=3)
   assert one == three, (one, three)
-  # Compiled cells take their weights one by one (XLA takes no lists).
+  # Compiled cells take their weights one by one (XLA takes no lists), but
+  # the loops pass them packed all the same: each call unpacks them first.
   four, twelve = _LoopInputs(4, True), _LoopInputs(12, True)
-  assert [b - a for a, b in zip(four, twelve)] == [16, 16], (four, twelve)
+  assert len(four) == 2 and four == twelve, (four, twelve)
 
 
 def testLoopsRunAtMostTwoTicksAtOnce():
