@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lingvo_gpipe.tools import build_cost
 
 
@@ -45,6 +47,7 @@ def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
   assert records[1]['ops'] - records[0]['ops'] < 6 * 2 * 2 * 6
 
 
+@pytest.mark.slow  # about 8 s: two worker processes
 def testMultiProcessModeCountsTheWorkersCpu(tmp_path, capsys):
   path = tmp_path / 'b.json'
   rc = build_cost.main(
