@@ -6,7 +6,6 @@ timeout, and checks the exit status, the one-line message and that nothing
 hangs.
 """
 
-import os
 import pathlib
 import signal
 import subprocess
@@ -65,12 +64,7 @@ def _Good(path, n=40, seed=0):
 
 
 def _Env():
-  path = os.environ.get('PYTHONPATH', '')
-  return dict(
-    os.environ,
-    TF_CPP_MIN_LOG_LEVEL='2',
-    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
-  )
+  return warm_python.ServerEnv()
 
 
 def _Cmd(logdir, files, *args):

@@ -7,7 +7,6 @@ standing in for ImageNet) -> AmoebaNetTinyCifar100 (CIFAR-100 files written
 here), restoring the network and not the softmax, whose classes differ.
 """
 
-import os
 import pathlib
 import sys
 
@@ -23,12 +22,6 @@ TIMEOUT = 240
 
 
 def _Run(model, *args):
-  path = os.environ.get('PYTHONPATH', '')
-  env = dict(
-    os.environ,
-    TF_CPP_MIN_LOG_LEVEL='2',
-    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
-  )
   cmd = [
     sys.executable,
     '-m',
@@ -39,7 +32,9 @@ def _Run(model, *args):
     '--mode=sync',
     *args,
   ]
-  return warm_python.Run(cmd, cwd=REPO, env=env, timeout=TIMEOUT)
+  return warm_python.Run(
+    cmd, cwd=REPO, env=warm_python.ServerEnv(), timeout=TIMEOUT
+  )
 
 
 @pytest.fixture(scope='module')

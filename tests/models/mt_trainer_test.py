@@ -21,13 +21,7 @@ MODEL = 'mt.multilingual.TransformerTiny'
 
 
 def _Env(cache):
-  path = os.environ.get('PYTHONPATH', '')
-  return dict(
-    os.environ,
-    TF_CPP_MIN_LOG_LEVEL='2',
-    XDG_CACHE_HOME=str(cache),
-    PYTHONPATH=str(REPO) + (os.pathsep + path if path else ''),
-  )
+  return dict(warm_python.ServerEnv(), XDG_CACHE_HOME=str(cache))
 
 
 def testTinyTransformerTrainsAndIsScored(tmp_path):
