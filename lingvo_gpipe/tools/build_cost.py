@@ -18,8 +18,8 @@ It reports
   step_s        a steady step (median of --steps calls)
   rss_mb        the peak resident memory of this (driving) process
   cpu_s         the CPU seconds of this process, from the trace to the end
-                of the first step (more than to_first_s where its threads
-                ran at once)
+                of the first step (counting the ops between them included;
+                more than to_first_s where its threads ran at once)
   workers_cpu_s with --mode=multi_process: the CPU seconds of the K
                 workers together, from their start to the end of the
                 first step (their compiles of XLA-compiled cells included)

@@ -81,6 +81,10 @@ def Popen(cmd, env=None, cwd=None, stdout=None, stderr=None):
   server = Server(env)
   if server is None:
     return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+  return _Start(server, cmd, env, cwd, stdout, stderr)
+
+
+def _Start(server, cmd, env, cwd, stdout, stderr):
   module, argv = _Request(cmd)
   cwd = str(cwd or os.getcwd())
   return server.Start(module, argv, env, cwd, stdout, stderr)
@@ -96,13 +100,14 @@ def Run(cmd, env=None, cwd=None, timeout=None):
   `subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout,
   capture_output=True, text=True)` does."""
   env = dict(os.environ if env is None else env)
-  if Server(env) is None:
+  server = Server(env)
+  if server is None:
     return subprocess.run(
       cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
   (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
   try:
-    proc = Popen(cmd, env, cwd, out_w, err_w)
+    proc = _Start(server, cmd, env, cwd, out_w, err_w)
   finally:
     os.close(out_w)
     os.close(err_w)
