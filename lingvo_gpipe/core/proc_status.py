@@ -6,9 +6,10 @@ first), and `core/worker_memory` parses the same files as read on a remote
 worker, so the parsing lives here, free of TensorFlow.
 """
 
+import os
 import re
 
-__all__ = ['Field', 'ReadStatus']
+__all__ = ['CpuSeconds', 'Field', 'ReadStatus']
 
 
 def Field(text, name):
@@ -30,3 +31,11 @@ def ReadStatus(pid='self', names=('VmRSS', 'VmHWM')):
     return {}
   out = {name: Field(text, name) for name in names}
   return {k: v for k, v in out.items() if v is not None}
+
+
+def CpuSeconds(pid='self'):
+  """User + system CPU seconds of process `pid` so far, from
+  /proc/<pid>/stat."""
+  with open(f'/proc/{pid}/stat', encoding='ascii') as f:
+    fields = f.read().rsplit(')', 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 
+from lingvo_gpipe.core import proc_status
 from lingvo_gpipe.tools import common
 
 DEFAULT_CONFIGS = (
@@ -216,13 +217,6 @@ def _Model(config, devices):
   return pipe, Inputs, opt
 
 
-def _CpuSeconds(pid='self'):
-  """User + system CPU seconds of process `pid` so far (Linux)."""
-  with open(f'/proc/{pid}/stat', encoding='ascii') as f:
-    fields = f.read().rsplit(')', 1)[1].split()
-  return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-
-
 def _PeakRssMb():
   with open('/proc/self/status', encoding='ascii') as f:
     for line in f:
@@ -284,7 +278,7 @@ def RunOne(config, mode, steps):
       updates.Apply()
       return loss, grads
 
-    t0, cpu0 = time.time(), _CpuSeconds()
+    t0, cpu0 = time.time(), proc_status.CpuSeconds()
     concrete = Step.get_concrete_function()
     trace_s = time.time() - t0
     graph_def = concrete.graph.as_graph_def()
@@ -294,10 +288,10 @@ def RunOne(config, mode, steps):
     t0 = time.time()
     tf.nest.map_structure(lambda t: t.numpy(), Step())
     first_s = time.time() - t0
-    cpu_s = _CpuSeconds() - cpu0
+    cpu_s = proc_status.CpuSeconds() - cpu0
     workers_cpu_s = None
     if local is not None:
-      workers_cpu_s = sum(_CpuSeconds(pid) for pid in local.pids)
+      workers_cpu_s = sum(proc_status.CpuSeconds(pid) for pid in local.pids)
     times = []
     for _ in range(steps):
       t0 = time.time()

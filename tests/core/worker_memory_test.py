@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from lingvo_gpipe import trainer_errors
+from lingvo_gpipe.core import proc_status
 from lingvo_gpipe.core import worker_memory
 
 STATUS = 'Name:\tpython\nPid:\t4242\nVmHWM:\t 3276800 kB\nVmRSS:\t 2097152 kB\n'
@@ -121,3 +122,9 @@ def testProcStatusReadsThisProcessWithoutTensorFlow():
     timeout=60,
   )
   assert out.returncode == 0, out.stderr[-2000:]
+
+
+def testCpuSecondsOfThisProcessGrowWithWork():
+  before = proc_status.CpuSeconds()
+  sum(i * i for i in range(3_000_000))
+  assert proc_status.CpuSeconds() > before >= 0
