@@ -103,6 +103,28 @@ def _RuntimeZero(tensors):
   return None
 
 
+def _Cond(active, on, off):
+  """tf.cond(active, on, off) as a list, free to run as soon as its inputs
+  are ready.
+
+  tf.function chains each stateful op of a loop's body after the one built
+  before it (automatic control dependencies), and a cond is stateful when
+  its branch is: a compiled cell's call is (its anchor, `DeepCopy`), and so
+  is a user's cell with a stateful op. Chained, the cells of one tick ran
+  one after another, never two at once (the compiled 32-layer LM over 4
+  devices: a steady step 1.9x that of the same calls item by item). A
+  cell's call takes its weights as tensors and touches no variable, and
+  its order on its device is `after`'s, so no chaining is needed.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  n = len(graph.get_operations())
+  out = list(tf.cond(active, on, off))
+  for op in graph.get_operations()[n:]:
+    if op.type == 'If':
+      _tf_internal.RunIndependently(op)
+  return out
+
+
 def _Zeros(spec, zero):
   """Zeros of `spec`, from the runtime scalar `zero` (see `_RuntimeZero`)."""
   if zero is None:
@@ -324,7 +346,7 @@ class ClockLoops:
           def Off(r=r, k=k):
             return list(state[(r, k)])
 
-          new[(r, k)] = list(tf.cond(active, On, Off))
+          new[(r, k)] = _Cond(active, On, Off)
           lists[(r, k)] = [
             ta.write(t, v) for ta, v in zip(lists[(r, k)], new[(r, k)])
           ]
@@ -599,7 +621,7 @@ class ClockLoops:
           def Off(r=r, k=k):
             return list(state[(r, k)])
 
-          new[(r, k)] = list(tf.cond(active, On, Off))
+          new[(r, k)] = _Cond(active, On, Off)
           if k == 0:
             lists[r] = [
               ta.write(s, v)

@@ -203,6 +203,25 @@ def testLoopsTakeEachCellsWeightsAsOneList():
   assert len(four) == 2 and four == twelve, (four, twelve)
 
 
+def testCellsOfOneTickAreNotChained():
+  """A tick's cells run at once: tf.function chains the stateful ops of a
+  loop's body in program order, and a compiled cell's cond is stateful
+  (its call's anchor). Chained, a tick's cells ran one after another."""
+  library = _StepGraph(4, jit_compile=True).as_graph_def().library
+  conds = [
+    node
+    for f in library.function
+    for node in f.node_def
+    if node.op in ('If', 'StatelessIf')
+  ]
+  assert 'If' in {node.op for node in conds}, conds
+  # Two cells per tick in each loop; no cond waits for another.
+  assert len(conds) == 4, [node.name for node in conds]
+  for node in conds:
+    waits = [i for i in node.input if i.startswith('^')]
+    assert not waits, (node.name, waits)
+
+
 def testLoopsRunAtMostTwoTicksAtOnce():
   """Every tick allowed at once let a worker process run ahead of the
   schedule: 4-7x the memory on a device (clock_loop.PARALLEL_TICKS)."""
