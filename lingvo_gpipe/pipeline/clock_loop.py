@@ -47,6 +47,8 @@ device (in the loop: the previous cell on that device in the same tick, or
 the device's last cell of the tick before), as the work items do.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
@@ -123,6 +125,44 @@ def _Cond(active, on, off):
     if op.type == 'If':
       _tf_internal.RunIndependently(op)
   return out
+
+
+def _DeviceOfInputs(op):
+  """An op's device: its own; an identity without one in a loop's body or
+  a cond's branch, its input's. (Not in the cells' functions, traced
+  inside the loops: they are placed as a whole on their cell's device.)"""
+  if (
+    op.device
+    or op.type != 'Identity'
+    or not getattr(op.graph, 'is_control_flow_graph', False)
+  ):
+    return op.device
+  for t in op.inputs:
+    if t.device:
+      return t.device
+  return ''
+
+
+def _Placed(compiled):
+  """A scope for building a loop of compiled cells, in which each identity
+  without a device in the loop's body or a cond's branch goes to the
+  device of its input.
+
+  tf.function passes every value a loop's body (and a cond's branch)
+  returns through an identity it builds after the body, outside the cells'
+  device scopes. Unplaced, those identities went to the first device (the
+  driver, over worker processes), and with compiled cells, whose calls
+  read their weights from the lists inside the branch, TensorFlow's
+  placer left them there: at every tick each cell's state and results
+  crossed to that device and back. The compiled 64-layer LM over 8 worker
+  processes sent 1.0 GB per step through the host's loopback, 32 MB with
+  the identities placed. Cells that are not compiled do not need it, and
+  lose by it (32 MB per step become 670 MB; not understood): their loops
+  are built as before.
+  """
+  if not compiled:
+    return contextlib.nullcontext()
+  return tf.compat.v1.get_default_graph().device(_DeviceOfInputs)
 
 
 def _Zeros(spec, zero):
@@ -359,12 +399,13 @@ class ClockLoops:
           tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
           for v in init[(r, k)]
         ]
-    _, _, lists = tf.while_loop(
-      lambda t, *_: t < num_ticks,
-      Body,
-      (tf.constant(0), init, lists0),
-      parallel_iterations=min(PARALLEL_TICKS, num_ticks),
-    )
+    with _Placed(not self._cells.PacksWeights()):
+      _, _, lists = tf.while_loop(
+        lambda t, *_: t < num_ticks,
+        Body,
+        (tf.constant(0), init, lists0),
+        parallel_iterations=min(PARALLEL_TICKS, num_ticks),
+      )
     run.lists = lists
     self._Results(run, num_r, num_k)
     return run
@@ -636,12 +677,13 @@ class ClockLoops:
           tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
           for v in init[(r, 0)][len(info[(r, 0)][1]) :]
         ]
-    _, state, lists = tf.while_loop(
-      lambda s, *_: s < num_ticks,
-      Body,
-      (tf.constant(0), init, lists0),
-      parallel_iterations=min(PARALLEL_TICKS, num_ticks),
-    )
+    with _Placed(not self._cells.PacksWeights()):
+      _, state, lists = tf.while_loop(
+        lambda s, *_: s < num_ticks,
+        Body,
+        (tf.constant(0), init, lists0),
+        parallel_iterations=min(PARALLEL_TICKS, num_ticks),
+      )
     in_grads = {}
     for r in range(num_r):
       _, _, n_x, x_idx = info[(r, 0)]
@@ -680,10 +722,12 @@ class ClockLoops:
   def _Inputs(self, run, r, k, m):
     """Cell k's inputs on micro-batch m (a tensor): cell 0's from the
     pipeline's inputs, the others' the previous cell's outputs, read from
-    its list."""
+    its list on its device (read on cell k's, the whole list would cross
+    between the devices at every tick: over worker processes, every
+    micro-batch's outputs, sent again at each tick)."""
     if k == 0:
       return run.inputs[r].At(m)
     out_t = run.templates[(r, k - 1)][0]
     lists = run.lists[(r, k - 1)][: len(_NonNone(out_t))]
-    with self._Device(k, r):
+    with self._Device(k - 1, r):
       return _Pack(out_t, [ta.read(m + k - 1) for ta in lists])

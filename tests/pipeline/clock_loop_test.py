@@ -222,6 +222,53 @@ def testCellsOfOneTickAreNotChained():
     assert not waits, (node.name, waits)
 
 
+def _Functions(graph):
+  return {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+
+def testCellsReadTheirInputsWhereTheListIs():
+  """In the backward loop cell k re-reads its inputs from cell k-1's list
+  of outputs on cell k-1's device: read on cell k's, the whole list
+  (every micro-batch's outputs) crossed between the devices at every
+  tick, over worker processes a copy each time."""
+  graph = _StepGraph(4)
+  loops = [
+    op
+    for op in graph.get_operations()
+    if op.type in ('While', 'StatelessWhile')
+  ]
+  body = _Functions(graph)[loops[1].get_attr('body').name]
+  reads = [n.device for n in body.node_def if n.op == 'TensorListGetItem']
+  # Only cell 1 reads a list: cell 0's outputs, on cell 0's device.
+  assert reads and set(reads) == {DEVICES[0]}, reads
+
+
+def _UnplacedIdentities(graph):
+  """[(function, identity)] of the loops' bodies and conds' branches: an
+  identity without a device whose input has one."""
+  found = []
+  for name, f in _Functions(graph).items():
+    if 'while' not in name:
+      continue
+    devices = {n.name: n.device for n in f.node_def}
+    for n in f.node_def:
+      if n.op == 'Identity' and not n.device:
+        source = n.input[0].lstrip('^').split(':')[0]
+        if devices.get(source):
+          found.append((name, n.name))
+  return found
+
+
+def testCompiledCellsResultsStayOnTheirDevice():
+  """tf.function passes what a loop's body or a cond's branch returns
+  through an identity it builds outside the cells' device scopes: with
+  compiled cells they went to the first device, and each cell's state and
+  results crossed to it and back at every tick."""
+  assert not _UnplacedIdentities(_StepGraph(4, jit_compile=True))
+  # Cells that are not compiled keep their loops as they were built.
+  assert _UnplacedIdentities(_StepGraph(4))
+
+
 def testLoopsRunAtMostTwoTicksAtOnce():
   """Every tick allowed at once let a worker process run ahead of the
   schedule: 4-7x the memory on a device (clock_loop.PARALLEL_TICKS)."""
