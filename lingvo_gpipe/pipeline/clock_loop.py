@@ -278,6 +278,18 @@ class ClockLoops:
         waits[rk] = (last[self._Key(rk[1], rk[0])], False)
     return waits
 
+  def _Loop(self, num_ticks, body, state, lists):
+    """(state, lists) after `body(tick, state, lists)` ran for each tick,
+    at most `PARALLEL_TICKS` at once."""
+    with _Placed(not self._cells.PacksWeights()):
+      _, state, lists = tf.while_loop(
+        lambda t, *_: t < num_ticks,
+        body,
+        (tf.constant(0), state, lists),
+        parallel_iterations=min(PARALLEL_TICKS, num_ticks),
+      )
+    return state, lists
+
   # -- The forward loop --------------------------------------------------------
 
   def Forward(
@@ -399,13 +411,7 @@ class ClockLoops:
           tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
           for v in init[(r, k)]
         ]
-    with _Placed(not self._cells.PacksWeights()):
-      _, _, lists = tf.while_loop(
-        lambda t, *_: t < num_ticks,
-        Body,
-        (tf.constant(0), init, lists0),
-        parallel_iterations=min(PARALLEL_TICKS, num_ticks),
-      )
+    _, lists = self._Loop(num_ticks, Body, init, lists0)
     run.lists = lists
     self._Results(run, num_r, num_k)
     return run
@@ -677,13 +683,7 @@ class ClockLoops:
           tf.TensorArray(v.dtype, size=num_ticks, element_shape=v.shape)
           for v in init[(r, 0)][len(info[(r, 0)][1]) :]
         ]
-    with _Placed(not self._cells.PacksWeights()):
-      _, state, lists = tf.while_loop(
-        lambda s, *_: s < num_ticks,
-        Body,
-        (tf.constant(0), init, lists0),
-        parallel_iterations=min(PARALLEL_TICKS, num_ticks),
-      )
+    state, lists = self._Loop(num_ticks, Body, init, lists0)
     in_grads = {}
     for r in range(num_r):
       _, _, n_x, x_idx = info[(r, 0)]
