@@ -243,6 +243,24 @@ def testCellsReadTheirInputsWhereTheListIs():
   assert reads and set(reads) == {DEVICES[0]}, reads
 
 
+def testEachCellCountsTheTicksOnItsDevice():
+  """Each cell takes its micro-batch's index from a tick count on its own
+  device: from the loop's counter, every worker fetched it from the driver
+  at every tick (the pipeline-8 LM's loop step: 7% slower)."""
+  graph = _StepGraph(4)
+  for loop in [
+    op
+    for op in graph.get_operations()
+    if op.type in ('While', 'StatelessWhile')
+  ]:
+    counters = [
+      t.device
+      for t in loop.inputs
+      if t.dtype == tf.int32 and t.shape.rank == 0 and t.op.type == 'Const'
+    ]
+    assert set(DEVICES[:2]) <= set(counters), counters
+
+
 def _UnplacedIdentities(graph):
   """[(function, identity)] of the loops' bodies and conds' branches: an
   identity without a device whose input has one."""
