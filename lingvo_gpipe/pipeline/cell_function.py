@@ -96,8 +96,30 @@ def _CallOp(f, tensors):
   the step's trace about 18 us per op of the cell per work item
   (`_tf_internal.CallFunction`)."""
   if _tf_internal.ShouldRecordBackprop(tensors):
-    return f.fn(*tensors)
-  return _tf_internal.CallFunction(_Concrete(f, tensors), tensors)
+    out = f.fn(*tensors)
+  else:
+    out = _tf_internal.CallFunction(_Concrete(f, tensors), tensors)
+  _Unchained(out)
+  return out
+
+
+def _Unchained(out):
+  """Exempts the call that made `out` from tf.function's program order.
+
+  A cell with a stateful op (a stateful random op, a print) makes its call
+  stateful, and tf.function chains stateful ops in program order: the
+  pipeline's calls then ran one at a time, device after device. A call
+  that takes no variable needs no such order: its data and its device's
+  order (`after`) are its dependencies.
+  """
+  flat = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+  if not flat or tf.executing_eagerly():
+    return
+  op = flat[0].op
+  if op.type == 'StatefulPartitionedCall' and tf.resource not in {
+    t.dtype for t in op.inputs
+  }:
+    _tf_internal.RunIndependently(op)
 
 
 def _CallTensors(layout, weights):

@@ -9,6 +9,7 @@ from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import pipelining_layer
 from lingvo_gpipe.pipeline import schedule
 from tests.testing import graphs
+from tests.testing import pipeline_layers
 
 DEVICES = [f'/device:CPU:{i}' for i in range(2)]
 F, B = schedule.FORWARD, schedule.BACKWARD
@@ -175,3 +176,48 @@ def testAnUnwatchedInputGetsNoGradientComputed():
   assert Sums(grads3) == Sums(grads) and Sums(grads4) == Sums(grads2)
   # One call per micro-batch: 4 micro-batches.
   assert matmuls3 - matmuls4 == 4, (matmuls3, matmuls4)
+
+
+class _Noisy(pipeline_layers.Dense):
+  """A dense layer with a stateful op (an unseeded random draw)."""
+
+  def FProp(self, theta, x):
+    y = super().FProp(theta, x)
+    return y + 0.0 * tf.random.uniform(tf.shape(y))
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def testCellsWithAStatefulOpStillRunAtOnce(recompute):
+  """tf.function chains stateful ops in program order, and a cell with a
+  stateful op makes its calls stateful: chained, the work items ran one at
+  a time, device after device. A call waits only for its data and for its
+  device's previous call."""
+  layers = pipeline_layers.DenseLayers(4)
+  layers[1] = _Noisy.Params().Set(name='noisy1', input_dim=6, output_dim=6)
+  layers[3] = _Noisy.Params().Set(name='noisy3', input_dim=6, output_dim=6)
+  pipe = pipeline_layers.Pipe(
+    layers,
+    num_micro_batches=4,
+    devices=pipeline_layers.DEVICES[:2],
+    recompute=recompute,
+  )
+  x, _ = pipeline_layers.Inputs(batch=16)
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  graph = Step.get_concrete_function(x).graph
+  calls = [
+    op for op in graph.get_operations() if op.type == 'StatefulPartitionedCall'
+  ]
+  assert len(calls) >= 8, [op.name for op in calls]
+  for op in calls:
+    waits = [c for c in op.control_inputs if c.type == op.type]
+    assert all(c.device == op.device for c in waits), (
+      op.name,
+      op.device,
+      [(c.name, c.device) for c in waits],
+    )
