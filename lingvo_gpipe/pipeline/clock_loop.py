@@ -155,7 +155,7 @@ def _Placed(compiled):
   read their weights from the lists inside the branch, TensorFlow's
   placer left them there: at every tick each cell's state and results
   crossed to that device and back. The compiled 64-layer LM over 8 worker
-  processes sent 1.0 GB per step through the host's loopback, 32 MB with
+  processes sent 1.0-1.1 GB per step through the host's loopback, 32 MB with
   the identities placed. Cells that are not compiled do not need it, and
   lose by it (32 MB per step become 670 MB; not understood): their loops
   are built as before.
