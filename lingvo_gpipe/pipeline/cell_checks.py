@@ -2,7 +2,8 @@
 
 `TraceCounter` tells when a cell is traced more often than the step needs;
 `XlaCheck` finds, when an XLA-compiled cell is first traced, a layer with
-an op that XLA has no kernel for, and names it.
+an op that XLA has no kernel for, and names it; `WarnStatefulRandom` warns
+of a re-materialized cell that draws random numbers with stateful ops.
 """
 
 import collections
@@ -13,7 +14,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.pipeline import graph_ops
 
-__all__ = ['TraceCounter', 'XlaCheck']
+__all__ = ['TraceCounter', 'WarnStatefulRandom', 'XlaCheck']
 
 # Traces of one function for one input signature, over all graphs, after
 # which a warning says the step is probably traced anew each step.
@@ -68,6 +69,62 @@ class TraceCounter:
         kind,
         n,
       )
+
+
+# Random ops that draw from a generator's state: run twice, they draw other
+# values (the stateless ones take a seed and draw the same).
+_STATEFUL_RANDOM = frozenset(
+  {
+    'Multinomial',
+    'ParameterizedTruncatedNormal',
+    'RandomGamma',
+    'RandomPoisson',
+    'RandomPoissonV2',
+    'RandomShuffle',
+    'RandomStandardNormal',
+    'RandomUniform',
+    'RandomUniformInt',
+    'StatefulRandomBinomial',
+    'StatefulStandardNormal',
+    'StatefulStandardNormalV2',
+    'StatefulTruncatedNormal',
+    'StatefulUniform',
+    'StatefulUniformFullInt',
+    'StatefulUniformInt',
+    'TruncatedNormal',
+  }
+)
+
+
+def WarnStatefulRandom(name, k, f, concrete):
+  """Warns once per function when the recompute-and-backward function `f`
+  (its `concrete` function) of cell k holds a stateful random op.
+
+  The backward pass re-runs the cell's forward, and a stateful random op
+  (an unseeded `tf.random.uniform`, `tf.nn.dropout`) then draws other
+  values than the forward pass did: the gradients are not those of the
+  outputs the step computed. Stateless ops, given the micro-batch's seed,
+  draw the same (`layers/dropout.py`).
+  """
+  if 'stateful_random' in f.meta:
+    return
+  graph_def = concrete.graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for fn in graph_def.library.function:
+    nodes += fn.node_def
+  found = sorted({n.name for n in nodes if n.op in _STATEFUL_RANDOM})
+  f.meta['stateful_random'] = found
+  if found:
+    logging.warning(
+      'Pipeline %r cell %d draws random numbers with stateful ops (%s): '
+      'its re-materialization in the backward pass draws other values '
+      'than its forward pass, so its gradients do not match its outputs. '
+      'Use stateless random ops with the step seed (e.g. DropoutLayer), '
+      "or recompute='never'.",
+      name,
+      k,
+      ', '.join(found[:3]) + (', ...' if len(found) > 3 else ''),
+    )
 
 
 # Ops that XLA compiles without a kernel of their own: a function's inputs,

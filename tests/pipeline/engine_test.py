@@ -221,3 +221,37 @@ def testCellsWithAStatefulOpStillRunAtOnce(recompute):
       op.device,
       [(c.name, c.device) for c in waits],
     )
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def testStatefulRandomOpsInARecomputedCellAreNamed(recompute, caplog):
+  """A stateful random op draws other values when the backward pass
+  re-runs the cell: its gradients would not match its outputs. The
+  pipeline says so once per cell, naming the op; stateless ops (the
+  library's dropout) and a cell that is not re-run are not named."""
+  layers = pipeline_layers.DenseLayers(4)
+  layers[3] = _Noisy.Params().Set(name='noisy3', input_dim=6, output_dim=6)
+  pipe = pipeline_layers.Pipe(
+    layers,
+    num_micro_batches=2,
+    devices=pipeline_layers.DEVICES[:2],
+    recompute=recompute,
+  )
+  x, _ = pipeline_layers.Inputs(batch=8)
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  with caplog.at_level('WARNING'):
+    Step.get_concrete_function(x)
+  said = [r.getMessage() for r in caplog.records]
+  said = [m for m in said if 'stateful ops' in m]
+  if recompute == 'never':
+    assert not said, said
+    return
+  assert len(said) == 1, said
+  assert 'cell 1 draws random numbers with stateful ops (' in said[0]
+  assert 'RandomUniform' in said[0] and 'DropoutLayer' in said[0]
