@@ -23,11 +23,14 @@ running gradient sums packed into one flat tensor per dtype
 (`CellFunctions.BackwardPacked`): a loop variable per weight would cost a
 few ops per weight at every tick.
 
-What the loops cost (`docs/benchmarks.md`, "The schedule as loops"): the
-control ops, the conds and the list writes of every tick, close to nothing
-next to cells of real size in one process, but up to 2.3x a steady step
-over worker processes (each tick sends the loop's condition to every
-worker). So `PipeliningLayer.Params().micro_batch_loop` is off by default.
+What the loops cost (`docs/benchmarks.md`, "The schedule as loops" and
+"The loops' ticks"): the control ops, the conds and the list writes of
+every tick, about 1.13x a steady step in one process, but 1.5-2.2x over
+worker processes (each tick waits for its cells, and the loop's condition
+goes to every worker). So `PipeliningLayer.Params().micro_batch_loop` is
+off by default. A tick's cells run at once (`_Cond`), each reads what it
+needs on the device that holds it (`_Inputs`, `_Placed`) and counts the
+ticks itself (`_Loop`).
 
 Why: TensorFlow's graph passes instantiate a called function's body once
 per call node (Grappler's function optimizer, the lowering of calls, XLA's
