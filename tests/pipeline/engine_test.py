@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import linears
 from lingvo_gpipe.pipeline import engine
 from lingvo_gpipe.pipeline import pipelining_layer
@@ -231,6 +232,10 @@ def testStatefulRandomOpsInARecomputedCellAreNamed(recompute, caplog):
   library's dropout) and a cell that is not re-run are not named."""
   layers = pipeline_layers.DenseLayers(4)
   layers[3] = _Noisy.Params().Set(name='noisy3', input_dim=6, output_dim=6)
+  # Cell 0 drops out with the library's stateless dropout: not named.
+  layers.insert(
+    1, dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
+  )
   pipe = pipeline_layers.Pipe(
     layers,
     num_micro_batches=2,
