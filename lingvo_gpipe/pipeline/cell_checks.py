@@ -98,7 +98,8 @@ _STATEFUL_RANDOM = frozenset(
 
 def WarnStatefulRandom(name, k, f, concrete):
   """Warns once per function when the recompute-and-backward function `f`
-  (its `concrete` function) of cell k holds a stateful random op.
+  (`concrete()`: its concrete function, made only the first time: this
+  runs at every backward call) of cell k holds a stateful random op.
 
   The backward pass re-runs the cell's forward, and a stateful random op
   (an unseeded `tf.random.uniform`, `tf.nn.dropout`) then draws other
@@ -108,7 +109,7 @@ def WarnStatefulRandom(name, k, f, concrete):
   """
   if 'stateful_random' in f.meta:
     return
-  graph_def = concrete.graph.as_graph_def()
+  graph_def = concrete().graph.as_graph_def()
   nodes = list(graph_def.node)
   for fn in graph_def.library.function:
     nodes += fn.node_def

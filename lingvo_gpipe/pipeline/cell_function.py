@@ -572,7 +572,9 @@ class CellFunctions:
     if self._xla_check is not None:
       self._xla_check.Check(k, f, tensors, key)
     if key[0] == 'backward' and not tf.executing_eagerly():
-      cell_checks.WarnStatefulRandom(self._name, k, f, _Concrete(f, tensors))
+      cell_checks.WarnStatefulRandom(
+        self._name, k, f, lambda: _Concrete(f, tensors)
+      )
 
   def _Get(self, key, make):
     # A loop's or a branch's body graph calls the functions of the step it
