@@ -187,6 +187,25 @@ class _Noisy(pipeline_layers.Dense):
     return y + 0.0 * tf.random.uniform(tf.shape(y))
 
 
+def _TracedStep(layers, recompute, num_micro_batches, batch):
+  """The graph of a traced train step of `layers` in 2 cells."""
+  pipe = pipeline_layers.Pipe(
+    layers,
+    num_micro_batches=num_micro_batches,
+    devices=pipeline_layers.DEVICES[:2],
+    recompute=recompute,
+  )
+  x, _ = pipeline_layers.Inputs(batch=batch)
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  return Step.get_concrete_function(x).graph
+
+
 @pytest.mark.parametrize('recompute', ['always', 'never'])
 def testCellsWithAStatefulOpStillRunAtOnce(recompute):
   """tf.function chains stateful ops in program order, and a cell with a
@@ -196,21 +215,7 @@ def testCellsWithAStatefulOpStillRunAtOnce(recompute):
   layers = pipeline_layers.DenseLayers(4)
   layers[1] = _Noisy.Params().Set(name='noisy1', input_dim=6, output_dim=6)
   layers[3] = _Noisy.Params().Set(name='noisy3', input_dim=6, output_dim=6)
-  pipe = pipeline_layers.Pipe(
-    layers,
-    num_micro_batches=4,
-    devices=pipeline_layers.DEVICES[:2],
-    recompute=recompute,
-  )
-  x, _ = pipeline_layers.Inputs(batch=16)
-
-  @tf.function
-  def Step(x):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(pipe(x))
-    return tape.gradient(loss, pipe.trainable_variables)
-
-  graph = Step.get_concrete_function(x).graph
+  graph = _TracedStep(layers, recompute, num_micro_batches=4, batch=16)
   calls = [
     op for op in graph.get_operations() if op.type == 'StatefulPartitionedCall'
   ]
@@ -236,22 +241,8 @@ def testStatefulRandomOpsInARecomputedCellAreNamed(recompute, caplog):
   layers.insert(
     1, dropout.DropoutLayer.Params().Set(name='drop', keep_prob=0.5)
   )
-  pipe = pipeline_layers.Pipe(
-    layers,
-    num_micro_batches=2,
-    devices=pipeline_layers.DEVICES[:2],
-    recompute=recompute,
-  )
-  x, _ = pipeline_layers.Inputs(batch=8)
-
-  @tf.function
-  def Step(x):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_sum(pipe(x))
-    return tape.gradient(loss, pipe.trainable_variables)
-
   with caplog.at_level('WARNING'):
-    Step.get_concrete_function(x)
+    _TracedStep(layers, recompute, num_micro_batches=2, batch=8)
   said = [r.getMessage() for r in caplog.records]
   said = [m for m in said if 'stateful ops' in m]
   if recompute == 'never':
