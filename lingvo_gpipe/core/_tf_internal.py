@@ -47,6 +47,10 @@ from tensorflow.python.ops import (
 # them when it is first traced, without converting it to HLO.
 from tensorflow.python.framework import kernels as _kernels
 
+# Each op's definition (whether it is stateful): a compiled cell is run
+# ahead of the step, to compile it, only where none of its ops is.
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+
 # Silences the deprecation notice that TensorFlow's own flop statistics
 # print (they call a TF1 shape helper) every time a new graph is counted.
 from tensorflow.python.util import deprecation as _deprecation
@@ -66,6 +70,8 @@ __all__ = [
   'OutermostOfControlFlow',
   'StopRecording',
   'XlaKernelConstraints',
+  'IsStateful',
+  'WithoutGraphOptimizer',
 ]
 
 # Device types whose XLA kernels are registered in this process.
@@ -261,3 +267,22 @@ def XlaKernelConstraints(op_type, device_type):
     for k in _kernels.get_registered_kernels_for_op(op_type).kernel
     if k.device_type == jit
   ]
+
+
+def IsStateful(op_type):
+  """Whether ops of type `op_type` are stateful (None: not a registered op,
+  e.g. a call of a library function)."""
+  op_def = _op_def_registry.get(op_type)
+  return None if op_def is None else op_def.is_stateful
+
+
+def WithoutGraphOptimizer():
+  """Function calls from this thread skip Grappler when instantiated.
+
+  Sets the thread's function-call options (per thread in the eager
+  context): calls run ahead of the step only to compile a cell, and the
+  step's own instantiation optimizes what it runs."""
+  ctx = _context.context()
+  config = ctx.config
+  config.graph_options.rewrite_options.disable_meta_optimizer = True
+  ctx.function_call_options = _context.FunctionCallOptions(config_proto=config)

@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import xla_precompile
 from lingvo_gpipe.pipeline import cell_checks
 from lingvo_gpipe.pipeline import cell_layout
 from lingvo_gpipe.pipeline import graph_ops
@@ -193,6 +194,9 @@ class CellFunctions:
       None: cells of one kind share their functions where `_Serves` allows,
       so a deep stack of identical cells is traced and optimized as one
       cell (with XLA, each device still compiles its own).
+    precompile: with `jit_compile`, compile each function on each device
+      while the step is traced (`core/xla_precompile.py`): True on every
+      device, None on devices of other processes, False never.
   """
 
   def __init__(
@@ -204,6 +208,7 @@ class CellFunctions:
     inline=None,
     shared=None,
     cell_kind=None,
+    precompile=None,
   ):
     self._shared = None if jit_compile else shared
     self._cell_kind = cell_kind
@@ -219,6 +224,11 @@ class CellFunctions:
     self._traces = cell_checks.TraceCounter(name)
     self._xla_check = (
       cell_checks.XlaCheck(cell_layers, name) if jit_compile else None
+    )
+    self._precompiler = (
+      xla_precompile.Precompiler(name, remote_only=precompile is None)
+      if jit_compile and precompile is not False
+      else None
     )
 
   def Inline(self):
@@ -453,7 +463,15 @@ class CellFunctions:
     if tf.executing_eagerly():
       return f.fn(*tensors)
     with tf.control_dependencies(deps):
-      return _CallOp(f, tensors)
+      out = _CallOp(f, tensors)
+    flat = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+    if (
+      self._precompiler is not None
+      and flat
+      and not _tf_internal.ShouldRecordBackprop(tensors)
+    ):
+      self._precompiler.Start(_Concrete(f, tensors), tensors, flat[0].device)
+    return out
 
   # -- Running a cell ----------------------------------------------------------
 

@@ -235,6 +235,15 @@ class PipeliningLayer(base_layer.BaseLayer):
       'pipeline is first traced.',
     )
     p.Define(
+      'precompile',
+      None,
+      "With jit_compile: compile each cell's functions on their devices "
+      'while the step is traced, every device at once, instead of at their '
+      "first call in the step, in the pipeline's order (device k's compile "
+      "waiting for device k-1's). None: on devices of other processes "
+      '(worker tasks); True: on every device; False: never.',
+    )
+    p.Define(
       'share_layer_functions',
       False,
       'Trace each kind of layer of `layers` (the same class and Params '
@@ -292,6 +301,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(
         f'share_layer_functions={p.share_layer_functions!r}; use '
         "'auto', True or False."
+      )
+    if p.precompile not in (None, True, False):
+      raise ValueError(
+        f'PipeliningLayer {p.name!r}: precompile={p.precompile!r}; use None '
+        '(devices of other processes), True or False.'
       )
     if p.recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
@@ -368,6 +382,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       self.CellLayers,
       self.path,
       jit_compile=p.jit_compile,
+      precompile=p.precompile,
       inline=lambda: self._placement.on_tpu,
       shared=(
         layer_function.SharedLayers(

@@ -166,3 +166,10 @@ def testOutermostOfControlFlowLeavesLoopsAndBranches():
   assert seen['branch'] is not seen['step']
   assert _tf_internal.OutermostOfControlFlow(seen['branch']) is seen['step']
   assert _tf_internal.OutermostOfControlFlow(seen['step']) is seen['step']
+
+
+def testIsStateful():
+  assert _tf_internal.IsStateful('RandomUniform') is True
+  assert _tf_internal.IsStateful('AssignVariableOp') is True
+  assert _tf_internal.IsStateful('MatMul') is False
+  assert _tf_internal.IsStateful('__inference_not_an_op_1') is None

@@ -5,8 +5,15 @@ sequential stack for K=1, 2 and M=1, 2, 4, every recompute policy, dropout
 (the same masks: the seed crosses into the compiled function) and batch norm
 (the statistics leave it and update the moving averages once per step). The
 compiled functions are really there: XLA calls with _XlaMustCompile in the
-step's graph. A layer XLA cannot compile is named in a clear error.
+step's graph. A layer XLA cannot compile is named in a clear error. With
+`precompile`, the functions compile on their devices while the step is
+traced, and the step computes the same bits.
 """
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -17,10 +24,14 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
 from lingvo_gpipe.models import transformer_lm
+from lingvo_gpipe.core import xla_precompile
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import pipeline_layers as plt
 
 DEVICES = plt.DEVICES
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 
 
 def _Pipe(layers, k, m, policy='always', jit=True, devices=None):
@@ -179,3 +190,108 @@ def testStepThatReturnsOnlyGradients(policy):
   assert sorted(grads[0]) == sorted(grads[1]) and grads[0]
   for name, g in grads[1].items():
     np.testing.assert_allclose(grads[0][name], g, rtol=1e-4, atol=1e-7)
+
+
+class _StatefulRandom(base_layer.BaseLayer):
+  """x + an unseeded random draw: a stateful op in the compiled cell."""
+
+  def FProp(self, theta, x):
+    del theta
+    return x + tf.random.uniform(tf.shape(x)) * 0.0
+
+
+def testPrecompiledCellsGiveTheSameBits(plt_reference):
+  """precompile=True: every compiled function is compiled on every device
+  that calls it, once, while the step is traced; the step's outputs and
+  gradients are the same bits as without. A function with a stateful
+  random op is left to compile in the step (running it once more would
+  draw other numbers)."""
+  _, x, w, _ = plt_reference
+  results = []
+  for precompile in (False, True):
+    pipe = _Pipe(plt.DenseLayers(), 2, 2).params.Copy()
+    pipe = pipe.Set(precompile=precompile).Instantiate()
+    results.append(plt.LossAndGrads(pipe, (x,), w))
+  compiled = pipe._cell_functions._precompiler.Wait()  # pylint: disable=protected-access
+  # A forward and a recompute-and-backward function on each device.
+  assert sorted(d for _, d in compiled) == sorted(DEVICES[:2] * 2), compiled
+  (out0, loss0, g0, in0), (out1, loss1, g1, in1) = results
+  np.testing.assert_array_equal(out1, out0)
+  np.testing.assert_array_equal(loss1, loss0)
+  np.testing.assert_array_equal(in1, in0)
+  assert sorted(g1) == sorted(g0)
+  for name in g0:
+    np.testing.assert_array_equal(g1[name], g0[name])
+
+  layers = plt.DenseLayers(2) + [_StatefulRandom.Params().Set(name='draw')]
+  pipe = _Pipe(layers, 2, 2).params.Copy()
+  pipe = pipe.Set(precompile=True).Instantiate()
+  plt.LossAndGrads(pipe, (x,), w)
+  compiled = pipe._cell_functions._precompiler.Wait()  # pylint: disable=protected-access
+  # Cell 1 holds the draw: only cell 0's functions were compiled ahead.
+  assert sorted(d for _, d in compiled) == [DEVICES[0]] * 2, compiled
+
+
+def testPrecompileByDefaultOnlyOnDevicesOfOtherProcesses():
+  pre = xla_precompile.Precompiler('pipe', remote_only=True)
+  assert pre._Remote('/job:worker/replica:0/task:1/device:CPU:0')  # pylint: disable=protected-access
+  assert not pre._Remote('/device:CPU:1')  # pylint: disable=protected-access
+  assert not pre._Remote('/job:localhost/replica:0/task:0/device:CPU:1')  # pylint: disable=protected-access
+
+
+_DUMP_SCRIPT = textwrap.dedent("""
+    import glob, sys
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from tests.testing import pipeline_layers as plt
+    x, w = plt.Inputs()
+    pipe = plt.Pipe(plt.DenseLayers(), 2, num_micro_batches=2,
+                    jit_compile=True, precompile=True)
+    variables = pipe.trainable_variables
+
+    @tf.function
+    def Step():
+      with tf.GradientTape() as tape:
+        loss = plt.WeightedSum(pipe(x), w)
+      return tape.gradient(loss, variables)
+
+    Step.get_concrete_function()
+    pipe._cell_functions._precompiler.Wait()
+    def Compiled():
+      return len(glob.glob(sys.argv[1] + '/*.before_optimizations.txt'))
+    ahead = Compiled()
+    Step()
+    print('COMPILED', ahead, Compiled())
+""")
+
+
+@pytest.mark.slow
+def testPrecompiledFunctionsAreNotCompiledAgainByTheStep(tmp_path):
+  # XLA's dump holds one module per compile: the forward and the backward
+  # function on each of the 2 devices, all before the step runs, and the
+  # step compiles nothing more.
+  out = subprocess.run(
+    [sys.executable, '-c', _DUMP_SCRIPT, str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env=dict(
+      os.environ,
+      PYTHONPATH=ROOT,
+      XLA_FLAGS=f'--xla_dump_to={tmp_path}',
+      TF_CPP_MIN_LOG_LEVEL='2',
+    ),
+    check=False,
+  )
+  assert 'COMPILED 4 4' in out.stdout, out.stdout + out.stderr[-4000:]
+
+
+def testPrecompileTakesNoneTrueOrFalse():
+  p = pipelining_layer.PipeliningLayer.Params().Set(
+    name='pipe', layers=plt.DenseLayers(), num_stages=2, precompile='yes'
+  )
+  with pytest.raises(ValueError, match=r"precompile='yes'; use None"):
+    p.Instantiate()

@@ -1,0 +1,160 @@
+"""XLA-compiled functions compiled on their devices ahead of their first call.
+
+A function traced with `jit_compile=True` compiles on its device when its
+call first runs. In a pipeline the first step's calls run one device after
+another, so its compiles do too. `Precompiler.Start`, called while the step
+is traced, compiles each (function, device) in a background thread at once.
+"""
+
+import concurrent.futures
+
+from absl import logging
+import tensorflow as tf
+
+from lingvo_gpipe.core import _tf_internal
+
+__all__ = ['Precompiler']
+
+
+class Precompiler:
+  """Compiles XLA-compiled functions on the devices that call them while
+  the step that calls them is still being traced.
+
+  A compiled function compiles on its device when its call first runs, and
+  the first step's calls run in the pipeline's order: device k's first
+  forward waits for device k-1's, so the step's 2K compiles run one after
+  another, after the trace and the step's instantiation. Here, as soon as
+  the trace first calls a function on a device, a background thread runs it
+  there once on zeros of the call's shapes (a function of its own that
+  nothing else waits for): the devices compile at once while the trace goes
+  on, and XLA's cache on each device then serves the step's call (the same
+  function and shapes) or holds it until that compile ends. Only the
+  compile is shared: the step computes its own values.
+
+  Functions with a stateful op other than reading a variable are left to
+  compile in the step: running them once more could draw from a random
+  generator or write a variable.
+
+  The pipeline's cells use it (`pipeline/cell_function.py`, Params
+  `precompile`); it takes any function traced with jit_compile=True. The
+  compiles run four at a time (one pool of threads for the process).
+
+  Args:
+    name: who compiles (a pipeline's path), for messages.
+    remote_only: only devices of other processes (worker tasks): there each
+      host compiles its own cells; in this process the compiles would share
+      this host's cores with the trace.
+  """
+
+  _pool = None
+  _READS = frozenset({'ReadVariableOp', 'VarHandleOp', 'VarIsInitializedOp'})
+
+  def __init__(self, name, remote_only):
+    self._name = name
+    self._remote_only = remote_only
+    self._started = {}  # {(function name, device): future}
+    self._here = None
+
+  def Start(self, concrete, tensors, device):
+    """Compiles `concrete` on `device` for `tensors`' shapes, once."""
+    key = (concrete.name, device)
+    if key in self._started:
+      return
+    self._started[key] = None
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in tensors]
+    if (
+      (self._remote_only and not self._Remote(device))
+      or not all(_Fillable(s) for s in specs)
+      or any(
+        n.op not in self._READS and _tf_internal.IsStateful(n.op)
+        for n in _NodeDefs(concrete.graph)
+      )
+    ):
+      return
+    try:
+      with tf.init_scope():
+        if not tf.executing_eagerly():
+          return
+        warm = _Warm(concrete, specs, device)
+        zero = tf.constant(0)
+    except Exception as e:  # pylint: disable=broad-except
+      self._Failed(device, e)
+      return
+    if Precompiler._pool is None:
+      Precompiler._pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=4, thread_name_prefix='xla_precompile'
+      )
+    self._started[key] = Precompiler._pool.submit(self._Run, warm, zero, device)
+
+  def Wait(self):
+    """[(function name, device)] of the compiles started, once all ended."""
+    done = [key for key, f in self._started.items() if f is not None]
+    concurrent.futures.wait([self._started[key] for key in done])
+    return done
+
+  def _Remote(self, device):
+    """Whether `device` is in another process than this one."""
+    if self._here is None:
+      with tf.init_scope():
+        self._here = tf.DeviceSpec.from_string(tf.constant(0).device)
+    spec = tf.DeviceSpec.from_string(device)
+    return spec.job is not None and (spec.job, spec.task or 0) != (
+      self._here.job,
+      self._here.task or 0,
+    )
+
+  def _Run(self, warm, zero, device):
+    try:
+      _tf_internal.WithoutGraphOptimizer()
+      warm(zero)
+    except Exception as e:  # pylint: disable=broad-except
+      self._Failed(device, e)
+
+  def _Failed(self, device, error):
+    # The function's own first call then compiles it, and reports what
+    # fails.
+    logging.info(
+      '%s: compiling a function on %s ahead of its first call failed (%s); '
+      'its first call compiles it.',
+      self._name,
+      device,
+      str(error).split('\n')[0],
+    )
+
+
+def _Warm(concrete, specs, device):
+  """A concrete function that calls `concrete` on `device`, on zeros of
+  `specs` made there from its one argument (a scalar int32 zero)."""
+
+  def Warm(zero):
+    # Zeros made on the device from an argument: constants would be
+    # folded into a function of their own.
+    with tf.device(device):
+      args = [tf.fill(s.shape, tf.cast(zero, s.dtype)) for s in specs]
+      flat = tf.nest.flatten(concrete(*args))
+      # One element of an output, so that the call is not pruned.
+      return tf.reshape(flat[0], [-1])[:1]
+
+  return tf.function(Warm, autograph=False).get_concrete_function(
+    tf.TensorSpec([], tf.int32)
+  )
+
+
+def _Fillable(spec):
+  """Whether zeros of `spec` can be made on a device (a known shape, a
+  number or bool dtype)."""
+  return spec.shape.is_fully_defined() and (
+    spec.dtype.is_floating
+    or spec.dtype.is_integer
+    or spec.dtype.is_complex
+    or spec.dtype == tf.bool
+  )
+
+
+def _NodeDefs(graph):
+  """Every NodeDef of `graph` and of the functions it calls."""
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for fn in graph_def.library.function:
+    nodes += fn.node_def
+  return nodes
