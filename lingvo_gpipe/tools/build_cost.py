@@ -28,7 +28,10 @@ A configuration is `model:L=..:K=..:M=..`, optionally `:jit` (XLA-compiled
 cells), `:shared` (share_layer_functions='auto': identical layers of 48 ops
 or more as calls of one function), `:inline` (share_layer_functions=False,
 the default, named), `:loop` (micro_batch_loop=True: the fill-drain
-schedule as two loops over its clock ticks) and `:B=..` (the batch;
+schedule as two loops over its clock ticks), `:precompile` or
+`:noprecompile` (Params precompile True or False: compiled cells compiled
+on every device, or none, while the step is traced; default None: on
+other processes' devices) and `:B=..` (the batch;
 default 2 examples per micro-batch, the capacity models' own batch for lm
 and amoebanet). Models:
 
@@ -78,7 +81,8 @@ COLUMNS = (
 
 
 def ParseConfig(text):
-  """'model:L=16:K=2:M=8[:jit][:shared|:inline][:loop][:B=..]' -> dict."""
+  """'model:L=16:K=2:M=8[:jit][:shared|:inline][:loop][:precompile|
+  :noprecompile][:B=..]' -> dict."""
   parts = text.strip().split(':')
   if parts[0] not in MODELS:
     raise common.UserError(
@@ -86,11 +90,20 @@ def ParseConfig(text):
       f'{", ".join(MODELS)}.'
     )
   config = dict(
-    model=parts[0], jit=False, B=None, inline=False, shared=False, loop=False
+    model=parts[0],
+    jit=False,
+    B=None,
+    inline=False,
+    shared=False,
+    loop=False,
+    precompile=None,
   )
   for part in parts[1:]:
     if part in ('jit', 'inline', 'shared', 'loop'):
       config[part] = True
+      continue
+    if part in ('precompile', 'noprecompile'):
+      config['precompile'] = part == 'precompile'
       continue
     m = re.fullmatch(r'([LKMB])=(\d+)', part)
     if not m or int(m.group(2)) < 1:
@@ -114,6 +127,8 @@ def Name(config):
   name += ' jit' if config['jit'] else ''
   name += ' shared' if config.get('shared') else ''
   name += ' loop' if config.get('loop') else ''
+  if config.get('precompile') is not None:
+    name += ' precompile' if config['precompile'] else ' noprecompile'
   return name + (' inline' if config.get('inline') else '')
 
 
@@ -196,6 +211,7 @@ def _Model(config, devices):
       jit_compile=config['jit'],
       share_layer_functions='auto' if config.get('shared') else False,
       micro_batch_loop=bool(config.get('loop')),
+      precompile=config.get('precompile'),
     )
     .Instantiate()
   )

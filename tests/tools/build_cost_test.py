@@ -22,6 +22,10 @@ def testBadConfigsAreOneLineNamingTheFix(capsys):
   assert 'loop' in build_cost.Name(
     build_cost.ParseConfig('fc:L=2:K=2:M=2:loop')
   )
+  assert build_cost.ParseConfig('fc:L=2:K=2:M=2')['precompile'] is None
+  off = build_cost.ParseConfig('fc:L=2:K=2:M=2:jit:noprecompile')
+  assert off['precompile'] is False and 'noprecompile' in build_cost.Name(off)
+  assert build_cost.ParseConfig('fc:L=2:K=2:M=2:precompile')['precompile']
 
 
 def testTwoConfigurationsAreMeasuredEachInItsOwnProcess(tmp_path, capsys):
