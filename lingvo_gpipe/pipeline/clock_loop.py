@@ -717,13 +717,13 @@ class ClockLoops:
           for i, ta in zip(x_idx, lists[r]):
             flat[i] = ta.read(tick)
           in_grads[r * num_mb + m] = flat
-    sums = [
-      [
-        self._Unpack(info[(r, k)], state[(r, k)], present[(r, k)])
-        for k in range(num_k)
-      ]
-      for r in range(num_r)
-    ]
+    # Each cell's sums unpacked on its device: unplaced, a cell's whole
+    # packed sum went to the device of the caller's scope (the last cell's,
+    # in the tools' steps) and back, for the optimizer on the weights'.
+    sums = [[None] * num_k for _ in range(num_r)]
+    for r, k in order:
+      with self._Device(k, r):
+        sums[r][k] = self._Unpack(info[(r, k)], state[(r, k)], present[(r, k)])
     return in_grads, sums
 
   @staticmethod

@@ -287,6 +287,22 @@ def testCompiledCellsResultsStayOnTheirDevice():
   assert _UnplacedIdentities(_StepGraph(4))
 
 
+def testEachCellsGradientSumsAreUnpackedOnItsDevice():
+  """After the backward loop each cell's packed gradient sums are split
+  into the weights' gradients on the cell's device: unplaced, they went
+  where the caller's scope said (the tools take gradients on the last
+  device), and the pipeline-8 LM's last device held 2x the others' step
+  memory."""
+  graph = _StepGraph(4)
+  splits = [
+    op.device
+    for op in graph.get_operations()
+    if op.type in ('Split', 'SplitV')
+    and any(t.op.type in ('While', 'StatelessWhile') for t in op.inputs)
+  ]
+  assert sorted(splits) == sorted(DEVICES[:2]), splits
+
+
 def testLoopsRunAtMostTwoTicksAtOnce():
   """Every tick allowed at once let a worker process run ahead of the
   schedule: 4-7x the memory on a device (clock_loop.PARALLEL_TICKS)."""
