@@ -53,6 +53,7 @@ class Precompiler:
     self._name = name
     self._remote_only = remote_only
     self._started = {}  # {(function name, device): future}
+    self._stateful = {}  # {function name: whether an op is stateful}
     self._here = None
 
   def Start(self, concrete, tensors, device):
@@ -65,10 +66,7 @@ class Precompiler:
     if (
       (self._remote_only and not self._Remote(device))
       or not all(_Fillable(s) for s in specs)
-      or any(
-        n.op not in self._READS and _tf_internal.IsStateful(n.op)
-        for n in _NodeDefs(concrete.graph)
-      )
+      or self._Stateful(concrete)
     ):
       return
     try:
@@ -91,6 +89,15 @@ class Precompiler:
     done = [key for key, f in self._started.items() if f is not None]
     concurrent.futures.wait([self._started[key] for key in done])
     return done
+
+  def _Stateful(self, concrete):
+    """Whether `concrete` holds a stateful op other than a read."""
+    if concrete.name not in self._stateful:
+      self._stateful[concrete.name] = any(
+        n.op not in self._READS and _tf_internal.IsStateful(n.op)
+        for n in _NodeDefs(concrete.graph)
+      )
+    return self._stateful[concrete.name]
 
   def _Remote(self, device):
     """Whether `device` is in another process than this one."""

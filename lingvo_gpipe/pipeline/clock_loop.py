@@ -521,8 +521,8 @@ class ClockLoops:
     statistics per cell)."""
     n = self._NumHead(run, r, k)
     lists = run.lists[(r, k)][n:]
-    ticks = tf.range(k, k + run.num_mb)
     with self._Device(k, r):
+      ticks = tf.range(k, k + run.num_mb)
       stacked = run.stats[(r, k)].Unpack(
         [ta.gather(ticks) for ta in lists], run.num_mb
       )
