@@ -30,6 +30,7 @@ __all__ = [
   'GenerateStepSeedPair',
   'UpdateCollector',
   'AddDeferredUpdate',
+  'OnDeviceOf',
   'HasShape',
   'Flatten',
   'Pack',
@@ -374,6 +375,18 @@ class UpdateCollector:
       if op is not None:
         ops.append(op)
     return ops
+
+
+def OnDeviceOf(variable):
+  """A device scope on `variable`'s device, for the ops that compute its
+  deferred update (e.g. merging a batch norm's statistics of every
+  micro-batch): outside it they run where the caller's scope says (the
+  driving process, for a pipeline over worker processes), and every
+  statistic goes there and back. No scope under a tf.distribute strategy,
+  whose replicas each update their own copy."""
+  if tf.distribute.has_strategy() or not getattr(variable, 'device', None):
+    return contextlib.nullcontext()
+  return tf.device(variable.device)
 
 
 # Under a tf.distribute strategy (TPUStrategy, MirroredStrategy) every

@@ -244,12 +244,13 @@ class KerasLayer(base_layer.BaseLayer):
     ops = []
     for i, name in enumerate(names):
       var = self._private_vars[name]
-      values = [tf.cast(s[i], var.dtype) for s in stats_list]
-      if var.dtype.is_floating:
-        value = tf.add_n(values) / len(values)
-      else:
-        value = values[-1]
-      ops.append(var.assign(value))
+      with py_utils.OnDeviceOf(var):
+        values = [tf.cast(s[i], var.dtype) for s in stats_list]
+        if var.dtype.is_floating:
+          value = tf.add_n(values) / len(values)
+        else:
+          value = values[-1]
+        ops.append(var.assign(value))
     return tf.group(ops)
 
 

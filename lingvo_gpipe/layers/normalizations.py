@@ -264,20 +264,23 @@ class BatchNormLayer(base_layer.BaseLayer):
     moving_var = self.vars.moving_variance
     if isinstance(moving_mean, base_layer.AbstractVariable):
       return None
-    dtype = moving_mean.dtype.base_dtype
-    stats_list = [s.Transform(lambda t: tf.cast(t, dtype)) for s in stats_list]
-    mean, variance, count = MergeMoments(stats_list)
-    decay = tf.constant(p.decay, dtype)
-    has_data = count > 0
+    with py_utils.OnDeviceOf(moving_mean):
+      dtype = moving_mean.dtype.base_dtype
+      stats_list = [
+        s.Transform(lambda t: tf.cast(t, dtype)) for s in stats_list
+      ]
+      mean, variance, count = MergeMoments(stats_list)
+      decay = tf.constant(p.decay, dtype)
+      has_data = count > 0
 
-    def Updated(var, value):
-      new = decay * var + (1.0 - decay) * value
-      return tf.where(has_data, new, tf.convert_to_tensor(var))
+      def Updated(var, value):
+        new = decay * var + (1.0 - decay) * value
+        return tf.where(has_data, new, tf.convert_to_tensor(var))
 
-    return tf.group(
-      moving_mean.assign(Updated(moving_mean, mean)),
-      moving_var.assign(Updated(moving_var, variance)),
-    )
+      return tf.group(
+        moving_mean.assign(Updated(moving_mean, mean)),
+        moving_var.assign(Updated(moving_var, variance)),
+      )
 
   @classmethod
   def FPropMeta(cls, p, inputs, paddings=None):

@@ -95,6 +95,36 @@ def testDeferredUpdatesOfChunksEqualWholeBatchUpdate():
   )
 
 
+def testDeferredUpdatesRunOnTheVariablesDevice():
+  """The statistics are merged where the moving averages live, whatever
+  the caller's device scope: elsewhere (the driving process, for a
+  pipeline over worker processes) every micro-batch's statistics went
+  there and back."""
+  with tf.device('/device:CPU:1'):
+    layer = _Bn('placed').Instantiate()
+  x = tf.constant(_Data())
+
+  made = []
+
+  @tf.function
+  def Step():
+    with py_utils.UpdateCollector() as updates:
+      for chunk in tf.split(x, 2):
+        layer.FProp(layer.theta, chunk)
+    graph = tf.compat.v1.get_default_graph()
+    n = len(graph.get_operations())
+    with tf.device('/device:CPU:2'):
+      updates.Apply()
+    made.extend(graph.get_operations()[n:])
+
+  Step.get_concrete_function()
+  # (The variables' reads go with the variables wherever they are built.)
+  made = [op for op in made if op.type not in ('Placeholder', 'ReadVariableOp')]
+  devices = {op.device for op in made}
+  assert len(made) > 10 and len(devices) == 1, devices
+  assert devices.pop().endswith('/device:CPU:1')
+
+
 def testMergeMomentsIsExact():
   x = _Data(shape=(10, 3), seed=2)
   sizes = [1, 2, 3, 4]
