@@ -364,12 +364,11 @@ class Learner:
     if p.l2_regularizer_weight:
       w = float(p.l2_regularizer_weight)
       decayed = [v for _, v in pairs if not self._SkipLp(v)]
+      # Each term on its variable's device: elsewhere every decayed
+      # variable went to the step's device (over worker processes, the
+      # driving process) at every step.
       stats.l2_loss = (
-        0.5
-        * w
-        * tf.add_n(
-          [tf.reduce_sum(tf.square(tf.cast(v, tf.float32))) for v in decayed]
-        )
+        0.5 * w * tf.add_n([_SquaredSum(v) for v in decayed])
         if decayed
         else tf.constant(0.0)
       )
@@ -415,3 +414,9 @@ class Learner:
     stats.grad_scale = scale
     stats.has_nan_or_inf = tf.cast(has_nan_or_inf, tf.float32)
     return stats, update_op
+
+
+def _SquaredSum(v):
+  """sum(v^2) in float32, on v's device."""
+  with tf.device(v.device):
+    return tf.reduce_sum(tf.square(tf.cast(v, tf.float32)))

@@ -73,6 +73,31 @@ def testL2RegularizationSkipsBiasesAndListedVars():
   np.testing.assert_allclose(other.numpy(), [4.0])
 
 
+def testL2TermsAreComputedOnTheVariablesDevices():
+  # Elsewhere every decayed variable went to the step's device (over worker
+  # processes, the driving process) at every step.
+  with tf.device('/device:CPU:1'):
+    w = _Var([1.0, 2.0], 'a/w')
+  with tf.device('/device:CPU:2'):
+    v = _Var([3.0], 'b/w')
+  lrn = _Learner(l2_regularizer_weight=0.1)
+  lrn.CreateSlots([w, v])
+
+  @tf.function
+  def Step():
+    with tf.device('/device:CPU:3'):
+      stats, _ = lrn.Apply(None, [(tf.zeros([2]), w), (tf.zeros([1]), v)], 0)
+    return stats.l2_loss
+
+  graph = Step.get_concrete_function().graph
+  squares = sorted(
+    op.device.split('/')[-1]
+    for op in graph.get_operations()
+    if op.type == 'Square'
+  )
+  assert squares == ['device:CPU:1', 'device:CPU:2'], squares
+
+
 def testNanGradientSkipsStep():
   a = _Var([1.0, 1.0], 'l/a')
   lrn = _Learner()
