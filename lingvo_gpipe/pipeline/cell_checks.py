@@ -109,10 +109,7 @@ def WarnStatefulRandom(name, k, f, concrete):
   """
   if 'stateful_random' in f.meta:
     return
-  graph_def = concrete().graph.as_graph_def()
-  nodes = list(graph_def.node)
-  for fn in graph_def.library.function:
-    nodes += fn.node_def
+  nodes = graph_ops.NodeDefs(concrete().graph)
   found = sorted({n.name for n in nodes if n.op in _STATEFUL_RANDOM})
   f.meta['stateful_random'] = found
   if found:
