@@ -91,15 +91,19 @@ def _Concrete(f, tensors):
   return concrete
 
 
-def _CallOp(f, tensors):
+def _CallOp(f, tensors, precompiler=None):
   """f.fn(*tensors) in a graph: where no tape records the call, the call
   op is built without shape inference of the body, which otherwise costs
   the step's trace about 18 us per op of the cell per work item
-  (`_tf_internal.CallFunction`)."""
+  (`_tf_internal.CallFunction`), and `precompiler` (if any) compiles the
+  function on the call's device ahead of the step."""
   if _tf_internal.ShouldRecordBackprop(tensors):
     out = f.fn(*tensors)
   else:
-    out = _tf_internal.CallFunction(_Concrete(f, tensors), tensors)
+    concrete = _Concrete(f, tensors)
+    out = _tf_internal.CallFunction(concrete, tensors)
+    if precompiler is not None and out:
+      precompiler.Start(concrete, tensors, out[0].device)
   _Unchained(out)
   return out
 
@@ -463,15 +467,7 @@ class CellFunctions:
     if tf.executing_eagerly():
       return f.fn(*tensors)
     with tf.control_dependencies(deps):
-      out = _CallOp(f, tensors)
-    flat = [t for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
-    if (
-      self._precompiler is not None
-      and flat
-      and not _tf_internal.ShouldRecordBackprop(tensors)
-    ):
-      self._precompiler.Start(_Concrete(f, tensors), tensors, flat[0].device)
-    return out
+      return _CallOp(f, tensors, self._precompiler)
 
   # -- Running a cell ----------------------------------------------------------
 

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(
 )
 
 
-def _Pipe(layers, k, m, policy='always', jit=True, devices=None):
+def _Pipe(layers, k, m, policy='always', jit=True, devices=None, **params):
   return plt.Pipe(
     layers,
     k,
@@ -42,6 +42,7 @@ def _Pipe(layers, k, m, policy='always', jit=True, devices=None):
     devices=devices or DEVICES[:k],
     recompute=policy,
     jit_compile=jit,
+    **params,
   )
 
 
@@ -209,8 +210,7 @@ def testPrecompiledCellsGiveTheSameBits(plt_reference):
   _, x, w, _ = plt_reference
   results = []
   for precompile in (False, True):
-    pipe = _Pipe(plt.DenseLayers(), 2, 2).params.Copy()
-    pipe = pipe.Set(precompile=precompile).Instantiate()
+    pipe = _Pipe(plt.DenseLayers(), 2, 2, precompile=precompile)
     results.append(plt.LossAndGrads(pipe, (x,), w))
   compiled = pipe._cell_functions._precompiler.Wait()  # pylint: disable=protected-access
   # A forward and a recompute-and-backward function on each device.
@@ -224,8 +224,7 @@ def testPrecompiledCellsGiveTheSameBits(plt_reference):
     np.testing.assert_array_equal(g1[name], g0[name])
 
   layers = plt.DenseLayers(2) + [_StatefulRandom.Params().Set(name='draw')]
-  pipe = _Pipe(layers, 2, 2).params.Copy()
-  pipe = pipe.Set(precompile=True).Instantiate()
+  pipe = _Pipe(layers, 2, 2, precompile=True)
   plt.LossAndGrads(pipe, (x,), w)
   compiled = pipe._cell_functions._precompiler.Wait()  # pylint: disable=protected-access
   # Cell 1 holds the draw: only cell 0's functions were compiled ahead.
