@@ -102,7 +102,9 @@ class Precompiler:
   def _Remote(self, device):
     """Whether `device` is in another process than this one."""
     if self._here is None:
-      with tf.init_scope():
+      # Outside the caller's device scope, which init_scope keeps: inside a
+      # cell's, this process would look like the cell's.
+      with tf.init_scope(), tf.device(None):
         self._here = tf.DeviceSpec.from_string(tf.constant(0).device)
     spec = tf.DeviceSpec.from_string(device)
     return spec.job is not None and (spec.job, spec.task or 0) != (

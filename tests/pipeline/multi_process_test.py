@@ -19,6 +19,7 @@ SCRIPT = textwrap.dedent("""
     import tensorflow as tf
     from lingvo_gpipe.core import cluster
     from lingvo_gpipe.core import layers
+    from lingvo_gpipe.core import xla_precompile
     from lingvo_gpipe.pipeline import pipelining_layer
 
     fcs = [layers.FCLayer.Params().Set(name=f'fc_{i}', input_dim=8,
@@ -46,6 +47,16 @@ SCRIPT = textwrap.dedent("""
     y_ref, g_ref = Run(['/job:localhost/replica:0/task:0/device:CPU:0'], 1)
     with cluster.LocalCluster(2, startup_timeout_s=60) as c:
       cluster.Connect(c.cluster_spec, timeout_s=30)
+      # Both workers are other processes, also seen from a cell's scope.
+      pre = xla_precompile.Precompiler('pipe', remote_only=True)
+
+      @tf.function
+      def InCellScope():
+        with tf.device(c.devices[0]):
+          assert pre._Remote(c.devices[0]) and pre._Remote(c.devices[1])
+        return tf.constant(0)
+
+      InCellScope.get_concrete_function()
       y, g = Run(c.devices, 2)
       # Data parallel: 2 replicas of a 1-cell pipeline, one per worker.
       y_dp, g_dp = Run(c.devices, 1, num_replicas=2, num_micro_batches=2)
