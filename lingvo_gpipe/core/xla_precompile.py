@@ -7,6 +7,7 @@ is traced, compiles each (function, device) in a background thread at once.
 """
 
 import concurrent.futures
+import os
 
 from absl import logging
 import tensorflow as tf
@@ -37,7 +38,8 @@ class Precompiler:
 
   The pipeline's cells use it (`pipeline/cell_function.py`, Params
   `precompile`); it takes any function traced with jit_compile=True. The
-  compiles run four at a time (one pool of threads for the process).
+  compiles run from one pool of threads for the process, `NumThreads()` at
+  a time.
 
   Args:
     name: who compiles (a pipeline's path), for messages.
@@ -80,7 +82,7 @@ class Precompiler:
       return
     if Precompiler._pool is None:
       Precompiler._pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=4, thread_name_prefix='xla_precompile'
+        max_workers=NumThreads(), thread_name_prefix='xla_precompile'
       )
     self._started[key] = Precompiler._pool.submit(self._Run, warm, zero, device)
 
@@ -129,6 +131,23 @@ class Precompiler:
       device,
       str(error).split('\n')[0],
     )
+
+
+def NumThreads(num_cores=None):
+  """How many compiles run at once: one core of this host is left to the
+  trace, which runs in one thread, and at most 4.
+
+  A compile costs this host a thread of the driver while the step is traced
+  (the call that compiles it is instantiated here), and where the devices
+  are worker processes on this host, the worker's compile too. With more
+  compiles at once than the cores can run beside the trace, the trace slows
+  down more than the compiles gain (`docs/benchmarks.md`).
+
+  Args:
+    num_cores: this host's cores (default: `os.cpu_count()`).
+  """
+  num_cores = num_cores or os.cpu_count() or 1
+  return max(1, min(4, num_cores - 1))
 
 
 def _Warm(concrete, specs, device):

@@ -238,6 +238,16 @@ def testPrecompileByDefaultOnlyOnDevicesOfOtherProcesses():
   assert not pre._Remote('/job:localhost/replica:0/task:0/device:CPU:1')  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize(
+  'cores, threads', [(None, 1), (1, 1), (2, 1), (3, 2), (5, 4), (64, 4)]
+)
+def testPrecompilesLeaveTheTraceACore(cores, threads, monkeypatch):
+  # On 2 cores, 2 or 4 compiles at once slowed the trace more than they
+  # gained (docs/benchmarks.md): one core stays with the trace.
+  monkeypatch.setattr(xla_precompile.os, 'cpu_count', lambda: cores)
+  assert xla_precompile.NumThreads() == threads
+
+
 _DUMP_SCRIPT = textwrap.dedent("""
     import glob, sys
     import tensorflow as tf
