@@ -362,10 +362,17 @@ class CellFunctions:
       # The device's first backward adds to zeros: one function for every
       # micro-batch (0 + g is g). The zeros are made once the output
       # gradient is there: made at the start of the step, they would hold a
-      # copy of the weights through the forward pass.
+      # copy of the weights through the forward pass. They are computed
+      # from a weight: constant zeros would make the graph optimizer copy
+      # and optimize the function again for that call.
       with tf.control_dependencies(given):
+        zero = None
+        if any(s is None for s in sums):
+          zero = graph_ops.RuntimeZero(
+            [layout.tensors[p] for _, p in layout.theta_floats]
+          )
         running = [
-          tf.zeros_like(layout.tensors[p])
+          graph_ops.Zeros(layout.tensors[p], zero)
           if sums[i] is None
           else cell_layout.Dense(sums[i])
           for i, p in layout.theta_floats

@@ -88,26 +88,6 @@ def _Pack(template, flat):
   )
 
 
-def _RuntimeZero(tensors):
-  """A scalar zero computed from the first float tensor of `tensors` when
-  the step runs (None if there is none): put the weights first, which are
-  read from variables; a tensor computed from constants is folded too.
-
-  Zeros made from constants alone (tf.zeros, tf.fill of a constant, even
-  tf.zeros_like of a tensor of known shape) are folded into a constant
-  when TensorFlow instantiates the step, and a constant stays allocated
-  between steps: one more copy of every running sum and loop state.
-  multiply_no_nan gives 0 even for an inf or NaN.
-  """
-  for t in tf.nest.flatten(tensors):
-    if cell_layout.IsFloat(t):
-      first = tf.reshape(t, [-1])[:1]
-      return tf.reshape(
-        tf.math.multiply_no_nan(first, tf.zeros_like(first)), []
-      )
-  return None
-
-
 def _Cond(active, on, off):
   """tf.cond(active, on, off) as a list, free to run as soon as its inputs
   are ready.
@@ -166,13 +146,6 @@ def _Placed(compiled):
   if not compiled:
     return contextlib.nullcontext()
   return tf.compat.v1.get_default_graph().device(_DeviceOfInputs)
-
-
-def _Zeros(spec, zero):
-  """Zeros of `spec`, from the runtime scalar `zero` (see `_RuntimeZero`)."""
-  if zero is None:
-    return tf.zeros(spec.shape, spec.dtype)
-  return tf.fill(spec.shape, tf.cast(zero, spec.dtype))
 
 
 class Stacked:
@@ -386,8 +359,8 @@ class ClockLoops:
         n = self._NumHead(run, r, k)
         run.stats[(r, k)] = cell_layout.PackedStats(specs[n:])
         specs = specs[:n] + run.stats[(r, k)].specs
-        zero_k = _RuntimeZero((thetas[r][k], x))
-        init[(r, k)] = [_Zeros(s, zero_k) for s in specs]
+        zero_k = graph_ops.RuntimeZero((thetas[r][k], x))
+        init[(r, k)] = [graph_ops.Zeros(s, zero_k) for s in specs]
     waits = self._Order(order)
     num_ticks = num_mb + num_k - 1
 
@@ -615,10 +588,10 @@ class ClockLoops:
         # Made once the output gradients are there: made at the start of
         # the step, they would hold a copy of the weights through the
         # forward pass.
-        zero_k = _RuntimeZero((thetas[r][k], ready))
+        zero_k = graph_ops.RuntimeZero((thetas[r][k], ready))
         with tf.control_dependencies(ready):
           init[(r, k)] = [
-            _Zeros(
+            graph_ops.Zeros(
               tf.TensorSpec(
                 [sum(shape.num_elements() for _, shape, _ in parts)], dtype
               ),
@@ -626,7 +599,9 @@ class ClockLoops:
             )
             for dtype, parts in groups
           ] + [
-            _Zeros(tf.TensorSpec(flat_x[i].shape, flat_x[i].dtype), zero_k)
+            graph_ops.Zeros(
+              tf.TensorSpec(flat_x[i].shape, flat_x[i].dtype), zero_k
+            )
             for i in x_idx
           ]
     present = {}
@@ -645,7 +620,9 @@ class ClockLoops:
           seed_m = tf.gather(run.seeds[(r, k)], mc)
           if k == last:
             if dys is None:
-              dy = [tf.ones([], run.losses[0].dtype)]
+              # Opaque: a constant input would make the graph optimizer
+              # copy the cell's function for this call.
+              dy = [graph_ops.Opaque(tf.ones([], run.losses[0].dtype))]
             else:
               dy = tf.nest.flatten(dys[r].At(mc))
           else:

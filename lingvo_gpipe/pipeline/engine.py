@@ -595,7 +595,9 @@ class PipelineEngine:
       if w.kind == schedule_lib.BACKWARD:
         if w.cell == last:
           with self._Device(w.cell, r):
-            walk.grads[j] = (tf.ones_like(losses[j]),)
+            # Opaque: a constant input would make the graph optimizer copy
+            # the cell's function for this call.
+            walk.grads[j] = (graph_ops.Opaque(tf.ones_like(losses[j])),)
         self._BackwardItem(walk, w, r, j)
         continue
       loss = None

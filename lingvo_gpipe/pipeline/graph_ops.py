@@ -22,6 +22,8 @@ __all__ = [
   'Stamp',
   'Opaque',
   'NodeDefs',
+  'RuntimeZero',
+  'Zeros',
 ]
 
 
@@ -129,6 +131,34 @@ def Opaque(structure):
     return tf.raw_ops.PlaceholderWithDefault(input=t, shape=t.shape)
 
   return tf.nest.map_structure(Wrap, structure)
+
+
+def RuntimeZero(tensors):
+  """A scalar zero computed from the first float tensor of `tensors` when
+  the step runs (None if there is none): put the weights first, which are
+  read from variables; a tensor computed from constants is folded too.
+
+  Zeros made from constants alone (tf.zeros, tf.fill of a constant, even
+  tf.zeros_like of a tensor of known shape) are folded into a constant
+  when TensorFlow instantiates the step, and a constant stays allocated
+  between steps: one more copy of every running sum and loop state. Passed
+  to a function call, it also makes the graph optimizer specialize (copy
+  and optimize again) the function for that call. multiply_no_nan gives 0
+  even for an inf or NaN.
+  """
+  for t in tf.nest.flatten(tensors):
+    if py_utils.IsTensor(t) and t.dtype.is_floating:
+      first = tf.reshape(t, [-1])[:1]
+      return tf.reduce_sum(tf.math.multiply_no_nan(first, tf.zeros_like(first)))
+  return None
+
+
+def Zeros(spec, zero):
+  """Zeros of `spec` (a TensorSpec or a tensor of known shape), from the
+  runtime scalar `zero` (`RuntimeZero`; None: constant zeros)."""
+  if zero is None:
+    return tf.zeros(spec.shape, spec.dtype)
+  return tf.fill(spec.shape, tf.cast(zero, spec.dtype))
 
 
 def NodeDefs(graph):

@@ -123,6 +123,41 @@ def testCellFunctionsAreNotInlined():
     assert by_name[name].attr['_noinline'].b, name
 
 
+def _FromConstantsOnly(op, memo):
+  """Whether `op`'s value is computed from constants alone (a Const, or ops
+  whose inputs all are), which the graph optimizer folds into a constant."""
+  if op.name not in memo:
+    memo[op.name] = False  # Cycles (none expected) count as not constant.
+    memo[op.name] = op.type == 'Const' or (
+      bool(op.inputs)
+      and op.type not in ('Placeholder', 'PlaceholderWithDefault')
+      and not op.op_def.is_stateful
+      and all(_FromConstantsOnly(t.op, memo) for t in op.inputs)
+    )
+  return memo[op.name]
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def testRecomputedCallsTakeNoConstantInputs(schedule):
+  # A call with a constant input makes the graph optimizer copy the called
+  # function and optimize it again for that call (its "specialization"):
+  # the device's first backward once added its gradients to constant zeros.
+  # (A cell that keeps its forward's tape, recompute='never', still gets
+  # constant zeros from TensorFlow's tape for the outputs nothing
+  # differentiates.)
+  _, graph = _StepSize(_Pipe(4, 4, 'always', schedule))
+  memo = {}
+  calls = [
+    op
+    for op in graph.get_operations()
+    if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+  ]
+  assert calls
+  for op in calls:
+    constant = [t.name for t in op.inputs if _FromConstantsOnly(t.op, memo)]
+    assert not constant, (op.name, op.get_attr('f').name, constant)
+
+
 def testEachCellTracedOncePerStep(monkeypatch):
   """A step traced anew at every call retraces the cells: a warning says
   so (and what to do); the same step function called again traces
