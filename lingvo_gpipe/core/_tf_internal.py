@@ -72,6 +72,8 @@ __all__ = [
   'XlaKernelConstraints',
   'IsStateful',
   'WithoutGraphOptimizer',
+  'AddControlInputs',
+  'RemoveControlInputs',
 ]
 
 # Device types whose XLA kernels are registered in this process.
@@ -147,6 +149,21 @@ def RunIndependently(op):
   )
   if acd is not None and not tf.executing_eagerly():
     acd.run_independently(op)
+
+
+def AddControlInputs(op, control_ops):
+  """Makes an op already built wait for `control_ops` (graph mode): the
+  pipeline orders the ops of a gradient that `tf.GradientTape` built."""
+  op._add_control_inputs(control_ops)  # pylint: disable=protected-access
+
+
+def RemoveControlInputs(op, control_ops):
+  """Undoes `AddControlInputs(op, control_ops)`."""
+  drop = {c.name for c in control_ops}
+  keep = [c for c in op.control_inputs if c.name not in drop]
+  op._remove_all_control_inputs()  # pylint: disable=protected-access
+  if keep:
+    op._add_control_inputs(keep)  # pylint: disable=protected-access
 
 
 def TPUDeviceAssignment(extended):

@@ -539,6 +539,17 @@ class CellFunctions:
     gradients `given` (those of the outputs marked in `present`), w.r.t.
     tensors[position] for each (index, position) of `sources`."""
     xs = [tensors[p] for _, p in sources]
+    # Layers inline in an uncompiled function: each layer's backward waits
+    # for the one above (graph_ops.BackwardOrder; XLA orders its own).
+    order = None
+    if (
+      fprop is None
+      and not self._jit
+      and not self.Inline()
+      and not tf.executing_eagerly()
+    ):
+      order = graph_ops.BackwardOrder()
+      fprop = order.FProp
     # (The XLA check traces this inside tf.init_scope, which stops tapes.)
     with (
       _tf_internal.RecordingOn(),
@@ -560,11 +571,16 @@ class CellFunctions:
     pairs = [(y, dy) for y, dy in pairs if cell_layout.IsFloat(y)]
     if not pairs or not xs:
       return [None] * len(xs)
-    return list(
+    if order is not None:
+      order.Start()
+    grads = list(
       tape.gradient(
         [y for y, _ in pairs], xs, output_gradients=[dy for _, dy in pairs]
       )
     )
+    if order is not None:
+      order.Apply()
+    return grads
 
   def _Split(self, layout, sources, grads, sums, summed):
     """(weight gradients flat like `sums`, input gradients flat like the

@@ -24,6 +24,7 @@ __all__ = [
   'NodeDefs',
   'RuntimeZero',
   'Zeros',
+  'BackwardOrder',
 ]
 
 
@@ -169,3 +170,105 @@ def NodeDefs(graph):
   for fn in graph_def.library.function:
     nodes += fn.node_def
   return nodes
+
+
+class BackwardOrder:
+  """Makes the backward pass of each layer of a cell wait for that of the
+  layer above it, in a gradient that one `tf.GradientTape` builds over the
+  cell's layers inline.
+
+  In such a gradient the executor may run the backward ops of every layer
+  in any order their inputs allow: a weight gradient of a layer high in the
+  cell can wait until the layers below have started, and the activations it
+  reads stay alive meanwhile. Here every gradient op that reads activations
+  of layer i-1 (tensors made inside it, not its outputs) waits for every
+  gradient op that reads activations of layer i. Only control edges are
+  added: the same ops compute the same values. If the layers pass tensors
+  to each other other than through their outputs and the edges would close
+  a cycle, none is added.
+
+  Use: run the cell's layers through `FProp` (the cell's `fprop` hook),
+  call `Start()` before `tape.gradient` and `Apply()` after it.
+  """
+
+  def __init__(self):
+    self._graph = tf.compat.v1.get_default_graph()
+    self._inner = []  # Per layer: names of the tensors made inside it.
+    self._forward = set()  # Names of the ops the layers made.
+    self._start = None
+
+  def FProp(self, layer, theta, args):
+    """Runs `layer` on `args`, noting the ops it makes."""
+    before = len(self._graph.get_operations())
+    out = layer.FProp(theta, *args)
+    made = self._graph.get_operations()[before:]
+    self._forward.update(op.name for op in made)
+    returned = {
+      t.name for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)
+    }
+    self._inner.append({t.name for op in made for t in op.outputs} - returned)
+    return out
+
+  def Start(self):
+    """Marks where the gradient's ops begin."""
+    self._start = len(self._graph.get_operations())
+
+  def Apply(self):
+    """Adds the control edges; returns how many ops now wait."""
+    if self._start is None or len(self._inner) < 2:
+      return 0
+    owner = {}
+    for i, names in enumerate(self._inner):
+      for name in names:
+        owner[name] = i
+    ops = self._graph.get_operations()[self._start :]
+    readers = [[] for _ in self._inner]
+    for op in ops:
+      if op.name in self._forward:
+        continue
+      for i in {owner[t.name] for t in op.inputs if t.name in owner}:
+        readers[i].append(op)
+    added, barriers = [], []
+    with tf.control_dependencies(None):
+      for i in range(len(readers) - 1, 0, -1):
+        if not readers[i] or not readers[i - 1]:
+          continue
+        with tf.control_dependencies(readers[i]):
+          barrier = tf.no_op(name='backward_order')
+        barriers.append(barrier)
+        for op in readers[i - 1]:
+          _tf_internal.AddControlInputs(op, [barrier])
+          added.append((op, barrier))
+    if _HasCycle(ops + barriers):
+      for op, barrier in added:
+        _tf_internal.RemoveControlInputs(op, [barrier])
+      return 0
+    return len(added)
+
+
+def _HasCycle(ops):
+  """Whether the edges among `ops` (data and control) close a cycle."""
+  names = {op.name for op in ops}
+  preds = {
+    op.name: {
+      p.name
+      for p in [t.op for t in op.inputs] + list(op.control_inputs)
+      if p.name in names
+    }
+    for op in ops
+  }
+  succs = {name: [] for name in names}
+  for name, ps in preds.items():
+    for p in ps:
+      succs[p].append(name)
+  waiting = {name: len(ps) for name, ps in preds.items()}
+  ready = [name for name, n in waiting.items() if n == 0]
+  seen = 0
+  while ready:
+    name = ready.pop()
+    seen += 1
+    for s in succs[name]:
+      waiting[s] -= 1
+      if waiting[s] == 0:
+        ready.append(s)
+  return seen < len(names)

@@ -180,3 +180,47 @@ def testEachCellTracedOncePerStep(monkeypatch):
     tf.function(lambda x: pipe(x))(x)
   assert any('traced 3 times for the same input shapes' in m for m in warnings)
   assert any('Trace the step once' in m for m in warnings)
+
+
+def testEachLayersBackwardWaitsForTheLayerAbove():
+  # Layers inline in a cell's recompute-and-backward function: the
+  # gradient ops that read a layer's activations wait for those of the
+  # layer above (graph_ops.BackwardOrder), so they are freed layer by layer.
+  from lingvo_gpipe.layers import transformer  # pylint: disable=g-import-not-at-top
+
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=[
+        transformer.TransformerLayer.Params().Set(
+          name=f'block_{i}', source_dim=8, hidden_dim=16, num_attention_heads=2
+        )
+        for i in range(4)
+      ],
+      num_stages=2,
+      num_micro_batches=2,
+      devices=DEVICES[:2],
+    )
+    .Instantiate()
+  )
+  variables = pipe.trainable_variables
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, variables)
+
+  x = tf.random.stateless_normal([4, 3, 8], [1, 2])
+  graph = Step.get_concrete_function(x).graph
+  backward = [
+    f
+    for f in graph.as_graph_def().library.function
+    if 'Backward' in f.signature.name
+  ]
+  assert backward
+  for f in backward:
+    barriers = [n for n in f.node_def if 'backward_order' in n.name]
+    # Two layers per cell: one boundary between them.
+    assert len(barriers) == 1, (f.signature.name, len(barriers))

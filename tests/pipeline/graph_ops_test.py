@@ -86,3 +86,79 @@ def testStampReturnsATimestampAndOrdersXAfterIt():
   stamp, y = Fn(tf.constant(3.0))
   assert stamp.dtype == tf.float64 and float(stamp) > 0
   assert float(y) == 6.0
+
+
+class _Squash:
+  """A layer whose backward reads tensors made inside it (not only its
+  inputs and outputs); `leak` hands one of them to the next layer."""
+
+  def __init__(self, leak=None):
+    self.leak = leak
+
+  def FProp(self, w, x, *extra):
+    z = tf.tanh(tf.matmul(x, w))
+    if self.leak is not None:
+      self.leak.append(z)
+    y = z * z
+    for e in extra:  # a tensor made inside the layer below
+      y = y * e
+    return y
+
+
+def _OrderedGradients(layers, apply_order):
+  ws = [
+    tf.Variable(tf.random.stateless_normal([4, 4], [i, 1]) * 0.5)
+    for i in range(len(layers))
+  ]
+  x = tf.random.stateless_normal([3, 4], [9, 9])
+  out = {}
+
+  @tf.function
+  def Step():
+    order = graph_ops.BackwardOrder()
+    theta = [w.read_value() for w in ws]
+    with tf.GradientTape() as tape:
+      tape.watch(theta)
+      h = x
+      for i, (layer, th) in enumerate(zip(layers, theta)):
+        extra = (layers[0].leak[-1],) if i == 2 and layers[0].leak else ()
+        h = order.FProp(layer, th, (h,) + extra)
+      y = tf.reduce_sum(h)
+    order.Start()
+    grads = tape.gradient(y, theta)
+    out['added'] = order.Apply() if apply_order else 0
+    return grads
+
+  grads = [g.numpy() for g in Step()]
+  return grads, out['added'], Step.get_concrete_function().graph
+
+
+def testBackwardOrderMakesEachLayerWaitForTheOneAbove():
+  plain, _, _ = _OrderedGradients([_Squash() for _ in range(3)], False)
+  ordered, added, graph = _OrderedGradients([_Squash() for _ in range(3)], True)
+  assert added > 0
+  for a, b in zip(plain, ordered):  # Only control edges: the same bits.
+    np.testing.assert_array_equal(a, b)
+  barriers = [op for op in graph.get_operations() if op.type == 'NoOp']
+  barriers = [op for op in barriers if 'backward_order' in op.name]
+  assert len(barriers) == 2  # Between layers 2 and 1, and 1 and 0.
+  waiting = [
+    op
+    for op in graph.get_operations()
+    if any('backward_order' in c.name for c in op.control_inputs)
+  ]
+  assert len(waiting) == added
+  assert all(op.name.startswith('gradient_tape/') for op in waiting)
+
+
+def testBackwardOrderAddsNoEdgeThatWouldCloseACycle():
+  # Layer 2 reads a tensor made inside layer 0: its backward reads layer
+  # 0's activations, and would have to wait for itself.
+  leak = []
+  layers = [_Squash(leak), _Squash(), _Squash()]
+  plain, _, _ = _OrderedGradients(layers, False)
+  leak.clear()
+  ordered, added, _ = _OrderedGradients(layers, True)
+  assert added == 0
+  for a, b in zip(plain, ordered):
+    np.testing.assert_array_equal(a, b)
