@@ -31,6 +31,7 @@ __all__ = [
   'UpdateCollector',
   'AddDeferredUpdate',
   'OnDeviceOf',
+  'NodeDefs',
   'HasShape',
   'Flatten',
   'Pack',
@@ -473,6 +474,16 @@ def Stack(tensors):
     ):
       return op.inputs[0]
   return tf.stack(tensors)
+
+
+def NodeDefs(graph):
+  """Every NodeDef of `graph` and of the functions it calls (those of its
+  function library), as one list."""
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node)
+  for fn in graph_def.library.function:
+    nodes += fn.node_def
+  return nodes
 
 
 def IsTensor(x):

@@ -13,6 +13,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
+from lingvo_gpipe.core import py_utils
 
 __all__ = ['Precompiler']
 
@@ -97,7 +98,7 @@ class Precompiler:
     if concrete.name not in self._stateful:
       self._stateful[concrete.name] = any(
         n.op not in self._READS and _tf_internal.IsStateful(n.op)
-        for n in _NodeDefs(concrete.graph)
+        for n in py_utils.NodeDefs(concrete.graph)
       )
     return self._stateful[concrete.name]
 
@@ -177,12 +178,3 @@ def _Fillable(spec):
     or spec.dtype.is_complex
     or spec.dtype == tf.bool
   )
-
-
-def _NodeDefs(graph):
-  """Every NodeDef of `graph` and of the functions it calls."""
-  graph_def = graph.as_graph_def()
-  nodes = list(graph_def.node)
-  for fn in graph_def.library.function:
-    nodes += fn.node_def
-  return nodes

@@ -12,7 +12,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.core import py_utils
 
 __all__ = ['TraceCounter', 'WarnStatefulRandom', 'XlaCheck']
 
@@ -109,7 +109,7 @@ def WarnStatefulRandom(name, k, f, concrete):
   """
   if 'stateful_random' in f.meta:
     return
-  nodes = graph_ops.NodeDefs(concrete().graph)
+  nodes = py_utils.NodeDefs(concrete().graph)
   found = sorted({n.name for n in nodes if n.op in _STATEFUL_RANDOM})
   f.meta['stateful_random'] = found
   if found:
@@ -190,7 +190,7 @@ class XlaCheck:
     with tf.init_scope():
       graph = f.fn.get_concrete_function(*specs).graph
     bad = []
-    for node in graph_ops.NodeDefs(graph):
+    for node in py_utils.NodeDefs(graph):
       ok = self._Supported(device_type, node)
       if ok is None:
         return

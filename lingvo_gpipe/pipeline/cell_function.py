@@ -159,7 +159,7 @@ def _Serves(f):
     for concrete in concretes:
       if not ok:
         break
-      ops = {n.op for n in graph_ops.NodeDefs(concrete.graph)}
+      ops = {n.op for n in py_utils.NodeDefs(concrete.graph)}
       ok = not concrete.captured_inputs and not any('Random' in o for o in ops)
     f.meta['serves'] = ok
   return f.meta['serves']

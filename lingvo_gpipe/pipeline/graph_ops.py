@@ -3,7 +3,8 @@
 Ordering (`After`), copies the graph optimizer cannot merge (`FreshCopies`),
 timestamps that do not serialize the cells (`Stamp`), and the gradient sum
 that adds each micro-batch's gradient as soon as it is ready
-(`SumGradients`), and every node of a traced graph (`NodeDefs`).
+(`SumGradients`), zeros made when the step runs (`RuntimeZero`), and the
+layer-by-layer order of a cell's backward pass (`BackwardOrder`).
 """
 
 import contextlib
@@ -21,7 +22,6 @@ __all__ = [
   'FreshCopies',
   'Stamp',
   'Opaque',
-  'NodeDefs',
   'RuntimeZero',
   'Zeros',
   'BackwardOrder',
@@ -160,16 +160,6 @@ def Zeros(spec, zero):
   if zero is None:
     return tf.zeros(spec.shape, spec.dtype)
   return tf.fill(spec.shape, tf.cast(zero, spec.dtype))
-
-
-def NodeDefs(graph):
-  """Every NodeDef of `graph` and of the functions it calls (those of its
-  function library), as one list."""
-  graph_def = graph.as_graph_def()
-  nodes = list(graph_def.node)
-  for fn in graph_def.library.function:
-    nodes += fn.node_def
-  return nodes
 
 
 class BackwardOrder:
