@@ -74,6 +74,9 @@ __all__ = [
   'WithoutGraphOptimizer',
   'AddControlInputs',
   'RemoveControlInputs',
+  'ReleaseDefinitionCopies',
+  'ReleaseControlFlowGraphs',
+  'WithoutGraph',
 ]
 
 # Device types whose XLA kernels are registered in this process.
@@ -218,7 +221,7 @@ def CallFunction(concrete, args, return_op=False):
     'executor_type': a(s=(options['executor_type'] or '').encode()),
     '_disable_call_shape_inference': a(b=True),
   }
-  xla = atomic.cached_definition.attr.get('_XlaMustCompile', None)
+  xla = _XlaMustCompile(atomic)
   if xla is not None:
     attrs['_XlaMustCompile'] = xla
   stateful = atomic.call_options.is_stateful
@@ -239,6 +242,99 @@ def CallFunction(concrete, args, return_op=False):
   for t, o in zip(result, outs):
     t.set_shape(o.shape)
   return op if return_op else result
+
+
+_xla_must_compile = {}  # {function name: its _XlaMustCompile attr or None}
+
+
+def _XlaMustCompile(atomic):
+  """The `_XlaMustCompile` attribute of the function `atomic`, or None;
+  read once per function, from a copy of its definition that is dropped
+  (TensorFlow's `cached_definition` keeps a Python copy of the whole
+  definition, megabytes for a deep compiled cell)."""
+  if atomic.name not in _xla_must_compile:
+    attr = atomic.definition.attr.get('_XlaMustCompile', None)
+    _xla_must_compile[atomic.name] = None if attr is None else _Own(attr)
+  return _xla_must_compile[atomic.name]
+
+
+def _Own(attr):
+  """A copy of the AttrValue `attr` that shares no memory with the
+  message it came from (a field of a Python proto keeps its whole message
+  alive)."""
+  return _attr_value_pb2.AttrValue.FromString(attr.SerializeToString())
+
+
+def ReleaseDefinitionCopies(concrete):
+  """Drops the Python copies of `concrete`'s FunctionDef that TensorFlow
+  keeps for it.
+
+  A traced concrete function and its gradient helper each keep the
+  function's attributes as fields of a Python copy of its whole definition
+  (and the field keeps the copy alive): two copies of every op of the body.
+  For a 192-layer LM with XLA-compiled cells that is over 100 MB of the
+  driver. The attributes are kept as copies of their own; the definition
+  itself stays in the runtime, where calls find it.
+  """
+  concrete._attrs = {k: _Own(v) for k, v in concrete._attrs.items()}  # pylint: disable=protected-access
+  rewrite = getattr(concrete, '_delayed_rewrite_functions', None)
+  if rewrite is not None:
+    rewrite._attrs = {k: _Own(v) for k, v in rewrite._attrs.items()}  # pylint: disable=protected-access
+  concrete._inference_function._cached_definition = None  # pylint: disable=protected-access
+
+
+def WithoutGraph(concrete):
+  """A callable that runs the concrete function `concrete` eagerly on flat
+  tensors and returns its flat outputs, holding the function as the
+  runtime has it but not the graph it was traced from (which TensorFlow
+  frees with `concrete`)."""
+  atomic = concrete._inference_function  # pylint: disable=protected-access
+  atomic._cached_graph = None  # pylint: disable=protected-access
+  captured = list(concrete.captured_inputs)
+  return lambda *args: atomic.call_flat(*args, *captured)
+
+
+_BODY_GRAPHS = ('_body_graph', '_cond_graph', '_true_graph', '_false_graph')
+_BODY_FUNCTIONS = ('body', 'cond', 'then_branch', 'else_branch')
+
+
+def ReleaseControlFlowGraphs(ops):
+  """Drops the Python graphs that the tf.while_loop and tf.cond ops `ops`
+  (and those nested in their bodies and branches) were traced from.
+
+  TensorFlow keeps each body's and branch's FuncGraph, for a gradient tape
+  that might differentiate the op later, and each keeps its own copy of
+  every function it calls: a loop over the pipeline's ticks held a copy of
+  each cell's functions per cell's branch. Where no tape records the ops,
+  nothing needs those graphs again; were one asked for, TensorFlow builds
+  it anew from the function's definition in the runtime.
+  """
+  for op in ops:
+    graphs = [getattr(op, a, None) for a in _BODY_GRAPHS]
+    graphs = [g for g in graphs if g is not None]
+    for g in graphs:
+      ReleaseControlFlowGraphs(
+        [o for o in g.get_operations() if o.type in _CONTROL_FLOW_OPS]
+      )
+    for a in _BODY_GRAPHS:
+      if getattr(op, a, None) is not None:
+        setattr(op, a, None)
+    names = set()
+    for a in _BODY_FUNCTIONS:
+      try:
+        names.add(op.get_attr(a).name)
+      except ValueError:
+        pass
+    graph = op.graph
+    while graph is not None:
+      for name in names:
+        atomic = graph._functions.get(name)  # pylint: disable=protected-access
+        if atomic is not None:
+          atomic._cached_graph = None  # pylint: disable=protected-access
+      graph = getattr(graph, 'outer_graph', None)
+
+
+_CONTROL_FLOW_OPS = frozenset(('While', 'StatelessWhile', 'If', 'StatelessIf'))
 
 
 _CONTROL_FLOW_GRAPHS = (
@@ -293,13 +389,21 @@ def IsStateful(op_type):
   return None if op_def is None else op_def.is_stateful
 
 
+@contextlib.contextmanager
 def WithoutGraphOptimizer():
-  """Function calls from this thread skip Grappler when instantiated.
+  """Function calls from this thread, in this scope, skip Grappler when
+  instantiated.
 
   Sets the thread's function-call options (per thread in the eager
-  context): calls run ahead of the step only to compile a cell, and the
-  step's own instantiation optimizes what it runs."""
+  context) and restores them after: calls run ahead of the step only to
+  compile a cell, and the step's own instantiation optimizes what it
+  runs."""
   ctx = _context.context()
+  before = ctx.function_call_options
   config = ctx.config
   config.graph_options.rewrite_options.disable_meta_optimizer = True
   ctx.function_call_options = _context.FunctionCallOptions(config_proto=config)
+  try:
+    yield
+  finally:
+    ctx.function_call_options = before

@@ -117,8 +117,8 @@ class Precompiler:
 
   def _Run(self, warm, zero, device):
     try:
-      _tf_internal.WithoutGraphOptimizer()
-      warm(zero)
+      with _tf_internal.WithoutGraphOptimizer():
+        warm(zero)
     except Exception as e:  # pylint: disable=broad-except
       self._Failed(device, e)
 
@@ -152,20 +152,29 @@ def NumThreads(num_cores=None):
 
 
 def _Warm(concrete, specs, device):
-  """A concrete function that calls `concrete` on `device`, on zeros of
-  `specs` made there from its one argument (a scalar int32 zero)."""
+  """A function that calls `concrete` on `device`, on zeros of `specs` made
+  there from its one argument (a scalar int32 zero).
+
+  Only the runtime's function is kept, not the graph it was traced from:
+  that graph holds a copy of the function it calls, and the warm-ups of a
+  step, all made while the step is traced and waiting for their turn,
+  took the driver of a 192-layer LM with XLA-compiled cells 240 MB more.
+  """
 
   def Warm(zero):
     # Zeros made on the device from an argument: constants would be
     # folded into a function of their own.
     with tf.device(device):
       args = [tf.fill(s.shape, tf.cast(zero, s.dtype)) for s in specs]
-      flat = tf.nest.flatten(concrete(*args))
+      # Called as the step calls it: without shape inference of its body.
+      flat = _tf_internal.CallFunction(concrete, args)
       # One element of an output, so that the call is not pruned.
       return tf.reshape(flat[0], [-1])[:1]
 
-  return tf.function(Warm, autograph=False).get_concrete_function(
-    tf.TensorSpec([], tf.int32)
+  return _tf_internal.WithoutGraph(
+    tf.function(Warm, autograph=False).get_concrete_function(
+      tf.TensorSpec([], tf.int32)
+    )
   )
 
 

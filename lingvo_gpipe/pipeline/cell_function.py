@@ -88,6 +88,7 @@ def _Concrete(f, tensors):
   concrete = f.concrete.get(sig)
   if concrete is None:
     concrete = f.concrete[sig] = f.fn.get_concrete_function(*tensors)
+    _tf_internal.ReleaseDefinitionCopies(concrete)
   return concrete
 
 

@@ -274,6 +274,8 @@ class ClockLoops:
           after[(r, k)] = ticks[(r, k)] + 1
       return t + 1, after, state, lists
 
+    graph = tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations())
     with _Placed(not self._cells.PacksWeights()):
       _, _, state, lists = tf.while_loop(
         lambda t, *_: t < num_ticks,
@@ -281,6 +283,16 @@ class ClockLoops:
         (tf.constant(0), ticks, state, lists),
         parallel_iterations=min(PARALLEL_TICKS, num_ticks),
       )
+    # No tape records the loop (the engine differentiates it by a loop of
+    # its own): its body's and branches' graphs, each with copies of the
+    # cell functions it calls, are not needed once it is built.
+    _tf_internal.ReleaseControlFlowGraphs(
+      [
+        op
+        for op in graph.get_operations()[first_op:]
+        if op.type in ('While', 'StatelessWhile')
+      ]
+    )
     return state, lists
 
   # -- The forward loop --------------------------------------------------------

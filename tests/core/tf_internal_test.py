@@ -173,3 +173,88 @@ def testIsStateful():
   assert _tf_internal.IsStateful('AssignVariableOp') is True
   assert _tf_internal.IsStateful('MatMul') is False
   assert _tf_internal.IsStateful('__inference_not_an_op_1') is None
+
+
+def testReleaseDefinitionCopiesKeepsTheFunctionCallable():
+  @tf.function(jit_compile=True, autograph=False)
+  def Body(x):
+    return tf.tanh(x) * 2.0
+
+  concrete = Body.get_concrete_function(tf.TensorSpec([3], tf.float32))
+  _tf_internal.ReleaseDefinitionCopies(concrete)
+  # TensorFlow's attribute holders are plain dicts of their own now, not
+  # fields of a copy of the whole definition.
+  assert isinstance(concrete._attrs, dict)  # pylint: disable=protected-access
+  assert concrete._inference_function._cached_definition is None  # pylint: disable=protected-access
+  x = tf.constant([0.5, 1.0, 2.0])
+
+  @tf.function(autograph=False)
+  def Step(x):
+    (y,) = _tf_internal.CallFunction(concrete, [x])
+    # The call still carries the function's XLA attribute.
+    assert y.op.get_attr('_XlaMustCompile')
+    return y
+
+  np.testing.assert_allclose(Step(x), np.tanh(x.numpy()) * 2.0, rtol=1e-6)
+  np.testing.assert_allclose(concrete(x), np.tanh(x.numpy()) * 2.0, rtol=1e-6)
+
+
+def testReleaseControlFlowGraphsDropsBodiesAndBranches():
+  seen = {}
+
+  @tf.function
+  def Step(x):
+    def Body(i, y):
+      return i + 1, tf.cond(i > 0, lambda: y + 1.0, lambda: y * 2.0)
+
+    graph = tf.compat.v1.get_default_graph()
+    out = tf.while_loop(lambda i, _: i < 3, Body, (0, x))[1]
+    whiles = [op for op in graph.get_operations() if 'While' in op.type]
+    assert len(whiles) == 1, whiles
+    (loop,) = whiles
+    body = loop._body_graph  # pylint: disable=protected-access
+    conds = [o for o in body.get_operations() if 'If' in o.type]
+    assert conds and conds[0]._true_graph is not None  # pylint: disable=protected-access
+    _tf_internal.ReleaseControlFlowGraphs(whiles)
+    seen['loop'], seen['cond'] = loop, conds[0]
+    return out
+
+  # (1 * 2) + 1 + 1: the loop runs as built.
+  assert float(Step(tf.constant(1.0))) == 4.0
+  assert seen['loop']._body_graph is None  # pylint: disable=protected-access
+  assert seen['loop']._cond_graph is None  # pylint: disable=protected-access
+  assert seen['cond']._true_graph is None  # pylint: disable=protected-access
+  graph = seen['loop'].graph
+  for name in (
+    seen['loop'].get_attr('body').name,
+    seen['cond'].get_attr('then_branch').name,
+  ):
+    assert graph._functions[name]._cached_graph is None  # pylint: disable=protected-access
+  # Were a graph asked for again, TensorFlow builds it from the runtime.
+  body = graph._functions[seen['loop'].get_attr('body').name].graph  # pylint: disable=protected-access
+  assert any('If' in o.type for o in body.get_operations())
+
+
+def testWithoutGraphRunsTheFunctionEagerly():
+  w = tf.constant([1.0, 2.0])
+
+  @tf.function(autograph=False)
+  def Body(x):
+    return x * w + 1.0
+
+  concrete = Body.get_concrete_function(tf.TensorSpec([2], tf.float32))
+  run = _tf_internal.WithoutGraph(concrete)
+  atomic = concrete._inference_function  # pylint: disable=protected-access
+  assert atomic._cached_graph is None  # pylint: disable=protected-access
+  (y,) = run(tf.constant([3.0, 4.0]))
+  np.testing.assert_allclose(y, [4.0, 9.0])
+
+
+def testWithoutGraphOptimizerRestoresTheCallOptions():
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+
+  before = context.context().function_call_options.config_proto_serialized
+  with _tf_internal.WithoutGraphOptimizer():
+    inside = context.context().function_call_options.config_proto_serialized
+  after = context.context().function_call_options.config_proto_serialized
+  assert inside != before and after == before

@@ -204,6 +204,24 @@ def testLoopsTakeEachCellsWeightsAsOneList():
   assert len(four) == 2 and four == twelve, (four, twelve)
 
 
+def testLoopsKeepNoGraphsOfTheirBodies():
+  """Once built, a loop keeps neither its body's graph nor its ticks'
+  branch graphs (each held a copy of every cell function it calls): no
+  tape records the loops. The step still runs (the same bits:
+  testSameBitsAsTheWorkItems)."""
+  graph = _StepGraph(4, jit_compile=True)
+  loops = [
+    op
+    for op in graph.get_operations()
+    if op.type in ('While', 'StatelessWhile')
+  ]
+  assert len(loops) == 2, loops
+  for op in loops:
+    assert op._body_graph is None and op._cond_graph is None  # pylint: disable=protected-access
+    atomic = graph._functions[op.get_attr('body').name]  # pylint: disable=protected-access
+    assert atomic._cached_graph is None  # pylint: disable=protected-access
+
+
 def testCellsOfOneTickAreNotChained():
   """A tick's cells run at once: tf.function chains the stateful ops of a
   loop's body in program order, and a compiled cell's cond is stateful

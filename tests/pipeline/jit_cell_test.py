@@ -238,6 +238,32 @@ def testPrecompileByDefaultOnlyOnDevicesOfOtherProcesses():
   assert not pre._Remote('/job:localhost/replica:0/task:0/device:CPU:1')  # pylint: disable=protected-access
 
 
+def testWarmUpsKeepNoGraph():
+  """A warm-up waiting for its turn keeps the function the runtime runs,
+  not the graph it was traced from (which holds a copy of the compiled
+  function it calls)."""
+  import gc  # pylint: disable=g-import-not-at-top
+
+  @tf.function(jit_compile=True, autograph=False)
+  def Cell(x, w):
+    return tf.tanh(x * w)
+
+  concrete = Cell.get_concrete_function(
+    tf.TensorSpec([2, 3], tf.float32), tf.TensorSpec([3], tf.float32)
+  )
+  specs = [tf.TensorSpec([2, 3], tf.float32), tf.TensorSpec([3], tf.float32)]
+  warm = xla_precompile._Warm(concrete, specs, DEVICES[1])  # pylint: disable=protected-access
+  gc.collect()
+  graphs = [
+    o
+    for o in gc.get_objects()
+    if isinstance(o, tf.Graph) and getattr(o, 'name', '').startswith('Warm')
+  ]
+  assert not graphs, graphs
+  (y,) = warm(tf.constant(0))
+  np.testing.assert_array_equal(y, [0.0])
+
+
 @pytest.mark.parametrize(
   'cores, threads', [(None, 1), (1, 1), (2, 1), (3, 2), (5, 4), (64, 4)]
 )
