@@ -298,9 +298,13 @@ _BODY_GRAPHS = ('_body_graph', '_cond_graph', '_true_graph', '_false_graph')
 _BODY_FUNCTIONS = ('body', 'cond', 'then_branch', 'else_branch')
 
 
+_CONTROL_FLOW_OPS = frozenset(('While', 'StatelessWhile', 'If', 'StatelessIf'))
+
+
 def ReleaseControlFlowGraphs(ops):
-  """Drops the Python graphs that the tf.while_loop and tf.cond ops `ops`
-  (and those nested in their bodies and branches) were traced from.
+  """Drops the Python graphs that the tf.while_loop and tf.cond ops among
+  `ops` (and those nested in their bodies and branches) were traced from;
+  other ops are passed over.
 
   TensorFlow keeps each body's and branch's FuncGraph, for a gradient tape
   that might differentiate the op later, and each keeps its own copy of
@@ -310,14 +314,12 @@ def ReleaseControlFlowGraphs(ops):
   it anew from the function's definition in the runtime.
   """
   for op in ops:
-    graphs = [getattr(op, a, None) for a in _BODY_GRAPHS]
-    graphs = [g for g in graphs if g is not None]
-    for g in graphs:
-      ReleaseControlFlowGraphs(
-        [o for o in g.get_operations() if o.type in _CONTROL_FLOW_OPS]
-      )
+    if op.type not in _CONTROL_FLOW_OPS:
+      continue
     for a in _BODY_GRAPHS:
-      if getattr(op, a, None) is not None:
+      body = getattr(op, a, None)
+      if body is not None:
+        ReleaseControlFlowGraphs(body.get_operations())
         setattr(op, a, None)
     names = set()
     for a in _BODY_FUNCTIONS:
@@ -332,9 +334,6 @@ def ReleaseControlFlowGraphs(ops):
         if atomic is not None:
           atomic._cached_graph = None  # pylint: disable=protected-access
       graph = getattr(graph, 'outer_graph', None)
-
-
-_CONTROL_FLOW_OPS = frozenset(('While', 'StatelessWhile', 'If', 'StatelessIf'))
 
 
 _CONTROL_FLOW_GRAPHS = (

@@ -286,13 +286,7 @@ class ClockLoops:
     # No tape records the loop (the engine differentiates it by a loop of
     # its own): its body's and branches' graphs, each with copies of the
     # cell functions it calls, are not needed once it is built.
-    _tf_internal.ReleaseControlFlowGraphs(
-      [
-        op
-        for op in graph.get_operations()[first_op:]
-        if op.type in ('While', 'StatelessWhile')
-      ]
-    )
+    _tf_internal.ReleaseControlFlowGraphs(graph.get_operations()[first_op:])
     return state, lists
 
   # -- The forward loop --------------------------------------------------------
