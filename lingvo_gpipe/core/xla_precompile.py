@@ -159,13 +159,24 @@ def _Warm(concrete, specs, device):
   that graph holds a copy of the function it calls, and the warm-ups of a
   step, all made while the step is traced and waiting for their turn,
   took the driver of a 192-layer LM with XLA-compiled cells 240 MB more.
+
+  One zero tensor per distinct shape and dtype: a cell's weights come in a
+  few shapes (identical layers), and one fill per argument made 6,214 ops,
+  6.8 s of the trace of that LM's 16 warm-ups.
   """
 
   def Warm(zero):
     # Zeros made on the device from an argument: constants would be
     # folded into a function of their own.
+    zeros = {}
     with tf.device(device):
-      args = [tf.fill(s.shape, tf.cast(zero, s.dtype)) for s in specs]
+      for s in specs:
+        if s.dtype not in zeros:
+          zeros[s.dtype] = tf.cast(zero, s.dtype)
+        key = (tuple(s.shape), s.dtype)
+        if key not in zeros:
+          zeros[key] = tf.fill(s.shape, zeros[s.dtype])
+      args = [zeros[(tuple(s.shape), s.dtype)] for s in specs]
       # Called as the step calls it: without shape inference of its body.
       flat = _tf_internal.CallFunction(concrete, args)
       # One element of an output, so that the call is not pruned.

@@ -264,6 +264,39 @@ def testWarmUpsKeepNoGraph():
   np.testing.assert_array_equal(y, [0.0])
 
 
+def testWarmUpFillsOneZeroPerShape(monkeypatch):
+  """A warm-up makes one zero per distinct shape and dtype of its
+  arguments, not one per argument (a deep cell's weights come in a few
+  shapes), and the function still compiles and runs on them."""
+  fills = []
+  fill = tf.fill
+
+  def CountingFill(dims, value):
+    fills.append((tuple(dims), value.dtype))
+    return fill(dims, value)
+
+  monkeypatch.setattr(tf, 'fill', CountingFill)
+
+  @tf.function(jit_compile=True, autograph=False)
+  def Cell(x, w1, w2, w3, n):
+    return tf.tanh(x * w1 * w2 * w3) * tf.cast(n + 1, tf.float32)
+
+  specs = [
+    tf.TensorSpec([2, 3], tf.float32),
+    tf.TensorSpec([3], tf.float32),
+    tf.TensorSpec([3], tf.float32),
+    tf.TensorSpec([3], tf.float32),
+    tf.TensorSpec([], tf.int32),
+  ]
+  concrete = Cell.get_concrete_function(*specs)
+  warm = xla_precompile._Warm(concrete, specs, DEVICES[1])  # pylint: disable=protected-access
+  assert sorted(fills, key=str) == sorted(
+    [((2, 3), tf.float32), ((3,), tf.float32), ((), tf.int32)], key=str
+  ), fills
+  (y,) = warm(tf.constant(0))
+  np.testing.assert_array_equal(y, [0.0])
+
+
 @pytest.mark.parametrize(
   'cores, threads', [(None, 1), (1, 1), (2, 1), (3, 2), (5, 4), (64, 4)]
 )
