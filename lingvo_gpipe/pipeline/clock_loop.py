@@ -101,10 +101,9 @@ def _Cond(active, on, off):
   cell's call takes its weights as tensors and touches no variable, and
   its order on its device is `after`'s, so no chaining is needed.
   """
-  graph = tf.compat.v1.get_default_graph()
-  n = len(graph.get_operations())
-  out = list(tf.cond(active, on, off))
-  for op in graph.get_operations()[n:]:
+  with graph_ops.OpsMade() as made:
+    out = list(tf.cond(active, on, off))
+  for op in made:
     if op.type == 'If':
       _tf_internal.RunIndependently(op)
   return out
@@ -274,9 +273,7 @@ class ClockLoops:
           after[(r, k)] = ticks[(r, k)] + 1
       return t + 1, after, state, lists
 
-    graph = tf.compat.v1.get_default_graph()
-    first_op = len(graph.get_operations())
-    with _Placed(not self._cells.PacksWeights()):
+    with graph_ops.OpsMade() as made, _Placed(not self._cells.PacksWeights()):
       _, _, state, lists = tf.while_loop(
         lambda t, *_: t < num_ticks,
         Body,
@@ -286,7 +283,7 @@ class ClockLoops:
     # No tape records the loop (the engine differentiates it by a loop of
     # its own): its body's and branches' graphs, each with copies of the
     # cell functions it calls, are not needed once it is built.
-    _tf_internal.ReleaseControlFlowGraphs(graph.get_operations()[first_op:])
+    _tf_internal.ReleaseControlFlowGraphs(made)
     return state, lists
 
   # -- The forward loop --------------------------------------------------------

@@ -3,8 +3,9 @@
 Ordering (`After`), copies the graph optimizer cannot merge (`FreshCopies`),
 timestamps that do not serialize the cells (`Stamp`), and the gradient sum
 that adds each micro-batch's gradient as soon as it is ready
-(`SumGradients`), zeros made when the step runs (`RuntimeZero`), and the
-layer-by-layer order of a cell's backward pass (`BackwardOrder`).
+(`SumGradients`), zeros made when the step runs (`RuntimeZero`), the
+layer-by-layer order of a cell's backward pass (`BackwardOrder`), and the
+ops a block of code built (`OpsMade`).
 """
 
 import contextlib
@@ -25,6 +26,7 @@ __all__ = [
   'RuntimeZero',
   'Zeros',
   'BackwardOrder',
+  'OpsMade',
 ]
 
 
@@ -162,6 +164,20 @@ def Zeros(spec, zero):
   return tf.fill(spec.shape, tf.cast(zero, spec.dtype))
 
 
+@contextlib.contextmanager
+def OpsMade(graph=None):
+  """`with OpsMade() as made:` ... after the block, the list `made` holds
+  the ops built into `graph` (default: the default graph) inside it, in
+  the order they were built."""
+  graph = graph or tf.compat.v1.get_default_graph()
+  start = len(graph.get_operations())
+  made = []
+  try:
+    yield made
+  finally:
+    made.extend(graph.get_operations()[start:])
+
+
 class BackwardOrder:
   """Makes the backward pass of each layer of a cell wait for that of the
   layer above it, in a gradient that one `tf.GradientTape` builds over the
@@ -189,9 +205,8 @@ class BackwardOrder:
 
   def FProp(self, layer, theta, args):
     """Runs `layer` on `args`, noting the ops it makes."""
-    before = len(self._graph.get_operations())
-    out = layer.FProp(theta, *args)
-    made = self._graph.get_operations()[before:]
+    with OpsMade(self._graph) as made:
+      out = layer.FProp(theta, *args)
     self._forward.update(op.name for op in made)
     returned = {
       t.name for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)

@@ -162,3 +162,16 @@ def testBackwardOrderAddsNoEdgeThatWouldCloseACycle():
   assert added == 0
   for a, b in zip(plain, ordered):
     np.testing.assert_array_equal(a, b)
+
+
+def testOpsMadeListsTheBlocksOpsInOrder():
+  with tf.Graph().as_default() as g:
+    x = tf.constant(1.0, name='x')
+    with graph_ops.OpsMade() as made:
+      y = tf.square(x, name='y')
+      z = tf.add(y, 1.0, name='z')
+      assert made == []  # Filled when the block ends.
+    tf.identity(z, name='after')
+  assert [op.name for op in made] == ['y', 'z/y', 'z'], made
+  assert made[0] is y.op and made[-1] is z.op
+  assert len(g.get_operations()) == 5
