@@ -244,6 +244,10 @@ class CellFunctions:
       return True
     return _tf_internal.InXlaContext()
 
+  def NumLayers(self, k):
+    """The number of layers of cell k."""
+    return len(self._cell_layers(k))
+
   def PacksWeights(self):
     """Whether calls take weights packed (`cell_layout.PackedWeights`)
     where they come so: not compiled cells (XLA takes no lists; they are

@@ -40,6 +40,7 @@ step whose build does not grow with M.
 
 import contextlib
 
+from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
@@ -179,6 +180,16 @@ class _Walk:
         yield w, r, r * self.num_mb + w.micro_batch
 
 
+# Item by item, TensorFlow's first call of the step builds the body of each
+# cell's function again at every call op (its reference-variable search,
+# docs/gpipe.md): from this many work items x layers per cell (a 64-layer
+# pipeline-8 step of 32 micro-batches, whose first step took 33 s item by
+# item and 13 s as loops on a 2-core host), a pipeline that could run as
+# loops says so, once.
+LOOP_HINT_LAYER_CALLS = 4096
+_hinted = set()  # The pipelines that said so.
+
+
 class PipelineEngine:
   """Builds the forward and backward calls of a pipeline of cells.
 
@@ -229,9 +240,32 @@ class PipelineEngine:
 
   def Loops(self, num_micro_batches):
     """A `clock_loop.ClockLoops` where it builds this step, else None."""
-    if self._loop and clock_loop.ClockLoops.Applies(self, num_micro_batches):
+    if not clock_loop.ClockLoops.Applies(self, num_micro_batches):
+      return None
+    if self._loop:
       return clock_loop.ClockLoops(self)
+    self._HintLoops(num_micro_batches)
     return None
+
+  def _HintLoops(self, num_micro_batches):
+    """Points out the loops, once per pipeline, where the step built item
+    by item would make TensorFlow's first call slow."""
+    items = len(self.Work(num_micro_batches))
+    layers = max(self._cells.NumLayers(k) for k in range(self._num_cells))
+    if items * layers < LOOP_HINT_LAYER_CALLS or self._name in _hinted:
+      return
+    _hinted.add(self._name)
+    logging.info(
+      'Pipeline %r: %d work items of cells of up to %d layers, one call '
+      "each: TensorFlow's first call of the step builds each cell's layers "
+      'again at every call, about %d layer bodies (docs/gpipe.md). '
+      'micro_batch_loop=True builds this schedule as two loops whose first '
+      'call does not grow with the micro-batches, for a slower steady step.',
+      self._name,
+      items,
+      layers,
+      items * layers,
+    )
 
   def _Pass(self, work, kind):
     return [w for w in work if w.kind == kind]

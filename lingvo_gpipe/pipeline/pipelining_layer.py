@@ -221,8 +221,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       "loops over the clock ticks, each calling every cell once (Lingvo's "
       'recurrent GPipe): the step and its first run do not grow with the '
       'micro-batches, for a slower steady step (docs/benchmarks.md). '
-      'False: one call per cell and micro-batch. Both compute the same '
-      'bits.',
+      'False: one call per cell and micro-batch (a step where that makes '
+      "TensorFlow's first call slow logs a line saying so). Both compute "
+      'the same bits.',
     )
     p.Define(
       'jit_compile',

@@ -251,3 +251,38 @@ def testStatefulRandomOpsInARecomputedCellAreNamed(recompute, caplog):
   assert len(said) == 1, said
   assert 'cell 1 draws random numbers with stateful ops (' in said[0]
   assert 'RandomUniform' in said[0] and 'DropoutLayer' in said[0]
+
+
+@pytest.mark.parametrize('loop', [False, True])
+def testDeepStepsBuiltItemByItemPointOutTheLoopsOnce(loop, caplog, monkeypatch):
+  """Item by item, TensorFlow's first call rebuilds each cell's layers at
+  every call op: from LOOP_HINT_LAYER_CALLS work items x layers the
+  pipeline says, once, that micro_batch_loop builds the step as loops;
+  a pipeline already built as loops says nothing."""
+  monkeypatch.setattr(engine, 'LOOP_HINT_LAYER_CALLS', 16)
+  monkeypatch.setattr(engine, '_hinted', set())
+  pipe = pipeline_layers.Pipe(
+    pipeline_layers.DenseLayers(4),
+    num_micro_batches=4,
+    devices=DEVICES,
+    micro_batch_loop=loop,
+  )
+  x, _ = pipeline_layers.Inputs(batch=8)
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  with caplog.at_level('INFO'):
+    Step.get_concrete_function(x)
+    Step.get_concrete_function(tf.TensorSpec([16, 6], tf.float32))
+  said = [r.getMessage() for r in caplog.records]
+  said = [m for m in said if 'micro_batch_loop=True' in m]
+  if loop:
+    assert not said, said
+    return
+  assert len(said) == 1, said
+  assert '16 work items of cells of up to 2 layers' in said[0], said[0]
+  assert 'about 32 layer bodies' in said[0], said[0]
