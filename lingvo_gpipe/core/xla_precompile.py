@@ -168,14 +168,12 @@ def _Warm(concrete, specs, device):
   def Warm(zero):
     # Zeros made on the device from an argument: constants would be
     # folded into a function of their own.
-    zeros = {}
+    zeros = {}  # {(shape, dtype): a zero tensor}
     with tf.device(device):
       for s in specs:
-        if s.dtype not in zeros:
-          zeros[s.dtype] = tf.cast(zero, s.dtype)
         key = (tuple(s.shape), s.dtype)
         if key not in zeros:
-          zeros[key] = tf.fill(s.shape, zeros[s.dtype])
+          zeros[key] = tf.fill(s.shape, tf.cast(zero, s.dtype))
       args = [zeros[(tuple(s.shape), s.dtype)] for s in specs]
       # Called as the step calls it: without shape inference of its body.
       flat = _tf_internal.CallFunction(concrete, args)

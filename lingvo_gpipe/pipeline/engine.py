@@ -240,19 +240,24 @@ class PipelineEngine:
 
   def Loops(self, num_micro_batches):
     """A `clock_loop.ClockLoops` where it builds this step, else None."""
-    if not clock_loop.ClockLoops.Applies(self, num_micro_batches):
+    if not self._loop:
+      self._HintLoops(num_micro_batches)
       return None
-    if self._loop:
+    if clock_loop.ClockLoops.Applies(self, num_micro_batches):
       return clock_loop.ClockLoops(self)
-    self._HintLoops(num_micro_batches)
     return None
 
   def _HintLoops(self, num_micro_batches):
     """Points out the loops, once per pipeline, where the step built item
     by item would make TensorFlow's first call slow."""
-    items = len(self.Work(num_micro_batches))
+    if self._name in _hinted:
+      return
+    # The loops build the fill-drain schedule: 2 K M work items.
+    items = 2 * self._num_cells * num_micro_batches
     layers = max(self._cells.NumLayers(k) for k in range(self._num_cells))
-    if items * layers < LOOP_HINT_LAYER_CALLS or self._name in _hinted:
+    if items * layers < LOOP_HINT_LAYER_CALLS or not (
+      clock_loop.ClockLoops.Applies(self, num_micro_batches)
+    ):
       return
     _hinted.add(self._name)
     logging.info(
