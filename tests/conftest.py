@@ -17,6 +17,14 @@ tf.config.set_logical_device_configuration(
   _cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_TEST_CPU_DEVICES
 )
 
+# tf.data's autotuning off for the input pipelines built in the test
+# processes: TensorFlow 2.21 can block the thread that deletes an autotuned
+# iterator for up to 60 s, and a test's model (with its input generator's
+# iterator) is collected in some later test. With it on, one test of each
+# run stalled for 19-60 s (base_input_generator.TF_DATA_AUTOTUNE).
+from lingvo_gpipe.core import base_input_generator  # noqa: E402  # pylint: disable=g-import-not-at-top
+
+base_input_generator.TF_DATA_AUTOTUNE = False
 
 # The modules that take longest, run first. The test processes take one
 # module at a time in collection order (pytest.ini: --dist=loadscope), so a

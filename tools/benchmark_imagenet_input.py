@@ -26,6 +26,8 @@ starting the threads), then for --batches batches timed; --rounds rounds,
 alternating the pipelines, and the median is reported: records/s and
 encoded MB/s. tf.data uses every core of the host (AUTOTUNE); the table
 names the host's cores, and the figures move with other load on it.
+--tf_data_autotune=0 turns tf.data's autotuning off in both pipelines
+(`base_input_generator.TF_DATA_AUTOTUNE`).
 """
 
 import argparse
@@ -42,6 +44,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from lingvo_gpipe.core import base_input_generator  # pylint: disable=g-import-not-at-top
 from lingvo_gpipe.input import imagenet  # pylint: disable=g-import-not-at-top
 
 PIPELINES = ('imagenet_input', 'plain')
@@ -148,9 +151,12 @@ def PlainDataset(args, pattern):
   ).shuffle(args.shuffle_buffer, seed=1)
   ds = ds.repeat().enumerate()
   ds = ds.map(Preprocess, num_parallel_calls=tf.data.AUTOTUNE)
-  return ds.batch(args.batch_size, drop_remainder=True).prefetch(
-    tf.data.AUTOTUNE
-  )
+  ds = ds.batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+  if args.tf_data_autotune:
+    return ds
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return ds.with_options(options)
 
 
 def _Dataset(name, args, pattern):
@@ -200,13 +206,16 @@ def Run(args, pattern):
       'augment': bool(args.augment),
       'files': len(files),
       'encoded_bytes_per_record': bytes_per_record,
+      'tf_data_autotune': bool(args.tf_data_autotune),
     }
   return out
 
 
 def Table(records, host):
   lines = [
-    f'ImageNet input alone on {host["cpus"]} CPU cores ({host["source"]}):',
+    f'ImageNet input alone on {host["cpus"]} CPU cores ({host["source"]}'
+    + ('' if host.get('tf_data_autotune', True) else '; autotuning off')
+    + '):',
     f'{"pipeline":<16}{"records/s":>11}{"MB/s":>8}{"KB/record":>11}'
     f'{"batch":>7}{"size":>6}{"augment":>9}',
   ]
@@ -293,6 +302,13 @@ def main(argv=None):
   parser.add_argument('--batches', type=int, default=24)
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument(
+    '--tf_data_autotune',
+    type=int,
+    default=1,
+    choices=(0, 1),
+    help="0: tf.data's autotuning off (parallel stages of min(16, cores)).",
+  )
+  parser.add_argument(
     '--pipelines',
     default=','.join(PIPELINES),
     type=lambda s: [x.strip() for x in s.split(',') if x.strip()],
@@ -304,6 +320,7 @@ def main(argv=None):
   if problem:
     print(f'ERROR: {problem}', file=sys.stderr)
     return 1
+  base_input_generator.TF_DATA_AUTOTUNE = bool(args.tf_data_autotune)
   temp = None
   if args.file_pattern:
     pattern, source = args.file_pattern, args.file_pattern
@@ -327,7 +344,11 @@ def main(argv=None):
     if temp:
       shutil.rmtree(temp, ignore_errors=True)
   records = [results[name] for name in args.pipelines]
-  host = {'cpus': os.cpu_count(), 'source': source}
+  host = {
+    'cpus': os.cpu_count(),
+    'source': source,
+    'tf_data_autotune': bool(args.tf_data_autotune),
+  }
   print(Table(records, host))
   if args.json:
     with open(args.json, 'w') as f:

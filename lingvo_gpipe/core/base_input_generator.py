@@ -27,6 +27,10 @@ dependency of the model; checkpoint it explicitly, where the dataset allows:
 
   tf.train.Checkpoint(iterator=task.input_generator.iterator)
 
+tf.data autotunes the parallel stages and buffers of every pipeline
+`GetDataset()` builds (a model thread per iterator), unless
+`TF_DATA_AUTOTUNE` is False in this process.
+
 Eval input Params are usually derived from the training ones with the
 classmethod `EvalParams(train_params, 'Dev')` (one pass, no shuffling,
 padded); the base class cannot know how to switch to other data and raises
@@ -39,9 +43,31 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core.nested_map import NestedMap
 
-__all__ = ['BaseInputGenerator', 'CheckMessage', 'REMAINDER_MODES']
+__all__ = [
+  'BaseInputGenerator',
+  'CheckMessage',
+  'REMAINDER_MODES',
+  'TF_DATA_AUTOTUNE',
+]
 
 REMAINDER_MODES = ('drop', 'pad', 'keep')
+
+# Whether the datasets that input generators build in this process let
+# tf.data autotune them: a model thread per iterator that sets each parallel
+# stage's calls in flight and each buffer's size. False: a parallel stage
+# runs min(16, cores) calls at once and a prefetch buffer grows while its
+# consumer waits; the batches are the same (every stage is deterministic).
+#
+# TensorFlow 2.21 can block the thread that deletes an autotuned iterator,
+# holding the GIL, until the iterator's model thread next wakes: up to its
+# optimization period, which doubles with the iterator's age up to 60 s.
+# Measured (docs/reliability.md): iterators made and deleted at random
+# took up to 6.6 s (16.5 s in another run) to delete; without autotuning,
+# 4 ms. A trainer keeps one iterator
+# for its run and did not stall at exit; the tests set False
+# (tests/conftest.py): their models' iterators are collected long after
+# their tests, in whatever test runs then.
+TF_DATA_AUTOTUNE = True
 
 # The class names of every input generator, which begin the messages of
 # their in-graph checks (see `CheckMessage`).
@@ -266,7 +292,17 @@ class BaseInputGenerator(base_layer.BaseLayer):
     if p.remainder == 'pad':
       ds = ds.map(self._Pad)
     ds = ds.map(self._PreprocessBatch)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return self._Finish(ds)
+
+  def _Finish(self, ds):
+    """`ds` prefetched, with this process's tf.data options
+    (`TF_DATA_AUTOTUNE`): the last step of every `GetDataset()`."""
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    if TF_DATA_AUTOTUNE:
+      return ds
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.with_options(options)
 
   @property
   def iterator(self):

@@ -592,7 +592,7 @@ class ImageNetInput(base_input_generator.BaseInputGenerator):
     if p.remainder == 'pad':
       ds = ds.map(self._Pad)
     ds = ds.map(self._PreprocessBatch)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    return self._Finish(ds)
 
   def _Preprocess(self, image, label):
     p = self.params

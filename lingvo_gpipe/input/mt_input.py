@@ -506,7 +506,7 @@ class MultilingualMTInput(base_input_generator.BaseInputGenerator):
       ds = self._TrainDataset(corpora)
     else:
       ds = self._EvalDataset(corpora)
-    return ds.map(self._MakeBatch).prefetch(tf.data.AUTOTUNE)
+    return self._Finish(ds.map(self._MakeBatch))
 
   @classmethod
   def EvalParams(cls, train_params, dataset):

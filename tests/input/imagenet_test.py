@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.core import base_input_generator
 from lingvo_gpipe.input import imagenet
 
 
@@ -323,3 +324,11 @@ def testParamErrors(tmp_path):
     _All(_Params(tmp_path, file_pattern=str(tmp_path / 'none-*')))
   with pytest.raises(ValueError, match='file_pattern is empty'):
     _All(_Params(tmp_path, file_pattern=''))
+
+
+@pytest.mark.parametrize('autotune', [True, False])
+def testAutotuneFollowsTheProcessSetting(files, monkeypatch, autotune):
+  monkeypatch.setattr(base_input_generator, 'TF_DATA_AUTOTUNE', autotune)
+  d, _, _ = files
+  ds = _Params(d, num_epochs=1).Instantiate().GetDataset()
+  assert ds.options().autotune.enabled is (None if autotune else False)

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from lingvo_gpipe.core import base_input_generator
 from lingvo_gpipe.input import mt_corpus
 from lingvo_gpipe.input import mt_input
 from lingvo_gpipe.input import mt_vocab
@@ -359,3 +360,10 @@ def testDemoCorpusIsBuiltWhenMissing(tmp_path):
   assert os.path.exists(d / 'spm.model')
   dev = mt_input.MultilingualMTInput.EvalParams(p, 'Dev').Instantiate()
   assert sum(float(b.weight.numpy().sum()) for b in dev.GetDataset()) == 20
+
+
+@pytest.mark.parametrize('autotune', [True, False])
+def testAutotuneFollowsTheProcessSetting(data, monkeypatch, autotune):
+  monkeypatch.setattr(base_input_generator, 'TF_DATA_AUTOTUNE', autotune)
+  ds = _Params(data[0]).Instantiate().GetDataset()
+  assert ds.options().autotune.enabled is (None if autotune else False)

@@ -52,14 +52,16 @@ def testBothPipelinesAreTimedOnGeneratedRecords(tmp_path):
     assert r['records_per_sec'] > 0 and r['encoded_mb_per_sec'] > 0
     assert r['encoded_bytes_per_record'] > 100  # A JPEG, not an empty record.
     assert (r['batch_size'], r['image_size'], r['augment']) == (4, 8, True)
+    assert r['tf_data_autotune'] is True
   assert 'imagenet_input / plain: ' in res.stdout
   for name in ('imagenet_input', 'plain'):
     assert any(line.startswith(name + ' ') for line in res.stdout.splitlines())
-  # Existing files, central crop, one pipeline.
+  # Existing files, central crop, one pipeline, no autotuning.
   res = _Run(
     f'--file_pattern={data}/train-*',
     '--pipelines=imagenet_input',
     '--augment=0',
+    '--tf_data_autotune=0',
     '--image_size=8',
     '--batch_size=4',
     '--warmup=0',
@@ -69,9 +71,10 @@ def testBothPipelinesAreTimedOnGeneratedRecords(tmp_path):
   )
   assert res.returncode == 0, res.stderr[-3000:]
   records = json.loads(out_json.read_text())['records']
-  assert [(r['pipeline'], r['augment']) for r in records] == [
-    ('imagenet_input', False)
-  ]
+  assert [
+    (r['pipeline'], r['augment'], r['tf_data_autotune']) for r in records
+  ] == [('imagenet_input', False, False)]
+  assert '; autotuning off):' in res.stdout
 
 
 def testBadArgumentsFailInOneLine(tmp_path, capsys):
