@@ -492,18 +492,21 @@ def IsTensor(x):
 
 
 def GetShape(tensor, ndims=None):
-  """Static dims where known, dynamic scalars elsewhere (Lingvo's GetShape)."""
+  """Static dims where known, dynamic scalars elsewhere (Lingvo's GetShape).
+
+  Where every dim asked for is static, no op is made: a traced function
+  then holds no Shape and slicing ops for shapes known when it is traced.
+  """
   tensor = tf.convert_to_tensor(tensor)
   static = tensor.shape.as_list() if tensor.shape.rank is not None else None
   if static is None:
     dynamic = tf.shape(tensor)
     return dynamic if ndims is None else [dynamic[i] for i in range(ndims)]
+  static = static[:ndims] if ndims is not None else static
+  if None not in static:
+    return static
   dynamic = tf.shape(tensor)
-  out = [
-    static[i] if static[i] is not None else dynamic[i]
-    for i in range(len(static))
-  ]
-  return out[:ndims] if ndims is not None else out
+  return [d if d is not None else dynamic[i] for i, d in enumerate(static)]
 
 
 def HasShape(tensor, expected, layer_name='', what='input'):

@@ -260,7 +260,9 @@ class MultiHeadedAttention(base_layer.BaseLayer):
         mask, tf.cast(per_step_padding, dtype)[:, tf.newaxis, :, :]
       )
     if causal:
-      causal_pad = CausalPaddings(tf.shape(q)[1], tf.shape(k)[1], dtype)
+      causal_pad = CausalPaddings(
+        py_utils.GetShape(q)[1], py_utils.GetShape(k)[1], dtype
+      )
       mask = tf.maximum(mask, causal_pad[tf.newaxis, tf.newaxis])
     very_negative = tf.cast(-0.7 * logits.dtype.max, logits.dtype)
     logits = tf.where(mask > 0, very_negative, logits)

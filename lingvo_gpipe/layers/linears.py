@@ -34,9 +34,13 @@ def ProjectLastDim(inputs, w):
   if inputs.shape.rank == 2:
     return tf.matmul(inputs, w)
   out_dim = w.shape[-1]
-  flat = tf.reshape(inputs, [-1, tf.shape(inputs)[-1]])
-  out = tf.matmul(flat, w)
-  return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [out_dim]], 0))
+  if inputs.shape.rank is None:
+    flat = tf.reshape(inputs, [-1, tf.shape(inputs)[-1]])
+    out = tf.matmul(flat, w)
+    return tf.reshape(out, tf.concat([tf.shape(inputs)[:-1], [out_dim]], 0))
+  shape = py_utils.GetShape(inputs)
+  out = tf.matmul(tf.reshape(inputs, [-1, shape[-1]]), w)
+  return tf.reshape(out, shape[:-1] + [out_dim])
 
 
 def _ApplyPaddings(out, paddings):

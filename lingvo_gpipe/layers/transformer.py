@@ -27,7 +27,7 @@ __all__ = [
 
 
 def _ZeroPaddings(x):
-  return tf.zeros(tf.shape(x)[:2], x.dtype)
+  return tf.zeros(py_utils.GetShape(x, 2), x.dtype)
 
 
 class TransformerAttentionLayer(base_layer.BaseLayer):

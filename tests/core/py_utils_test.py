@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.layers import linears
 from lingvo_gpipe.core.py_utils import WeightInit
 
 _SEED = 1234
@@ -325,6 +326,32 @@ def testGetShapeStatic():
   shape = py_utils.GetShape(tf.zeros([2, 3, 4]))
   assert shape == [2, 3, 4] and all(isinstance(d, int) for d in shape)
   assert py_utils.GetShape(np.zeros([5, 6]), 1) == [5]
+
+
+def testStaticShapesMakeNoOpsInATrace():
+  """A traced layer holds no Shape or slicing ops for shapes known when it
+  is traced (GetShape, and the layers that use it for their reshapes and
+  paddings); an unknown dim still reads the tensor's shape."""
+
+  def Ops(fn, spec):
+    graph = tf.function(fn).get_concrete_function(spec).graph
+    return [op.type for op in graph.get_operations()]
+
+  known = Ops(
+    lambda x: tf.constant(py_utils.GetShape(x, 2)), tf.TensorSpec([4, 3, 2])
+  )
+  assert 'Shape' not in known and 'StridedSlice' not in known, known
+  w = tf.ones([2, 5])
+  known = Ops(lambda x: linears.ProjectLastDim(x, w), tf.TensorSpec([4, 3, 2]))
+  assert 'Shape' not in known and 'StridedSlice' not in known, known
+  unknown = Ops(
+    lambda x: linears.ProjectLastDim(x, w), tf.TensorSpec([None, 3, 2])
+  )
+  assert 'Shape' in unknown, unknown
+  x = tf.reshape(tf.range(24, dtype=tf.float32), [4, 3, 2])
+  np.testing.assert_array_equal(
+    linears.ProjectLastDim(x, w), tf.einsum('btd,de->bte', x, w)
+  )
 
 
 def testGetShapeDynamic():
