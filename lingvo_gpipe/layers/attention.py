@@ -11,6 +11,7 @@ Masked positions (paddings, per-step paddings, causal) get a large negative
 logit. Attention dropout is a stateless `DropoutLayer` child.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -28,9 +29,23 @@ __all__ = [
 
 def CausalPaddings(query_len, key_len, dtype=tf.float32):
   """[t, s] paddings: 1.0 where key j > query i (the future)."""
+  if isinstance(query_len, int) and isinstance(key_len, int):
+    # Lengths known when traced: one constant, not two ranges and a compare.
+    future = np.arange(key_len)[np.newaxis, :] > np.arange(query_len)[:, None]
+    return tf.constant(future.astype(dtype.as_numpy_dtype))
   i = tf.range(query_len)[:, tf.newaxis]
   j = tf.range(key_len)[tf.newaxis, :]
   return tf.cast(j > i, dtype)
+
+
+def _Reshaped(x, shape):
+  """`x` reshaped to `shape` (ints and 'x' for each dim of x in order),
+  with one static reshape where x's shape is known when traced."""
+  dims = iter(py_utils.GetShape(x))
+  shape = [next(dims) if d == 'x' else d for d in shape]
+  if all(isinstance(d, int) for d in shape):
+    return tf.reshape(x, shape)
+  return tf.reshape(x, tf.stack(shape))
 
 
 class MultiHeadedProjectionLayer(base_layer.BaseLayer):
@@ -247,7 +262,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     logits = tf.einsum('BTNH,BSNH->BNTS', q, k)
     if segment_mask is not None:
       logits += tf.cast(segment_mask, logits.dtype)
-    mask = paddings[:, tf.newaxis, tf.newaxis, :]
+    mask = _Reshaped(paddings, ['x', 1, 1, 'x'])
     if per_step_padding is not None:
       _shapes.CheckShape(
         self,
@@ -263,7 +278,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
       causal_pad = CausalPaddings(
         py_utils.GetShape(q)[1], py_utils.GetShape(k)[1], dtype
       )
-      mask = tf.maximum(mask, causal_pad[tf.newaxis, tf.newaxis])
+      mask = tf.maximum(mask, _Reshaped(causal_pad, [1, 1, 'x', 'x']))
     very_negative = tf.cast(-0.7 * logits.dtype.max, logits.dtype)
     logits = tf.where(mask > 0, very_negative, logits)
     probs = tf.nn.softmax(logits, axis=-1)

@@ -140,3 +140,19 @@ def testShapeErrorsNameLayerAndShapes():
     layer.FProp(layer.theta, q, kv, kv, paddings[:, :3])
   with pytest.raises(ValueError, match='divisible'):
     _Atten(hidden_dim=7).Instantiate()
+
+
+@pytest.mark.parametrize('dtype', [tf.float32, tf.bfloat16])
+def testCausalPaddingsOfKnownLengthsAreOneConstant(dtype):
+  known = attention.CausalPaddings(3, 4, dtype)
+  read = attention.CausalPaddings(tf.constant(3), tf.constant(4), dtype)
+  assert known.dtype == read.dtype == dtype
+  np.testing.assert_array_equal(
+    tf.cast(known, tf.float32), tf.cast(read, tf.float32)
+  )
+  graph = (
+    tf.function(lambda: attention.CausalPaddings(3, 4, dtype))
+    .get_concrete_function()
+    .graph
+  )
+  assert [op.type for op in graph.get_operations()] == ['Const', 'Identity']
