@@ -63,10 +63,9 @@ REMAINDER_MODES = ('drop', 'pad', 'keep')
 # optimization period, which doubles with the iterator's age up to 60 s.
 # Measured (docs/reliability.md): iterators made and deleted at random
 # took up to 6.6 s (16.5 s in another run) to delete; without autotuning,
-# 4 ms. A trainer keeps one iterator
-# for its run and did not stall at exit; the tests set False
-# (tests/conftest.py): their models' iterators are collected long after
-# their tests, in whatever test runs then.
+# 4 ms. A trainer keeps one iterator for its run and did not stall at
+# exit; the tests set False (tests/conftest.py): their models' iterators
+# are collected long after their tests, in whatever test runs then.
 TF_DATA_AUTOTUNE = True
 
 # The class names of every input generator, which begin the messages of

@@ -39,13 +39,10 @@ def CausalPaddings(query_len, key_len, dtype=tf.float32):
 
 
 def _Reshaped(x, shape):
-  """`x` reshaped to `shape` (ints and 'x' for each dim of x in order),
-  with one static reshape where x's shape is known when traced."""
+  """`x` reshaped to `shape` (ints, and 'x' for each dim of x in order): a
+  reshape to a constant shape where x's shape is known when traced."""
   dims = iter(py_utils.GetShape(x))
-  shape = [next(dims) if d == 'x' else d for d in shape]
-  if all(isinstance(d, int) for d in shape):
-    return tf.reshape(x, shape)
-  return tf.reshape(x, tf.stack(shape))
+  return tf.reshape(x, [next(dims) if d == 'x' else d for d in shape])
 
 
 class MultiHeadedProjectionLayer(base_layer.BaseLayer):

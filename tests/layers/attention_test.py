@@ -156,3 +156,26 @@ def testCausalPaddingsOfKnownLengthsAreOneConstant(dtype):
     .graph
   )
   assert [op.type for op in graph.get_operations()] == ['Const', 'Identity']
+
+
+def testUnknownLengthsGiveTheSameBits():
+  """Masks of lengths known when traced (constants, static reshapes) and
+  of lengths read at run time compute the same numbers."""
+  p = attention.MultiHeadedAttention.Params().Set(
+    name='atten', input_dim=8, hidden_dim=8, num_heads=2
+  )
+  layer = p.Instantiate()
+  x = tf.random.stateless_normal([3, 5, 8], [1, 2])
+  paddings = tf.constant([[0.0] * 5, [0.0] * 4 + [1.0], [0.0] * 3 + [1.0] * 2])
+  known, _ = layer.FProp(layer.theta, x, x, x, paddings, causal=True)
+
+  @tf.function(
+    input_signature=[
+      tf.TensorSpec([None, None, 8]),
+      tf.TensorSpec([None, None]),
+    ]
+  )
+  def Unknown(x, paddings):
+    return layer.FProp(layer.theta, x, x, x, paddings, causal=True)[0]
+
+  np.testing.assert_array_equal(known, Unknown(x, paddings))
