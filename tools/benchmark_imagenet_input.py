@@ -152,11 +152,8 @@ def PlainDataset(args, pattern):
   ds = ds.repeat().enumerate()
   ds = ds.map(Preprocess, num_parallel_calls=tf.data.AUTOTUNE)
   ds = ds.batch(args.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
-  if args.tf_data_autotune:
-    return ds
-  options = tf.data.Options()
-  options.autotune.enabled = False
-  return ds.with_options(options)
+  # The same options as the input generators' (main sets the flag's).
+  return base_input_generator.WithTfDataOptions(ds)
 
 
 def _Dataset(name, args, pattern):

@@ -48,6 +48,7 @@ __all__ = [
   'CheckMessage',
   'REMAINDER_MODES',
   'TF_DATA_AUTOTUNE',
+  'WithTfDataOptions',
 ]
 
 REMAINDER_MODES = ('drop', 'pad', 'keep')
@@ -67,6 +68,16 @@ REMAINDER_MODES = ('drop', 'pad', 'keep')
 # exit; the tests set False (tests/conftest.py): their models' iterators
 # are collected long after their tests, in whatever test runs then.
 TF_DATA_AUTOTUNE = True
+
+
+def WithTfDataOptions(ds):
+  """`ds` with this process's tf.data options (`TF_DATA_AUTOTUNE`)."""
+  if TF_DATA_AUTOTUNE:
+    return ds
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return ds.with_options(options)
+
 
 # The class names of every input generator, which begin the messages of
 # their in-graph checks (see `CheckMessage`).
@@ -296,12 +307,7 @@ class BaseInputGenerator(base_layer.BaseLayer):
   def _Finish(self, ds):
     """`ds` prefetched, with this process's tf.data options
     (`TF_DATA_AUTOTUNE`): the last step of every `GetDataset()`."""
-    ds = ds.prefetch(tf.data.AUTOTUNE)
-    if TF_DATA_AUTOTUNE:
-      return ds
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return ds.with_options(options)
+    return WithTfDataOptions(ds.prefetch(tf.data.AUTOTUNE))
 
   @property
   def iterator(self):
