@@ -57,6 +57,7 @@ import sys
 import time
 
 from lingvo_gpipe.core import proc_status
+from lingvo_gpipe.tools import capacity_trial
 from lingvo_gpipe.tools import common
 
 DEFAULT_CONFIGS = (
@@ -165,38 +166,18 @@ def _Model(config, devices):
       for i in range(n)
     ]
     shape = [batch, 32]
-  elif model == 'lm':
-    from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
-
-    batch, vocab = config['B'] or 32, 1024
-    layer_params = transformer_lm.LayerParams(
-      num_layers=n,
-      model_dim=64,
-      hidden_dim=256,
-      num_heads=1,
-      vocab_size=vocab,
-    )
-    ids_spec = tf.TensorSpec([batch, 32], tf.int32)
-    opt = optimizer.Adam.Params().Instantiate()
   else:
-    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-    batch = config['B'] or 32
-    layer_params = (
-      amoebanet.AmoebaNet.Params()
-      .Set(
-        num_cells=n,
-        num_filters=64,
-        image_size=16,
-        stem_type='cifar',
-        stem_filters=64,
-        num_classes=10,
-        head_logits=True,
-      )
-      .Instantiate()
-      .Layers()
+    # The capacity search's models (tools/max_model_size.py): the LM by its
+    # layers, AmoebaNet-D (D=64) by its cells.
+    family = 'transformer' if model == 'lm' else 'amoebanet'
+    fixed = dict(capacity_trial.FAMILIES[family]['fixed'])
+    fixed['batch_size'] = config['B'] or fixed['batch_size']
+    layer_params, family_inputs, _ = capacity_trial.FamilyLayers(
+      family,
+      n if model == 'lm' else 64,
+      fixed,
+      num_cells=None if model == 'lm' else n,
     )
-    shape = [batch, 16, 16, 3]
     opt = optimizer.Adam.Params().Instantiate()
   pipe = (
     gpipe.PipeliningLayer.Params()
@@ -217,18 +198,9 @@ def _Model(config, devices):
   )
 
   def Inputs():
-    if model == 'lm':
-      ids = tf.random.stateless_uniform(
-        ids_spec.shape, [7, 11], maxval=vocab, dtype=tf.int32
-      )
-      return (ids, ids), None
-    x = tf.random.stateless_normal(shape, [7, 11])
-    if model == 'amoebanet':
-      labels = tf.random.stateless_uniform(
-        [batch], [3, 5], maxval=10, dtype=tf.int32
-      )
-      return (x,), labels
-    return (x,), None
+    if model in ('lm', 'amoebanet'):
+      return family_inputs()
+    return (tf.random.stateless_normal(shape, [7, 11]),), None
 
   return pipe, Inputs, opt
 

@@ -73,14 +73,16 @@ def FixedSettings(family, overrides=''):
   return fixed
 
 
-def _BuildModel(family, size, config, devices, fixed=None):
-  """(layer, step fn building inputs on devices[0], num_params)."""
+def FamilyLayers(family, size, fixed=None, num_cells=None):
+  """A family's model at `size`: (layer Params, inputs fn, input shapes).
+
+  The inputs fn builds a batch on the current device: (args, labels), with
+  labels None where the model's own loss needs none (the Transformer's copy
+  task). `num_cells` sets AmoebaNet's cells (default: `NumCells` of K=1).
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
 
   f = fixed or FAMILIES[family]['fixed']
-  k = config['num_stages']
   if family == 'transformer':
     from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
 
@@ -102,36 +104,45 @@ def _BuildModel(family, size, config, devices, fixed=None):
       return (ids, ids), None  # the copy task: labels are the inputs
 
     ids_spec = tf.TensorSpec([f['batch_size'], f['seq_len']], tf.int32)
-    input_shapes = [ids_spec, ids_spec]
-  else:
-    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+    return layer_params, Inputs, [ids_spec, ids_spec]
 
-    net = (
-      amoebanet.AmoebaNet.Params()
-      .Set(
-        num_cells=NumCells(family, k),
-        num_filters=size,
-        image_size=f['image_size'],
-        stem_type='cifar',
-        stem_filters=size,
-        num_classes=f['num_classes'],
-        head_logits=True,
-      )
-      .Instantiate()
+  from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
+
+  s = f['image_size']
+  net = (
+    amoebanet.AmoebaNet.Params()
+    .Set(
+      num_cells=num_cells or NumCells(family, 1),
+      num_filters=size,
+      image_size=s,
+      stem_type='cifar',
+      stem_filters=size,
+      num_classes=f['num_classes'],
+      head_logits=True,
     )
-    layer_params = net.Layers()
+    .Instantiate()
+  )
 
-    def Inputs():
-      s = f['image_size']
-      images = tf.random.stateless_normal([f['batch_size'], s, s, 3], [7, 11])
-      labels = tf.random.stateless_uniform(
-        [f['batch_size']], [3, 5], maxval=f['num_classes'], dtype=tf.int32
-      )
-      return (images,), labels
+  def Inputs():
+    images = tf.random.stateless_normal([f['batch_size'], s, s, 3], [7, 11])
+    labels = tf.random.stateless_uniform(
+      [f['batch_size']], [3, 5], maxval=f['num_classes'], dtype=tf.int32
+    )
+    return (images,), labels
 
-    s = f['image_size']
-    input_shapes = [[f['batch_size'], s, s, 3]]
+  return net.Layers(), Inputs, [[f['batch_size'], s, s, 3]]
 
+
+def _BuildModel(family, size, config, devices, fixed=None):
+  """(layer, inputs fn): the family's model at `size`, as `config` says."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+
+  k = config['num_stages']
+  layer_params, Inputs, input_shapes = FamilyLayers(
+    family, size, fixed, NumCells(family, k)
+  )
   if config['pipeline']:
     layer = (
       gpipe.PipeliningLayer.Params()

@@ -146,39 +146,19 @@ def Validate(args):
 
 def CapacityModel(trial):
   """(layers, input shapes) of a tools/max_model_size.py trial."""
-  fixed = trial['fixed']
-  if trial['family'] == 'transformer':
-    from lingvo_gpipe.models import transformer_lm  # pylint: disable=g-import-not-at-top
-
-    layers = transformer_lm.LayerParams(
-      num_layers=trial['size'],
-      model_dim=fixed['model_dim'],
-      hidden_dim=fixed['hidden_dim'],
-      num_heads=fixed['num_heads'],
-      vocab_size=fixed['vocab_size'],
+  family, fixed = trial['family'], trial['fixed']
+  if family not in capacity_trial.FAMILIES:
+    raise UserError(
+      f'--validate: unknown family {family!r} (transformer, amoebanet).'
     )
+  layers, _, _ = capacity_trial.FamilyLayers(
+    family, trial['size'], fixed, trial.get('num_cells')
+  )
+  if family == 'transformer':
     shape = [fixed['batch_size'], fixed['seq_len']]
     return layers, [shape, shape]
-  if trial['family'] == 'amoebanet':
-    from lingvo_gpipe.models import amoebanet  # pylint: disable=g-import-not-at-top
-
-    net = (
-      amoebanet.AmoebaNet.Params()
-      .Set(
-        num_cells=trial['num_cells'],
-        num_filters=trial['size'],
-        image_size=fixed['image_size'],
-        stem_type='cifar',
-        stem_filters=trial['size'],
-        num_classes=fixed['num_classes'],
-        head_logits=True,
-      )
-      .Instantiate()
-    )
-    return net.Layers(), [net.InputShape(fixed['batch_size'])]
-  raise UserError(
-    f'--validate: unknown family {trial["family"]!r} (transformer, amoebanet).'
-  )
+  s = fixed['image_size']
+  return layers, [[fixed['batch_size'], s, s, 3]]
 
 
 def ValidateCapacity(data, args):
