@@ -34,7 +34,7 @@ quiet_start.ImportTensorFlow(min_log_level='2')
 from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--num_workers', type=int, default=2)
   parser.add_argument(
@@ -68,10 +68,68 @@ def main(argv=None):
     default=0,
     help='Stop after this many seconds (0: until killed).',
   )
+  return parser
+
+
+def _Announce(local, args, spec):
+  """The cluster spec, each worker, and a trainer command line for them."""
+  if args.spec_file:
+    with open(args.spec_file, 'w') as f:
+      json.dump(local.cluster_spec, f)
+  print(f'{args.num_workers} workers ready: {local.cluster_spec}')
+  for i in range(args.num_workers):
+    print(f'  task {i}: pid {local.pids[i]}, device {local.devices[i]}')
+  print(
+    'Train on them with, e.g.:\n'
+    '  python -m lingvo_gpipe.trainer --model=image.digits.MlpDigitsTiny'
+    f' --logdir=/tmp/digits_cluster --cluster_spec={spec} '
+    f'--worker_split_size={args.num_workers}',
+    flush=True,
+  )
+
+
+def _Serve(local, args, spec, stop):
+  """Restarts workers that die until `stop`, the deadline or Ctrl-C; 1 where
+  a worker has used up its restarts, else 0."""
+  deadline = time.time() + args.serve_seconds if args.serve_seconds else None
+  restarts = [0] * args.num_workers
+  try:
+    while not stop and (deadline is None or time.time() < deadline):
+      for i, alive in enumerate(local.Alive()):
+        if alive:
+          continue
+        if restarts[i] >= args.max_restarts:
+          print(
+            f'Worker {i} exited after {restarts[i]} restarts '
+            f'(--max_restarts={args.max_restarts}); stopping the cluster.',
+            file=sys.stderr,
+            flush=True,
+          )
+          return 1
+        restarts[i] += 1
+        print(
+          f'Worker {i} exited; restarting it on {local.addresses[i]} '
+          f'(restart {restarts[i]} of {args.max_restarts}); the other '
+          'workers keep running.',
+          flush=True,
+        )
+        local.Restart(i)
+        print(
+          f'  task {i}: pid {local.pids[i]} ready again; the cluster spec '
+          f'is unchanged: --cluster_spec={spec}',
+          flush=True,
+        )
+      time.sleep(0.5)
+  except KeyboardInterrupt:
+    pass
+  return 0
+
+
+def main(argv=None):
+  parser = _Parser()
   args = parser.parse_args(argv)
   if args.num_workers < 1:
     parser.error(f'--num_workers={args.num_workers} must be >= 1.')
-
   stop = []
   signal.signal(signal.SIGTERM, lambda *unused: stop.append(True))
   local = cluster.LocalCluster(
@@ -83,50 +141,9 @@ def main(argv=None):
   )
   with local:
     spec = 'worker=' + ','.join(local.addresses)
-    if args.spec_file:
-      with open(args.spec_file, 'w') as f:
-        json.dump(local.cluster_spec, f)
-    print(f'{args.num_workers} workers ready: {local.cluster_spec}')
-    for i in range(args.num_workers):
-      print(f'  task {i}: pid {local.pids[i]}, device {local.devices[i]}')
-    print(
-      'Train on them with, e.g.:\n'
-      '  python -m lingvo_gpipe.trainer --model=image.digits.MlpDigitsTiny'
-      f' --logdir=/tmp/digits_cluster --cluster_spec={spec} '
-      f'--worker_split_size={args.num_workers}',
-      flush=True,
-    )
-    deadline = time.time() + args.serve_seconds if args.serve_seconds else None
-    restarts = [0] * args.num_workers
-    try:
-      while not stop and (deadline is None or time.time() < deadline):
-        for i, alive in enumerate(local.Alive()):
-          if alive:
-            continue
-          if restarts[i] >= args.max_restarts:
-            print(
-              f'Worker {i} exited after {restarts[i]} restarts '
-              f'(--max_restarts={args.max_restarts}); stopping the cluster.',
-              file=sys.stderr,
-              flush=True,
-            )
-            return 1
-          restarts[i] += 1
-          print(
-            f'Worker {i} exited; restarting it on {local.addresses[i]} '
-            f'(restart {restarts[i]} of {args.max_restarts}); the other '
-            'workers keep running.',
-            flush=True,
-          )
-          local.Restart(i)
-          print(
-            f'  task {i}: pid {local.pids[i]} ready again; the cluster spec '
-            f'is unchanged: --cluster_spec={spec}',
-            flush=True,
-          )
-        time.sleep(0.5)
-    except KeyboardInterrupt:
-      pass
+    _Announce(local, args, spec)
+    if _Serve(local, args, spec, stop):
+      return 1
   print('Cluster stopped.')
   return 0
 
