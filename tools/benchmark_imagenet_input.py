@@ -274,7 +274,7 @@ def _Check(args):
   return None
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     '--file_pattern',
@@ -312,7 +312,11 @@ def main(argv=None):
     help=f'Comma list of {", ".join(PIPELINES)}.',
   )
   parser.add_argument('--json', default='', help='Write the records here.')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = _Parser().parse_args(argv)
   problem = _Check(args)
   if problem:
     print(f'ERROR: {problem}', file=sys.stderr)

@@ -47,7 +47,7 @@ def DevicesNeeded(model, dataset='Test', overrides=None):
   return needed
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', required=True, help='Registry key.')
   parser.add_argument('--logdir', required=True, help='Training logdir.')
@@ -85,7 +85,11 @@ def main(argv=None):
     help='A decoding progress line on stderr at most this often (0: after '
     'every batch), and one at the end; stdout and --json are unchanged.',
   )
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = _Parser().parse_args(argv)
 
   from lingvo_gpipe.core import cluster  # pylint: disable=g-import-not-at-top
 

@@ -223,7 +223,7 @@ def BuildVenv(path, python310):
   return os.path.join(path, 'bin', 'python')
 
 
-def main(argv=None):
+def _Parser():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', required=True, help='The model file.')
   parser.add_argument(
@@ -247,7 +247,11 @@ def main(argv=None):
   parser.add_argument('--json', default=None, help='Write the results here.')
   parser.add_argument('--side', default='both', help=argparse.SUPPRESS)
   parser.add_argument('--out', default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv=None):
+  args = _Parser().parse_args(argv)
   if args.side == 'lingvo':
     RunLingvo(args.model, args.out)
     return 0
