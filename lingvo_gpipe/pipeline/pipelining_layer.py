@@ -662,7 +662,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._CheckStateDtype(k, outs)
     if k == self.num_stages - 1:
       # The engine joins tensors only: the last cell's None outputs (Lingvo
-      # layers return some) are left out and put back by FProp.
+      # layers return some) are left out, and put back by FProp and by
+      # FPropWithLoss (for its loss_fn and in the outputs it returns).
       self._none_outputs = tuple(i for i, x in enumerate(outs) if x is None)
       outs = tuple(x for x in outs if x is not None)
     return outs
@@ -902,13 +903,14 @@ class PipeliningLayer(base_layer.BaseLayer):
           loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
 
     def LossFn(outputs, mb, loss_theta_r):
+      outputs = self._WithNones(outputs)  # as FProp returns them
       if loss_theta is not None:
         return loss_fn(outputs, mb, loss_theta_r)
       if loss_inputs is not None:
         return loss_fn(outputs, mb)
       return loss_fn(outputs)
 
-    return self.engine.WithLoss(
+    loss, outs = self.engine.WithLoss(
       thetas,
       args,
       num_mb,
@@ -917,6 +919,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       loss_inputs=loss_inputs,
       loss_thetas=loss_thetas,
     )
+    return loss, self._WithNones(outs)
 
   def _NumSplits(self, batch):
     """(replicas R, micro-batches per replica M) for a batch of `batch`."""

@@ -382,3 +382,49 @@ def testMixedPrecisionComputeWithFloat32MasterWeights(dtype):
   for v, g in zip(pipe16.trainable_variables, grads16):
     assert g.dtype == tf.float32
     np.testing.assert_allclose(g.numpy(), grads32[v.name], atol=0.1, rtol=0.1)
+
+
+class WithNone(base_layer.BaseLayer):
+  """Returns (2x, None, x + 1), as Lingvo layers return None for an unused
+  output."""
+
+  def FProp(self, theta, x):
+    del theta
+    return 2.0 * x, None, x + 1.0
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def testLastCellsNoneOutputsKeepTheirPlaces(schedule):
+  layers = plt.DenseLayers(4) + [WithNone.Params().Set(name='with_none')]
+  pipe = plt.Pipe(
+    layers,
+    num_stages=4 if schedule == 'interleaved' else 2,
+    devices=plt.Devices(schedule, 4 if schedule == 'interleaved' else 2),
+    num_micro_batches=2,
+    schedule=schedule,
+  )
+  x = tf.random.stateless_normal([4, 6], [1, 2])
+  # The same names, so the same initial weights.
+  ref = plt.Stack.Params().Set(name='pipe', layers=layers).Instantiate()
+  ref_a, ref_none, ref_b = ref.FProp(ref.theta, x)
+  assert ref_none is None
+  if schedule == 'gpipe':
+    a, none, b = pipe(x)
+    assert none is None
+    np.testing.assert_allclose(a, ref_a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b, ref_b, rtol=1e-5, atol=1e-6)
+  seen = []
+
+  def LossFn(out):
+    # The loss sees the outputs as FProp returns them: None in its place.
+    seen.append(out[1])
+    return tf.reduce_sum(out[0]) + tf.reduce_sum(out[2])
+
+  loss, (a, none, b) = pipe.FPropWithLoss(pipe.theta, x, loss_fn=LossFn)
+  assert seen and all(s is None for s in seen)
+  assert none is None
+  np.testing.assert_allclose(a, ref_a, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(b, ref_b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    loss, tf.reduce_sum(ref_a) + tf.reduce_sum(ref_b), rtol=1e-5
+  )
