@@ -520,17 +520,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     if self._input_checked or self.params.input_shapes is not None:
       return
     self._input_checked = True
-    # Floating tensors as TensorShapes (what FPropMeta formulas expect),
-    # others as TensorSpecs (token ids stay ints).
+    # FPropMeta formulas take shapes (TensorShapes), whatever the dtype.
     shapes = tf.nest.map_structure(
-      lambda t: (
-        None
-        if t is None
-        else tf.TensorShape(t.shape)
-        if t.dtype.is_floating
-        else tf.TensorSpec(t.shape, t.dtype)
-      ),
-      list(args),
+      lambda t: None if t is None else tf.TensorShape(t.shape), list(args)
     )
     with tf.init_scope():
       self._CheckCellShapes(self._CellParams(), shapes, 'the first batch')
