@@ -7,6 +7,7 @@ imports `tensorflow.python`.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
@@ -51,6 +52,12 @@ from tensorflow.python.framework import kernels as _kernels
 # ahead of the step, to compile it, only where none of its ops is.
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 
+# The one function that makes a Const op in a graph (tf.constant, a Python
+# number converted to a tensor): `SharedConstants` wraps it, so that a
+# cell's function holds each distinct constant once.
+from tensorflow.python.framework import tensor_util as _tensor_util
+from tensorflow.python.framework import op_callbacks as _op_callbacks
+
 # Silences the deprecation notice that TensorFlow's own flop statistics
 # print (they call a TF1 shape helper) every time a new graph is counted.
 from tensorflow.python.util import deprecation as _deprecation
@@ -77,6 +84,8 @@ __all__ = [
   'ReleaseDefinitionCopies',
   'ReleaseControlFlowGraphs',
   'WithoutGraph',
+  'SharedConstants',
+  'WithSharedConstants',
 ]
 
 # Device types whose XLA kernels are registered in this process.
@@ -406,3 +415,103 @@ def WithoutGraphOptimizer():
     yield
   finally:
     ctx.function_call_options = before
+
+
+# The attribute of a graph that holds its shared constants while
+# `SharedConstants` is active in it: {(TensorProto bytes, devices): tensor}.
+_SHARED_CONSTANTS = '_lingvo_gpipe_shared_constants'
+_make_graph_constant = _ops._create_graph_constant  # pylint: disable=protected-access
+
+
+def _SharedConstantKey(graph, proto):
+  """The key of a constant that may be shared in `graph` now, else None.
+
+  A constant made under control dependencies, a v1 control-flow context
+  (an XLA-compiled function's own context is none), colocation, attribute
+  scopes, op callbacks or a device function is made anew, as TensorFlow
+  makes it; otherwise its value, dtype, shape and the device scopes
+  decide.
+  """
+  # pylint: disable=protected-access
+  flow = graph._get_control_flow_context()
+  if (
+    graph._control_dependencies_stack
+    or (flow is not None and not flow.IsXLAContext())
+    or graph._colocation_stack
+    or graph._attr_scope_map
+    or _op_callbacks.should_invoke_op_callbacks()
+  ):
+    return None
+  devices = []
+  for spec in graph._device_function_stack.peek_objs():
+    if callable(spec._device_name_or_function):
+      return None
+    devices.append(str(spec._device_name_or_function))
+  # pylint: enable=protected-access
+  return proto.SerializeToString(deterministic=True), tuple(devices)
+
+
+def _GraphConstant(value, dtype, shape, name, verify_shape, allow_broadcast):
+  """TensorFlow's graph constant, shared in graphs under `SharedConstants`."""
+  graph = _ops.get_default_graph()
+  shared = getattr(graph, _SHARED_CONSTANTS, None)
+  if shared is None:
+    return _make_graph_constant(
+      value, dtype, shape, name, verify_shape, allow_broadcast
+    )
+  proto = _tensor_util.make_tensor_proto(
+    value,
+    dtype=dtype,
+    shape=shape,
+    verify_shape=verify_shape,
+    allow_broadcast=allow_broadcast,
+  )
+  key = _SharedConstantKey(graph, proto)
+  if key is not None and key in shared:
+    return shared[key]
+  # A TensorProto passes through make_tensor_proto unchanged.
+  tensor = _make_graph_constant(
+    proto, None, None, name, verify_shape, allow_broadcast
+  )
+  if key is not None:
+    shared[key] = tensor
+  return tensor
+
+
+_ops._create_graph_constant = _GraphConstant  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def SharedConstants():
+  """In this scope, equal constants of the current graph are one Const op.
+
+  TensorFlow makes a Const op for every constant, and its gradient code
+  makes many that are equal (reduction axes, shapes, ones): a cell's
+  function of a few thousand ops held a third of them as constants, about a
+  hundred of them distinct. Each such op costs its function's size where
+  the function is traced, held, shipped to a worker and optimized, and at
+  each call op where TensorFlow builds the called body again. Sharing one
+  op per value gives the same values, so the same results. It applies to
+  the graph current on entry (a cell's function being traced), not to
+  graphs traced inside it.
+  """
+  graph = _ops.get_default_graph()
+  if getattr(graph, _SHARED_CONSTANTS, None) is not None:
+    yield
+    return
+  setattr(graph, _SHARED_CONSTANTS, {})
+  try:
+    yield
+  finally:
+    delattr(graph, _SHARED_CONSTANTS)
+
+
+def WithSharedConstants(fn):
+  """`fn` (a function's body) traced under `SharedConstants`."""
+
+  @functools.wraps(fn)
+  def Traced(*args, **kwargs):
+    with SharedConstants():
+      return fn(*args, **kwargs)
+
+  return Traced

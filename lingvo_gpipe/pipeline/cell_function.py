@@ -668,6 +668,7 @@ class CellFunctions:
       f.meta['cell'] = k
       f.meta['taped'] = taped
 
+      @_tf_internal.WithSharedConstants
       def Forward(*tensors):
         self._traces.Count(f, k, 'forward', Key(k), tensors)
         tensors = _Unpacked(weights, tensors)
@@ -760,6 +761,7 @@ class CellFunctions:
       sources = layout.Sources(input_grad)
       n_in, n_dy = len(_CallTensors(layout, weights)), sum(present)
 
+      @_tf_internal.WithSharedConstants
       def Backward(*tensors):
         self._traces.Count(f, k, 'backward', ('backward',) + Key(k), tensors)
         inputs = _Unpacked(weights, tensors[:n_in])

@@ -178,6 +178,7 @@ class SharedLayers:
     n_args = len(tf.nest.flatten(args))
     seen_seeds = []
 
+    @_tf_internal.WithSharedConstants
     def Body(*tensors):
       th = tf.nest.pack_sequence_as(theta, tensors[:n_theta])
       xs = tf.nest.pack_sequence_as(args, tensors[n_theta : n_theta + n_args])

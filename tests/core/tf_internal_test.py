@@ -258,3 +258,49 @@ def testWithoutGraphOptimizerRestoresTheCallOptions():
     inside = context.context().function_call_options.config_proto_serialized
   after = context.context().function_call_options.config_proto_serialized
   assert inside != before and after == before
+
+
+def testSharedConstantsMakeOneConstPerValue():
+  names = {}
+
+  def Const(t, i=1):
+    return t.op.inputs[i].op.name
+
+  @tf.function(autograph=False)
+  def F(x):
+    with _tf_internal.SharedConstants():
+      a = x + 1.0
+      b = x * tf.constant(1.0)  # the same value and dtype: the same op
+      names['a'], names['b'] = Const(a), Const(b)
+      c = tf.reduce_sum(a * b, axis=0) + 2.0
+      with tf.control_dependencies([c]):
+        d = c + 1.0  # made anew: it must wait for c
+      names['d'] = Const(d)
+      with tf.device('/device:CPU:0'):
+        e = d + 1.0  # made anew: another device scope
+      names['e'] = Const(e)
+      i32 = tf.constant([1, 2], tf.int32)
+      i64 = tf.constant([1, 2], tf.int64)  # another dtype: its own op
+      names['i32'], names['i64'] = i32.op.name, i64.op.name
+      f = i32 + tf.cast(i64, tf.int32)
+    out = e + 1.0  # outside the scope: made anew
+    names['out'] = Const(out)
+    return out, f
+
+  out, f = F(tf.ones([3, 2]))
+  assert names['a'] == names['b'], (
+    'tensorflow.python.framework.ops._create_graph_constant changed: '
+    f'the constants of one value are {names["a"]} and {names["b"]}'
+  )
+  assert len({names[k] for k in ('a', 'd', 'e', 'out')}) == 4, names
+  assert names['i32'] != names['i64']
+  np.testing.assert_array_equal(out, [11.0, 11.0])
+  np.testing.assert_array_equal(f, [2, 4])
+
+  # Outside the scope every constant is its own op, as TensorFlow makes it.
+  @tf.function(autograph=False)
+  def G(x):
+    return x + 1.0, x - 1.0
+
+  graph = G.get_concrete_function(tf.TensorSpec([2])).graph
+  assert sum(op.type == 'Const' for op in graph.get_operations()) == 2

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import normalizations
+from lingvo_gpipe.layers import transformer
 from lingvo_gpipe.pipeline import pipelining_layer
 from tests.testing import graphs
 from tests.testing import pipeline_layers
@@ -104,6 +105,53 @@ def testBatchNormStatisticsMergeInAFewOps():
   (ops8, lib8), _ = _StepSize(_Pipe(4, 8, bn=True))
   assert lib8 == lib2
   assert ops8 - ops2 <= _OPS_PER_ITEM * 2 * 2 * 6 + 2 * 3 * 6, (ops2, ops8)
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def testCellFunctionsHoldEachConstantOnce(jit):
+  """Equal constants (shapes, axes, ones of the gradients) are one op per
+  cell function: before, 1,799 of the probe's 5,273 ops were constants, of
+  109 values."""
+  layers = [
+    transformer.TransformerLayer.Params().Set(
+      name=f'block_{i}', source_dim=8, hidden_dim=16, num_attention_heads=2
+    )
+    for i in range(4)
+  ]
+  pipe = (
+    pipelining_layer.PipeliningLayer.Params()
+    .Set(
+      name='pipe',
+      layers=layers,
+      num_stages=2,
+      num_micro_batches=2,
+      devices=DEVICES[:2],
+      jit_compile=jit,
+      precompile=False,
+    )
+    .Instantiate()
+  )
+
+  @tf.function
+  def Step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  graph = Step.get_concrete_function(tf.zeros([4, 5, 8])).graph
+  library = graph.as_graph_def().library.function
+  cells = [f for f in library if 'Forward' in f.signature.name]
+  cells += [f for f in library if 'Backward' in f.signature.name]
+  assert len(cells) == 4, [f.signature.name for f in library]
+  for f in cells:
+    keys = [
+      (n.attr['value'].SerializeToString(deterministic=True), n.device)
+      for n in f.node_def
+      if n.op == 'Const' and not n.input
+    ]
+    assert len(keys) == len(set(keys)), (
+      f'{f.signature.name}: {len(keys)} constants of {len(set(keys))} values'
+    )
 
 
 def testCellFunctionsAreNotInlined():
