@@ -705,7 +705,6 @@ class CellFunctions:
     f.meta['present'] = [g is not None for g in theta_g]
     f.meta['present_x'] = [g is not None for g in x_g]
     sums = []
-    flat = tf.constant([-1])  # One shape for every reshape, not one each.
     for (_, js), s in zip(layout.Groups(), running):
       parts = []
       for j in js:
@@ -715,7 +714,7 @@ class CellFunctions:
           # would be folded into a constant held as long as the function.
           w = inputs[layout.theta_floats[j][1]]
           g = tf.math.multiply_no_nan(w, tf.zeros([], w.dtype))
-        parts.append(tf.reshape(g, flat))
+        parts.append(tf.reshape(g, [-1]))  # one [-1]: SharedConstants
       # Element by element the same sums as one add per weight.
       sums.append(s + (parts[0] if len(parts) == 1 else tf.concat(parts, 0)))
     return sums + [g for g in x_g if g is not None]
