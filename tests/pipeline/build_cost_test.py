@@ -118,18 +118,8 @@ def testCellFunctionsHoldEachConstantOnce(jit):
     )
     for i in range(4)
   ]
-  pipe = (
-    pipelining_layer.PipeliningLayer.Params()
-    .Set(
-      name='pipe',
-      layers=layers,
-      num_stages=2,
-      num_micro_batches=2,
-      devices=DEVICES[:2],
-      jit_compile=jit,
-      precompile=False,
-    )
-    .Instantiate()
+  pipe = pipeline_layers.Pipe(
+    layers, num_micro_batches=2, jit_compile=jit, precompile=False
   )
 
   @tf.function
