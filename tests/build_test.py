@@ -195,6 +195,7 @@ _LAYERS = {
   'compat': 0,
   'layers': 1,
   'input': 1,
+  'cells': 1,
   'pipeline': 2,
   'planning': 2,
   'gpipe_layers': 3,
@@ -245,7 +246,8 @@ def testLibraryImportsFollowTheLayers():
   upward = _UpwardImports(graph)
   assert not upward, (
     'Library modules importing a higher layer '
-    '(core -> layers, input -> pipeline, planning -> gpipe_layers -> models '
+    '(core -> layers, input, cells -> pipeline, planning -> gpipe_layers '
+    '-> models '
     '-> runners -> trainer -> '
     f'tools, params): {upward}. Move the shared code down a layer.'
   )
@@ -257,6 +259,7 @@ _GENERAL = (
   'core',
   'compat',
   'layers',
+  'cells',
   'pipeline',
   'planning',
   'gpipe_layers',
@@ -317,9 +320,13 @@ def testLayerCheckSeesAnUpwardImport():
   evaluation = 'lingvo_gpipe/models/mt/evaluation.py'
   checkpointer = 'lingvo_gpipe/runners/checkpointer.py'
   trainer_errors = 'lingvo_gpipe/trainer_errors.py'
+  cell_function = 'lingvo_gpipe/cells/cell_function.py'
+  engine = 'lingvo_gpipe/pipeline/engine.py'
   graph = {
     cluster: {placement},
     placement: {cluster},
+    cell_function: {engine},
+    engine: {cell_function},
     gpipe: {placement},
     evaluation: {checkpointer},
     checkpointer: {trainer_errors},
@@ -327,6 +334,7 @@ def testLayerCheckSeesAnUpwardImport():
     'params/mt/multilingual.py': {evaluation, 'lingvo_gpipe/trainer.py'},
   }
   assert _UpwardImports(graph) == [
+    f'{cell_function} -> {engine}',
     f'{cluster} -> {placement}',
     f'{evaluation} -> {checkpointer}',
     f'{checkpointer} -> {trainer_errors}',

@@ -313,7 +313,7 @@ def GenerateStepSeedPair(layer_seed):
 def LayerSeedMap(fn):
   """Inside, a random op's layer seed is `fn(layer_seed)` (an int64 scalar
   tensor) instead of the constant: one traced function then serves layers
-  whose seeds differ (`pipeline.layer_function`)."""
+  whose seeds differ (`cells.layer_function`)."""
   stack = _Stack('layer_seed_map')
   stack.append(fn)
   try:

@@ -37,7 +37,7 @@ class Precompiler:
   compile in the step: running them once more could draw from a random
   generator or write a variable.
 
-  The pipeline's cells use it (`pipeline/cell_function.py`, Params
+  The pipeline's cells use it (`cells/cell_function.py`, Params
   `precompile`); it takes any function traced with jit_compile=True. The
   compiles run from one pool of threads for the process, `NumThreads()` at
   a time.

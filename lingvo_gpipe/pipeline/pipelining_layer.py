@@ -61,10 +61,10 @@ from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
-from lingvo_gpipe.pipeline import cell_function
-from lingvo_gpipe.pipeline import cell_shapes
+from lingvo_gpipe.cells import cell_function
+from lingvo_gpipe.cells import cell_shapes
 from lingvo_gpipe.pipeline import engine
-from lingvo_gpipe.pipeline import layer_function
+from lingvo_gpipe.cells import layer_function
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.pipeline import schedule

@@ -1,7 +1,7 @@
 """The step's graph holds each cell once: its size does not grow with M.
 
 Each cell is traced into a forward and a recompute-and-backward function
-(`pipeline/cell_function.py`) that every work item calls, so adding
+(`cells/cell_function.py`) that every work item calls, so adding
 micro-batches adds a few ops per work item to the step's graph, whatever
 the cells hold, and nothing to its function library.
 """

@@ -1,6 +1,6 @@
 """What a traced step runs: its ops with those of the functions it calls.
 
-A pipeline's cells are function calls (`pipeline/cell_function.py`), so the
+A pipeline's cells are function calls (`cells/cell_function.py`), so the
 ops of a cell are in the graph's function library, once, and each work item
 is one call op. `ExpandedOps` yields the ops of the graph as (op type,
 device), each call replaced by the ops of its function on the call's device

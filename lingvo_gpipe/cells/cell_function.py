@@ -53,9 +53,9 @@ import tensorflow as tf
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import xla_precompile
-from lingvo_gpipe.pipeline import cell_checks
-from lingvo_gpipe.pipeline import cell_layout
-from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.cells import cell_checks
+from lingvo_gpipe.cells import cell_layout
+from lingvo_gpipe.core import graph_ops
 
 __all__ = ['CellFunctions', 'Loss']
 

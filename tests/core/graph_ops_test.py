@@ -1,9 +1,9 @@
-"""Unit tests for lingvo_gpipe.pipeline.graph_ops."""
+"""Unit tests for lingvo_gpipe.core.graph_ops."""
 
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.core import graph_ops
 
 
 def _OpsOf(fn, *args):

@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.pipeline import graph_ops
+from lingvo_gpipe.core import graph_ops
 
 __all__ = ['KindKey', 'SharedLayers']
 

@@ -4,7 +4,7 @@ its input."""
 import pytest
 
 from lingvo_gpipe.layers import linears
-from lingvo_gpipe.pipeline import cell_shapes
+from lingvo_gpipe.cells import cell_shapes
 
 
 def _Fc(name, din, dout):

@@ -1,4 +1,4 @@
-"""Graph-building helpers of the pipeline schedule.
+"""Graph-building helpers of the pipeline and its cells' functions.
 
 Ordering (`After`), copies the graph optimizer cannot merge (`FreshCopies`),
 timestamps that do not serialize the cells (`Stamp`), and the gradient sum
