@@ -304,6 +304,20 @@ class CellFunctions:
       rest = rest[n:]
     return out, loss_value, updates
 
+  def TapedForward(self, k, theta_k, args, seed, loss=None, after=None):
+    """`Forward` recorded by a gradient tape of its own, for a cell whose
+    backward is the gradient of its forward (a recompute policy that keeps
+    the cell's activations); returns `Forward`'s results and the tape, what
+    `TapeBackward` takes."""
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    watched = (theta_k, args, None if loss is None else loss.theta)
+    with tape:
+      tape.watch(
+        [t for t in tf.nest.flatten(watched) if cell_layout.IsFloat(t)]
+      )
+      out = self.Forward(k, theta_k, args, seed, loss, after=after, taped=True)
+    return out + (tape,)
+
   def ForwardSpecs(self, k, theta_k, args, seed, loss=None):
     """The `tf.TensorSpec`s of the flat results of cell k's forward call on
     these arguments (its outputs but None, the loss, the updates'
@@ -348,6 +362,14 @@ class CellFunctions:
       (the weights' gradients added to `sums`, flat like `sums`; the
       inputs' gradients, flat like args), None where there is none.
     """
+    if self.Inline():
+      # Inline, the recomputation is made of fresh copies of the inputs and
+      # the seed, made once the output gradient has arrived: otherwise the
+      # executor would recompute every micro-batch right after the forward
+      # pass, and the graph optimizer would merge the recomputation with
+      # the forward ops (common subexpression elimination), keeping every
+      # forward activation alive until the backward pass.
+      args, seed = graph_ops.FreshCopies((args, seed), dys)
     is_eval = py_utils.IsEval()
     layout, weights = self._Layout(theta_k, args, seed, loss)
     loss_fn = None if loss is None else loss.fn
@@ -431,7 +453,43 @@ class CellFunctions:
         dx[i] = next(rest)
     return sums, dx, f.meta['present']
 
-  def Accumulate(self, sums, grads):
+  def TapeBackward(
+    self, tape, outs, args, theta_k, dys, sums, input_grad, loss
+  ):
+    """The backward of a `TapedForward` call: `tape`'s gradient of the
+    call's outputs `outs` (the cell's, or (loss,)) for `dys` (flat, None
+    where there is none), the weights' gradients added to `sums` in one
+    call (`Accumulate`). Takes and returns what `Backward` does."""
+    loss_theta = None if loss is None else loss.theta
+    flat_th = tf.nest.flatten(theta_k) + tf.nest.flatten(loss_theta)
+    flat_x = tf.nest.flatten(args)
+    th_idx = [i for i, t in enumerate(flat_th) if cell_layout.IsFloat(t)]
+    x_idx = [i for i, t in enumerate(flat_x) if cell_layout.IsFloat(t)]
+    if not input_grad:
+      x_idx = []
+    sources = [flat_th[i] for i in th_idx] + [flat_x[i] for i in x_idx]
+    pairs = [
+      (a, b)
+      for a, b in zip(tf.nest.flatten(outs), dys)
+      if cell_layout.IsFloat(a) and b is not None
+    ]
+    if pairs and sources:
+      g = tape.gradient(
+        [a for a, _ in pairs],
+        sources,
+        output_gradients=[b for _, b in pairs],
+      )
+    else:
+      g = [None] * len(sources)
+    theta_g = [None] * len(flat_th)
+    dx = [None] * len(flat_x)
+    for i, gi in zip(th_idx, g[: len(th_idx)]):
+      theta_g[i] = gi
+    for i, gi in zip(x_idx, g[len(th_idx) :]):
+      dx[i] = gi
+    return self._Accumulate(sums, theta_g), dx
+
+  def _Accumulate(self, sums, grads):
     """[sum + gradient] for each pair (the gradient where the sum is None,
     None where both are), as one call: the running sums of the weights'
     gradients of a cell whose backward came from its forward's tape."""

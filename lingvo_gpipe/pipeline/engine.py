@@ -61,10 +61,6 @@ RECOMPUTE_POLICIES = (
 )
 
 
-def _IsFloat(x):
-  return py_utils.IsTensor(x) and x.dtype.is_floating
-
-
 def CheckSchedule(work, num_cells, num_micro_batches):
   """Raises ValueError unless `work` runs every (cell, micro-batch) once per
   pass, each cell's forward after the previous cell's, each cell's backward
@@ -410,13 +406,9 @@ class PipelineEngine:
       theta_k = walk.thetas[r][k]
       tape = None
       if train and not self._Recomputes(k, m, walk.num_mb):
-        tape = tf.GradientTape(watch_accessed_variables=False)
-        watched = (theta_k, x, None if loss is None else loss.theta)
-        with tape:
-          tape.watch([t for t in tf.nest.flatten(watched) if _IsFloat(t)])
-          raw, loss_value, upd = self._cells.Forward(
-            k, theta_k, x, seed_m, loss, after=after, taped=True
-          )
+        raw, loss_value, upd, tape = self._cells.TapedForward(
+          k, theta_k, x, seed_m, loss, after=after
+        )
       else:
         # The pipeline's own tape operation differentiates this item (its
         # backward is a call of its own): the forward call need not be
@@ -766,15 +758,32 @@ class PipelineEngine:
         if saved.tape is None:
           x = x_after
       sums = walk.sums[r][k]
+      theta_k = walk.thetas[r][k]
       if saved.tape is None:
-        theta_g, dx = self._Recompute(
-          walk.thetas[r][k], k, x, saved, dy, sums, input_grad, after
+        # Re-materialized: one call, under the forward's seed.
+        theta_g, dx = self._cells.Backward(
+          k,
+          theta_k,
+          x,
+          saved.seed,
+          tf.nest.flatten(dy),
+          sums,
+          input_grad,
+          saved.loss,
+          after=after,
         )
       else:
         if after is not None:
           dy = graph_ops.After(dy, after)
-        theta_g, dx = self._TapeGradients(
-          walk.thetas[r][k], saved, dy, sums, input_grad
+        theta_g, dx = self._cells.TapeBackward(
+          saved.tape,
+          saved.y,
+          x,
+          theta_k,
+          tf.nest.flatten(dy),
+          sums,
+          input_grad,
+          saved.loss,
         )
       walk.sums[r][k] = theta_g
       flat_x = tf.nest.flatten(x)
@@ -795,63 +804,6 @@ class PipelineEngine:
         new_dy,
         [g for g in theta_g if g is not None],
       )
-
-  def _Recompute(self, theta_k, k, x, saved, dy, sums, input_grad, after):
-    """Re-materializes cell k and back-propagates `dy` in one call (its
-    forward ran under the same seed); returns (running sums, flat input
-    gradients)."""
-    seed = saved.seed
-    if self._cells.Inline():
-      # Inline, the recomputation is made of fresh copies of the inputs and
-      # the seed, made once the output gradient has arrived: otherwise the
-      # executor would recompute every micro-batch right after the forward
-      # pass, and the graph optimizer would merge the recomputation with
-      # the forward ops (common subexpression elimination), keeping every
-      # forward activation alive until the backward pass.
-      x, seed = graph_ops.FreshCopies((x, seed), dy)
-    return self._cells.Backward(
-      k,
-      theta_k,
-      x,
-      seed,
-      tf.nest.flatten(dy),
-      sums,
-      input_grad,
-      saved.loss,
-      after=after,
-    )
-
-  def _TapeGradients(self, theta_k, saved, dy, sums, input_grad):
-    """The gradients of a forward call that kept its tape; returns (running
-    sums, flat input gradients)."""
-    loss_theta = None if saved.loss is None else saved.loss.theta
-    flat_th = tf.nest.flatten(theta_k) + tf.nest.flatten(loss_theta)
-    flat_x = tf.nest.flatten(saved.x)
-    th_idx = [i for i, t in enumerate(flat_th) if _IsFloat(t)]
-    x_idx = (
-      [i for i, t in enumerate(flat_x) if _IsFloat(t)] if input_grad else []
-    )
-    sources = [flat_th[i] for i in th_idx] + [flat_x[i] for i in x_idx]
-    pairs = [
-      (a, b)
-      for a, b in zip(tf.nest.flatten(saved.y), tf.nest.flatten(dy))
-      if _IsFloat(a) and b is not None
-    ]
-    if pairs and sources:
-      g = saved.tape.gradient(
-        [a for a, _ in pairs],
-        sources,
-        output_gradients=[b for _, b in pairs],
-      )
-    else:
-      g = [None] * len(sources)
-    theta_g = [None] * len(flat_th)
-    dx = [None] * len(flat_x)
-    for i, gi in zip(th_idx, g[: len(th_idx)]):
-      theta_g[i] = gi
-    for i, gi in zip(x_idx, g[len(th_idx) :]):
-      dx[i] = gi
-    return self._cells.Accumulate(sums, theta_g), dx
 
   def _JoinGradients(self, inputs, walk):
     """[gradients of the input tensors] + [of thetas[0]], summed."""
