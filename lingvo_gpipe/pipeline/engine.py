@@ -4,7 +4,11 @@
 functions (`cell_function.CellFunctions`: each cell traced once, called once
 per work item), a `placement.StagePlacement` and a schedule, an ordered list
 of `schedule.WorkItem`s (clock, cell, micro-batch, forward/backward;
-`schedule.FillDrain` by default). It builds
+`schedule.FillDrain` by default). Its entry points (`Evaluate`,
+`ForwardWithGrad`, `WithLoss`) take the whole mini-batch and each cell's
+weights: the engine finds the replicas R and micro-batches M for the batch
+(`Splits`), reads the weights once per step onto each replica's devices,
+splits the batch, and joins the outputs. It builds
 
   * one call of the cell's forward function for every FORWARD item, in list
     order, keeping what the backward pass needs (the cell's input, its
@@ -200,6 +204,10 @@ class PipelineEngine:
     schedule: fn(num_cells, num_micro_batches) -> [schedule.WorkItem].
     loop: build the fill-drain schedule as loops over its clock ticks
       (`clock_loop`) where it applies; False: always one call per work item.
+    num_replicas: data-parallel replicas R, each on its own devices.
+    num_micro_batches: micro-batches per replica M.
+    micro_batch_size: examples per micro-batch; when set, M = the replica's
+      batch / this.
   """
 
   def __init__(
@@ -213,6 +221,9 @@ class PipelineEngine:
     name='pipeline',
     schedule=schedule_lib.FillDrain,
     loop=False,
+    num_replicas=1,
+    num_micro_batches=1,
+    micro_batch_size=None,
   ):
     if recompute not in RECOMPUTE_POLICIES:
       raise ValueError(
@@ -227,6 +238,83 @@ class PipelineEngine:
     self._name = name
     self._schedule = schedule
     self._loop = loop
+    self._num_replicas = num_replicas
+    self._num_micro_batches = num_micro_batches
+    self._micro_batch_size = micro_batch_size
+
+  # -- The mini-batch ----------------------------------------------------------
+
+  def Splits(self, batch, lenient=False):
+    """(replicas R, micro-batches per replica M) for a mini-batch of `batch`
+    examples (None: not known when the step is built).
+
+    A batch they do not divide is a ValueError naming the pipeline. With
+    `lenient` (evaluation and inference: no gradients, so nothing to
+    pipeline for memory) such a batch, or one of unknown size (an exported
+    model), runs as one micro-batch on replica 0 instead.
+    """
+    if lenient and batch is None:
+      return 1, 1
+    try:
+      return self._Splits(batch)
+    except ValueError as e:
+      if lenient:
+        return 1, 1
+      raise ValueError(f'Pipeline {self._name!r}: {e}') from e
+
+  def _Splits(self, batch):
+    r = self._num_replicas
+    if r == 1:
+      return 1, microbatch.NumMicroBatches(
+        batch, self._num_micro_batches, self._micro_batch_size
+      )
+    if batch is not None and batch % r:
+      raise ValueError(
+        f'num_replicas={r} does not divide the batch size {batch} of '
+        f'pipeline {self._name!r}; use a batch size that is a multiple of '
+        f'{r}.'
+      )
+    per_replica = None if batch is None else batch // r
+    try:
+      m = microbatch.NumMicroBatches(
+        per_replica, self._num_micro_batches, self._micro_batch_size
+      )
+    except ValueError as e:
+      raise ValueError(
+        f'{e} (The batch of {batch} is split over {r} '
+        f'replicas: {per_replica} each.)'
+      ) from e
+    return r, m
+
+  def _Start(self, cell_thetas, args, lenient, loss_theta=None):
+    """The step's weights and M for the mini-batch `args`: (thetas
+    [replica][cell], each cell's weights read once per step onto each
+    replica's device; M; the loss's weights [replica] on each replica's last
+    device, or None)."""
+    batch = microbatch.BatchSize(args, self._batch_dim)
+    num_rep, num_mb = self.Splits(batch, lenient)
+    thetas = [[None] * self._num_cells for _ in range(num_rep)]
+    for k in range(self._num_cells):
+      with self._Device(k):
+        thetas[0][k] = self._Place(
+          tf.nest.map_structure(tf.identity, cell_thetas[k]), k
+        )
+    # The other replicas' copies are read from replica 0's.
+    for r in range(1, num_rep):
+      for k in range(self._num_cells):
+        with self._Device(k, r):
+          thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
+    if loss_theta is None:
+      return thetas, num_mb, None
+    last = self._num_cells - 1
+    with self._Device(last):
+      loss_thetas = [
+        self._Place(tf.nest.map_structure(tf.identity, loss_theta), last)
+      ]
+    for r in range(1, num_rep):
+      with self._Device(last, r):
+        loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
+    return thetas, num_mb, loss_thetas
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
@@ -470,7 +558,15 @@ class PipelineEngine:
         stats = tf.nest.map_structure(tf.stop_gradient, stats)
       py_utils.AddDeferredUpdate(layer, stats)
 
-  def ForwardWithGrad(self, thetas, args, num_mb, seed):
+  def Evaluate(self, cell_thetas, args, seed):
+    """The forward schedule on the mini-batch `args` (a batch that R and M
+    do not divide runs as one micro-batch, see `Splits`); returns the
+    outputs. `cell_thetas`: [cell] each cell's weights."""
+    thetas, num_mb, _ = self._Start(cell_thetas, args, lenient=True)
+    outs, _, _ = self.Forward(thetas, args, num_mb, seed, train=False)
+    return outs
+
+  def ForwardWithGrad(self, cell_thetas, args, seed):
     """Runs the forward schedule and records it on the gradient tape as one
     operation whose gradient is the explicit backward schedule.
 
@@ -481,6 +577,7 @@ class PipelineEngine:
     (what tf.custom_gradient does inside) keeps every tensor on its cell's
     device.
     """
+    thetas, num_mb, _ = self._Start(cell_thetas, args, lenient=False)
     keep_tapes = _tf_internal.CouldPossiblyRecord()
     got = {}
 
@@ -508,18 +605,23 @@ class PipelineEngine:
 
   def WithLoss(
     self,
-    thetas,
+    cell_thetas,
     args,
-    num_mb,
     seed,
     loss_fn,
     loss_inputs=None,
-    loss_thetas=None,
+    loss_theta=None,
+    lenient=False,
   ):
-    """`ForwardBackwardWithLoss`, recorded on the gradient tape as one
-    operation from the inputs and weights (the cells', then the loss's) to
-    the loss; returns (loss, outputs). Outside a gradient tape only the
-    forwards (and losses) run."""
+    """`ForwardBackwardWithLoss` on the mini-batch `args`, recorded on the
+    gradient tape as one operation from the inputs and weights (the cells',
+    then the loss's) to the loss; returns (loss, outputs). Outside a
+    gradient tape only the forwards (and losses) run. `cell_thetas`: [cell]
+    each cell's weights; `loss_theta`: the loss's, or None; `lenient`: see
+    `Splits`."""
+    thetas, num_mb, loss_thetas = self._Start(
+      cell_thetas, args, lenient, loss_theta
+    )
     train = _tf_internal.CouldPossiblyRecord()
     got = {}
 

@@ -530,10 +530,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def CheckBatch(self, batch_size):
     """Raises a ValueError naming this pipeline unless its R and M (or
     micro_batch_size) divide `batch_size`; returns (R, M)."""
-    try:
-      return self._NumSplits(batch_size)
-    except ValueError as e:
-      raise ValueError(f'Pipeline {self.path!r}: {e}') from e
+    return self.engine.Splits(batch_size)
 
   # -- Introspection -----------------------------------------------------------
 
@@ -720,6 +717,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       name=self.path,
       schedule=self.ScheduleFn(),
       loop=p.micro_batch_loop,
+      num_replicas=p.num_replicas,
+      num_micro_batches=self._num_micro_batches,
+      micro_batch_size=p.micro_batch_size,
     )
 
   def ScheduleFn(self):
@@ -773,10 +773,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     p = self.params
     args = self._RunBefore(theta, args)
-    thetas, num_mb, seed = self._Prepare(theta, args)
+    thetas, seed = self._Prepare(theta, args)
     if self.do_eval:
-      outs, _, _ = self.engine.Forward(thetas, args, num_mb, seed, train=False)
-      return self._WithNones(outs)
+      return self._WithNones(self.engine.Evaluate(thetas, args, seed))
     if p.schedule == '1f1b' and _tf_internal.CouldPossiblyRecord():
       raise ValueError(
         f"Pipeline {self.path!r} has schedule='1f1b', which starts a "
@@ -788,9 +787,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         'ComputePredictions does this for its network), or use '
         "schedule='gpipe'."
       )
-    return self._WithNones(
-      self.engine.ForwardWithGrad(thetas, args, num_mb, seed)
-    )
+    return self._WithNones(self.engine.ForwardWithGrad(thetas, args, seed))
 
   def _RunBefore(self, theta, args):
     """Runs the `before_tpl` layers on the whole mini-batch on the first
@@ -803,31 +800,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     return args
 
   def _Prepare(self, theta, args):
-    """(thetas [replica][cell] on their devices, M, the step seed)."""
-    p = self.params
+    """(each cell's theta, the step seed), after checking the cells on the
+    first input's shapes."""
     self._CheckFirstInput(args)
-    batch = microbatch.BatchSize(args, p.batch_dim)
-    if self.do_eval:
-      try:
-        num_rep, num_mb = self._NumSplits(batch)
-      except ValueError:
-        num_rep, num_mb = 1, 1
-      if batch is None:
-        num_rep, num_mb = 1, 1
-    else:
-      num_rep, num_mb = self.CheckBatch(batch)
-    thetas = [[None] * self.num_stages for _ in range(num_rep)]
-    for k in range(self.num_stages):
-      with self._Device(k):
-        thetas[0][k] = self._Place(
-          tf.nest.map_structure(tf.identity, self._CellTheta(theta, k)), k
-        )
-    # Each replica reads the weights once per step onto its own devices.
-    for r in range(1, num_rep):
-      for k in range(self.num_stages):
-        with self._Device(k, r):
-          thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
-    return thetas, num_mb, py_utils.CurrentStepSeed()
+    thetas = [self._CellTheta(theta, k) for k in range(self.num_stages)]
+    return thetas, py_utils.CurrentStepSeed()
 
   @tf.autograph.experimental.do_not_convert
   def FPropWithLoss(
@@ -880,19 +857,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   @tf.autograph.experimental.do_not_convert
   def _FPropWithLoss(self, theta, args, loss_fn, loss_inputs, loss_theta):
     args = self._RunBefore(theta, args)
-    thetas, num_mb, seed = self._Prepare(theta, args)
-    last = self.num_stages - 1
-    loss_thetas = None
-    if loss_theta is not None:
-      # Like the cells' weights: read once per step onto the last device of
-      # each replica.
-      with self._Device(last):
-        loss_thetas = [
-          self._Place(tf.nest.map_structure(tf.identity, loss_theta), last)
-        ]
-      for r in range(1, len(thetas)):
-        with self._Device(last, r):
-          loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
+    thetas, seed = self._Prepare(theta, args)
 
     def LossFn(outputs, mb, loss_theta_r):
       outputs = self._WithNones(outputs)  # as FProp returns them
@@ -905,35 +870,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     loss, outs = self.engine.WithLoss(
       thetas,
       args,
-      num_mb,
       seed,
       LossFn,
       loss_inputs=loss_inputs,
-      loss_thetas=loss_thetas,
+      loss_theta=loss_theta,
+      lenient=self.do_eval,
     )
     return loss, self._WithNones(outs)
-
-  def _NumSplits(self, batch):
-    """(replicas R, micro-batches per replica M) for a batch of `batch`."""
-    r = self.num_replicas
-    if r == 1:
-      return 1, microbatch.NumMicroBatches(
-        batch, self._num_micro_batches, self.params.micro_batch_size
-      )
-    if batch is not None and batch % r:
-      raise ValueError(
-        f'num_replicas={r} does not divide the batch size {batch} of '
-        f'pipeline {self.path!r}; use a batch size that is a multiple of '
-        f'{r}.'
-      )
-    per_replica = None if batch is None else batch // r
-    try:
-      m = microbatch.NumMicroBatches(
-        per_replica, self._num_micro_batches, self.params.micro_batch_size
-      )
-    except ValueError as e:
-      raise ValueError(
-        f'{e} (The batch of {batch} is split over {r} '
-        f'replicas: {per_replica} each.)'
-      ) from e
-    return r, m
