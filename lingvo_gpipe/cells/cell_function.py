@@ -50,12 +50,12 @@ import weakref
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import xla_precompile
 from lingvo_gpipe.cells import cell_checks
 from lingvo_gpipe.cells import cell_layout
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import graph_ops
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import xla_precompile
 
 __all__ = ['CellFunctions', 'Loss']
 

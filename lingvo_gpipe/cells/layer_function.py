@@ -39,8 +39,8 @@ import weakref
 import tensorflow as tf
 
 from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import graph_ops
+from lingvo_gpipe.core import py_utils
 
 __all__ = ['KindKey', 'SharedLayers']
 

@@ -54,11 +54,11 @@ import contextlib
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.cells import cell_function
 from lingvo_gpipe.cells import cell_layout
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import graph_ops
+from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 

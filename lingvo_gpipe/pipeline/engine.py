@@ -47,11 +47,11 @@ import contextlib
 from absl import logging
 import tensorflow as tf
 
-from lingvo_gpipe.core import _tf_internal
-from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.cells import cell_function
-from lingvo_gpipe.pipeline import clock_loop
+from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import graph_ops
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.pipeline import clock_loop
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 

@@ -57,14 +57,14 @@ import functools
 
 import tensorflow as tf
 
+from lingvo_gpipe.cells import cell_function
+from lingvo_gpipe.cells import cell_shapes
+from lingvo_gpipe.cells import layer_function
 from lingvo_gpipe.core import _tf_internal
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import sequential
-from lingvo_gpipe.cells import cell_function
-from lingvo_gpipe.cells import cell_shapes
 from lingvo_gpipe.pipeline import engine
-from lingvo_gpipe.cells import layer_function
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import placement
 from lingvo_gpipe.pipeline import schedule
@@ -697,12 +697,6 @@ class PipeliningLayer(base_layer.BaseLayer):
         args = py_utils.AsTuple(fprop(layer, th, args))
     return args
 
-  def _Device(self, k, r=0):
-    return self._placement.Scope(k, r)
-
-  def _Place(self, structure, k):
-    return self._placement.Place(structure, k)
-
   @property
   def engine(self):
     """The `engine.PipelineEngine` that builds this pipeline's schedule."""
@@ -794,7 +788,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     cell's device (outside the pipeline, as Lingvo's SeqLayer does)."""
     if not self._before_names:
       return args
-    with self._Device(0):
+    with self._placement.Scope(0):
       for name in self._before_names:
         args = py_utils.AsTuple(self.children[name].FProp(theta[name], *args))
     return args

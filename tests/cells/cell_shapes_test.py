@@ -3,8 +3,8 @@ its input."""
 
 import pytest
 
-from lingvo_gpipe.layers import linears
 from lingvo_gpipe.cells import cell_shapes
+from lingvo_gpipe.layers import linears
 
 
 def _Fc(name, din, dout):

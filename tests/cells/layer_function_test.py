@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.cells import layer_function
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.layers import dropout
 from lingvo_gpipe.layers import normalizations
-from lingvo_gpipe.cells import layer_function
 from tests.testing import graphs
 from tests.testing import pipeline_layers
 
