@@ -459,34 +459,26 @@ class CellFunctions:
     """The backward of a `TapedForward` call: `tape`'s gradient of the
     call's outputs `outs` (the cell's, or (loss,)) for `dys` (flat, None
     where there is none), the weights' gradients added to `sums` in one
-    call (`Accumulate`). Takes and returns what `Backward` does."""
-    loss_theta = None if loss is None else loss.theta
-    flat_th = tf.nest.flatten(theta_k) + tf.nest.flatten(loss_theta)
-    flat_x = tf.nest.flatten(args)
-    th_idx = [i for i, t in enumerate(flat_th) if cell_layout.IsFloat(t)]
-    x_idx = [i for i, t in enumerate(flat_x) if cell_layout.IsFloat(t)]
-    if not input_grad:
-      x_idx = []
-    sources = [flat_th[i] for i in th_idx] + [flat_x[i] for i in x_idx]
+    call (`_Accumulate`). Takes and returns what `Backward` does."""
+    layout = cell_layout.Layout(theta_k, args, None, loss)
+    sources = layout.Sources(input_grad)
     pairs = [
       (a, b)
       for a, b in zip(tf.nest.flatten(outs), dys)
       if cell_layout.IsFloat(a) and b is not None
     ]
     if pairs and sources:
-      g = tape.gradient(
+      grads = tape.gradient(
         [a for a, _ in pairs],
-        sources,
+        [layout.tensors[p] for _, p in sources],
         output_gradients=[b for _, b in pairs],
       )
     else:
-      g = [None] * len(sources)
-    theta_g = [None] * len(flat_th)
-    dx = [None] * len(flat_x)
-    for i, gi in zip(th_idx, g[: len(th_idx)]):
-      theta_g[i] = gi
-    for i, gi in zip(x_idx, g[len(th_idx) :]):
-      dx[i] = gi
+      grads = [None] * len(sources)
+    # Placed where they belong; summed below, in one call.
+    theta_g, dx = self._Split(
+      layout, sources, grads, [None] * layout.num_theta, summed=True
+    )
     return self._Accumulate(sums, theta_g), dx
 
   def _Accumulate(self, sums, grads):
