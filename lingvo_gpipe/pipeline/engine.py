@@ -293,28 +293,25 @@ class PipelineEngine:
     device, or None)."""
     batch = microbatch.BatchSize(args, self._batch_dim)
     num_rep, num_mb = self.Splits(batch, lenient)
-    thetas = [[None] * self._num_cells for _ in range(num_rep)]
-    for k in range(self._num_cells):
-      with self._Device(k):
-        thetas[0][k] = self._Place(
-          tf.nest.map_structure(tf.identity, cell_thetas[k]), k
-        )
-    # The other replicas' copies are read from replica 0's.
-    for r in range(1, num_rep):
-      for k in range(self._num_cells):
-        with self._Device(k, r):
-          thetas[r][k] = tf.nest.map_structure(tf.identity, thetas[0][k])
-    if loss_theta is None:
-      return thetas, num_mb, None
-    last = self._num_cells - 1
-    with self._Device(last):
-      loss_thetas = [
-        self._Place(tf.nest.map_structure(tf.identity, loss_theta), last)
-      ]
-    for r in range(1, num_rep):
-      with self._Device(last, r):
-        loss_thetas.append(tf.nest.map_structure(tf.identity, loss_thetas[0]))
+    per_cell = [
+      self._Read(cell_thetas[k], k, num_rep) for k in range(self._num_cells)
+    ]
+    thetas = [[reads[r] for reads in per_cell] for r in range(num_rep)]
+    loss_thetas = None
+    if loss_theta is not None:
+      loss_thetas = self._Read(loss_theta, self._num_cells - 1, num_rep)
     return thetas, num_mb, loss_thetas
+
+  def _Read(self, structure, k, num_rep):
+    """[replica r] `structure` read onto cell k's device of replica r:
+    replica 0's copy placed as cell k is, the others' read from it."""
+    with self._Device(k):
+      first = self._Place(tf.nest.map_structure(tf.identity, structure), k)
+    reads = [first]
+    for r in range(1, num_rep):
+      with self._Device(k, r):
+        reads.append(tf.nest.map_structure(tf.identity, first))
+    return reads
 
   def Work(self, num_micro_batches):
     """The checked schedule: [WorkItem] of both passes."""
